@@ -1,0 +1,54 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Everything the project needs is installed from here, on a fresh machine.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+DEBIAN_PACKAGES := iptables iproute2 nghttp2-proxy tinyproxy stunnel4 openssl curl
+
+.PHONY: demo test lint typecheck unit debs proto clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(TEST_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/ztunnel demo
+
+# Debian packages the root-only and interop tests need. Skipped, with a message, when not root.
+debs:
+	@if [ "$$(id -u)" != "0" ]; then \
+	  echo "make: not root: skipping the Debian packages ($(DEBIAN_PACKAGES)); root-only tests will be skipped"; \
+	else \
+	  missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  command -v node >/dev/null 2>&1 || missing="$$missing nodejs"; \
+	  if [ -n "$$missing" ]; then \
+	    echo "make: installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  fi; \
+	fi
+
+lint: $(TEST_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(TEST_STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(TEST_STAMP) debs
+	$(PY) -m pytest -q -rs
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,163 @@
+"""The HBONE client: one mTLS HTTP/2 connection to a peer's :15008, CONNECT streams over it (SPEC §2.5).
+
+The caller dials the TCP socket (in-pod mode creates it inside the pod's network namespace) and
+hands it over; `HboneConnection.open` runs the TLS handshake (no SNI), checks the server's SPIFFE
+identity against the expected ones before any HTTP/2 byte is sent, and waits for the server's
+SETTINGS. `connect` opens one CONNECT stream per proxied connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections.abc import Sequence
+
+from hbone.errors import ConnectionClosed, H2HandshakeError, HboneError, HttpStatusError, TlsHandshakeError
+from hbone.h2conn import H2Session
+from hbone.identity import Identity
+from hbone.settings import H2Settings
+from hbone.stream import HboneStream
+from hbone.tls import ContextCache, WorkloadCertificate, check_alpn, check_server_identity
+
+# Client contexts are reused across connections of the same certificate.
+DEFAULT_CONTEXTS = ContextCache()
+
+
+class HboneConnection:
+    """A client HBONE connection. Use `open` to create one."""
+
+    def __init__(self, session: H2Session, max_streams: int) -> None:
+        self._session = session
+        self._max_streams = max_streams
+
+    @classmethod
+    async def open(
+        cls,
+        sock: socket.socket,
+        cert: WorkloadCertificate,
+        expected: Sequence[Identity],
+        settings: H2Settings,
+        *,
+        max_streams: int = 100,
+        handshake_timeout: float = 10.0,
+        contexts: ContextCache | None = None,
+    ) -> HboneConnection:
+        """Take over a connected non-blocking TCP socket and set up HBONE on it.
+
+        Raises `TlsHandshakeError` (including `IdentityMismatch`) or `H2HandshakeError`; the socket
+        is closed on failure.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + handshake_timeout
+        session = H2Session(client_side=True, settings=settings)
+        taken = False
+
+        def factory() -> H2Session:
+            nonlocal taken
+            taken = True  # from here on the loop owns (and closes) the socket
+            return session
+
+        try:
+            ctx = (contexts or DEFAULT_CONTEXTS).client(cert)
+            # server_hostname "" means: no SNI and no host name check.
+            transport, _ = await loop.create_connection(
+                factory, sock=sock, ssl=ctx, server_hostname="", ssl_handshake_timeout=handshake_timeout
+            )
+        except BaseException as e:
+            if not taken:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+            if isinstance(e, (ssl.SSLError, OSError, TimeoutError)):
+                raise TlsHandshakeError(f"tls handshake error: {e}") from e
+            raise
+        try:
+            ssl_object = transport.get_extra_info("ssl_object")
+            check_alpn(ssl_object)
+            session.peer_identity = check_server_identity(ssl_object, expected)
+        except BaseException:
+            transport.abort()
+            raise
+        session.start()
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(session.remote_settings), max(deadline - loop.time(), 0.001)
+            )
+        except TimeoutError:
+            session.abort(ConnectionClosed("no SETTINGS from peer"))
+            raise H2HandshakeError(
+                f"http2 handshake error: no SETTINGS from peer within {handshake_timeout}s"
+            ) from None
+        except ConnectionClosed as e:
+            cause = e.__cause__
+            if isinstance(cause, ssl.SSLError):
+                # TLS 1.3: a server refusing our certificate says so after our side finished.
+                raise TlsHandshakeError(f"tls handshake error: {cause}") from cause
+            raise H2HandshakeError(f"http2 handshake error: {e}") from e
+        except BaseException:
+            session.abort()
+            raise
+        return cls(session, min(max_streams, session.remote_max_concurrent_streams))
+
+    async def connect(self, authority: str, headers: Sequence[tuple[str, str]] = ()) -> HboneStream:
+        """Open a CONNECT stream to `authority` (`ip:port`, `[ip6]:port` or `host:port`).
+
+        Returns the stream once the peer answered 200 (`stream.response_headers` holds its headers);
+        raises `HttpStatusError` for any other status, `StreamReset` or `ConnectionClosed`.
+        """
+        stream = self._session.open_stream([(":method", "CONNECT"), (":authority", authority), *headers])
+        try:
+            await stream.wait_response()
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
+        if stream.status != 200:
+            if stream._remote_ended:
+                stream.close()
+            else:
+                stream.abort()
+            raise HttpStatusError(stream.status or 0, stream.response_headers)
+        return stream
+
+    @property
+    def peer_identity(self) -> Identity | None:
+        return self._session.peer_identity
+
+    @property
+    def max_streams(self) -> int:
+        return self._max_streams
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._session.streams)
+
+    @property
+    def close_reason(self) -> HboneError | None:
+        return self._session.close_reason
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        value = self._session.extra.get(name)
+        return default if value is None else value
+
+    def is_usable(self) -> bool:
+        """False once the connection is closing, got a GOAWAY, or failed."""
+        return self._session.is_usable()
+
+    def close(self) -> None:
+        """No new streams; the connection closes (GOAWAY, TLS close) once its streams finish."""
+        self._session.drain()
+
+    def abort(self) -> None:
+        """Close now; open streams end with `ConnectionClosed`."""
+        self._session.abort(ConnectionClosed("connection closed locally"))
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._session.closed)
+
+    def __repr__(self) -> str:
+        return (
+            f"<HboneConnection peer={self.get_extra_info('peername')} identity={self.peer_identity} "
+            f"streams={self.active_streams}/{self.max_streams} usable={self.is_usable()}>"
+        )

@@ -1,0 +1,575 @@
+"""One HBONE HTTP/2 connection: the `h2` state machine driven by an asyncio protocol (SPEC §2.4).
+
+`H2Session` is the protocol installed on the TLS transport, for both the client and the server side.
+It owns the connection-level behaviour: SETTINGS and the 16 MiB connection window, the batching of
+outgoing frames (one transport write per received batch), send scheduling of the streams that wait
+for flow-control window or for the TLS transport to drain, GOAWAY, the PING keepalive and tearing
+everything down. Per-stream behaviour lives in `hbone.stream.HboneStream`.
+
+`_H2Connection` adapts h2 4.x in two places (private API, pinned by `h2<5`):
+* h2 formats `repr(frame)` for a trace log on every received frame even when logging is off; that
+  costs more than the rest of frame handling for small frames, so `_receive_frame` is re-stated
+  without it.
+* h2 moves its connection state machine to CLOSED on any GOAWAY, sent or received, after which every
+  frame is a protocol error; HTTP/2 lets the streams below the GOAWAY's last stream id finish, so
+  GOAWAY is sent and received here without that transition, and the session refuses new streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any, cast
+
+import h2.events as ev
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.errors import ErrorCodes
+from h2.exceptions import H2Error, ProtocolError, StreamClosedError, StreamIDTooLowError
+from h2.settings import SettingCodes, Settings
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, RstStreamFrame
+
+from hbone.errors import ConnectionClosed, HboneError
+from hbone.identity import Identity
+from hbone.settings import H2Settings
+from hbone.stream import HboneStream
+
+log = logging.getLogger("hbone")
+
+DEFAULT_CONNECTION_WINDOW = 65535
+# Outgoing frames are handed to the transport at least this often while a large write is framed,
+# so the TLS transport's own back-pressure (pause_writing) is seen early.
+FLUSH_THRESHOLD = 256 * 1024
+# Write-buffer marks of the TLS transport under the session: large, since each write is big.
+TRANSPORT_HIGH_WATER = 1024 * 1024
+
+Headers = list[tuple[str, str]]
+
+# DATA payloads from this size on are written as separate buffers instead of being copied.
+LARGE_DATA = 16 * 1024
+_FRAME_HEADER = struct.Struct(">HBBBL")  # length (24 bits as 16+8), type, flags, stream id
+_END_STREAM = 0x1
+
+
+class _H2Connection(H2Connection):
+    def __init__(self, config: H2Configuration) -> None:
+        super().__init__(config)
+        # Output is a list of buffers: small frames accumulate in `_data_to_send` (as in h2), large
+        # DATA payloads are queued as they are, sparing the three copies of h2's serialisation.
+        self._chunks: list[bytes | bytearray] = []
+
+    def _prepare_for_sending(self, frames: list[Frame]) -> None:
+        out = self._data_to_send
+        for f in frames:
+            if type(f) is DataFrame and len(f.data) >= LARGE_DATA and "PADDED" not in f.flags:
+                n = f.body_len = len(f.data)
+                flags = _END_STREAM if "END_STREAM" in f.flags else 0
+                out += _FRAME_HEADER.pack(n >> 8, n & 0xFF, 0, flags, f.stream_id)
+                self._chunks.append(out)
+                self._chunks.append(f.data)
+                out = self._data_to_send = bytearray()
+            else:
+                out += f.serialize()
+
+    def take_output(self) -> list[bytes | bytearray]:
+        chunks = self._chunks
+        if self._data_to_send:
+            chunks.append(self._data_to_send)
+            self._data_to_send = bytearray()
+        self._chunks = []
+        return chunks
+
+    def data_to_send(self, amount: int | None = None) -> bytes:
+        data = b"".join(self.take_output())
+        if amount is not None and len(data) > amount:
+            self._data_to_send = bytearray(data[amount:])
+            data = data[:amount]
+        return data
+
+    def clear_outbound_data_buffer(self) -> None:
+        self._chunks = []
+        self._data_to_send = bytearray()
+
+    def _receive_frame(self, frame: Frame) -> list[ev.Event]:
+        # Same as h2 4.4's, minus `logger.trace("Received frame: %s", repr(frame))`.
+        events: list[ev.Event]
+        try:
+            frames, events = self._frame_dispatch_table[frame.__class__](frame)
+        except StreamClosedError as e:
+            if self._stream_is_closed_by_reset(e.stream_id):
+                f = RstStreamFrame(e.stream_id)
+                f.error_code = e.error_code
+                self._prepare_for_sending([f])
+                events = e._events
+            else:
+                raise
+        except StreamIDTooLowError as e:
+            if self._stream_is_closed_by_reset(e.stream_id):
+                f = RstStreamFrame(e.stream_id)
+                f.error_code = ErrorCodes.STREAM_CLOSED
+                self._prepare_for_sending([f])
+                events = []
+            elif self._stream_is_closed_by_end(e.stream_id):
+                raise StreamClosedError(e.stream_id) from e
+            else:
+                raise
+        else:
+            self._prepare_for_sending(frames)
+        return events
+
+    def _receive_goaway_frame(self, frame: GoAwayFrame) -> tuple[list[Frame], list[ev.Event]]:
+        event = ev.ConnectionTerminated()
+        event.error_code = frame.error_code
+        event.last_stream_id = frame.last_stream_id
+        event.additional_data = frame.additional_data or None
+        return [], [event]
+
+    def send_goaway(self, error_code: int, last_stream_id: int, debug: bytes = b"") -> None:
+        f = GoAwayFrame(
+            stream_id=0, last_stream_id=last_stream_id, error_code=error_code, additional_data=debug
+        )
+        self._prepare_for_sending([f])
+
+    def begin(self, local: dict[SettingCodes, int], connection_window: int) -> None:
+        """Send the preface: our SETTINGS, then a WINDOW_UPDATE raising the connection window."""
+        self.local_settings = Settings(client=self.config.client_side, initial_values=local)
+        # Values given as initial_values never go through an ACK, so apply the ones h2 would
+        # apply on ACK now; the peer cannot exceed the defaults before it has seen them anyway.
+        self.max_inbound_frame_size = self.local_settings.max_frame_size
+        if self.local_settings.max_header_list_size is not None:
+            self.decoder.max_header_list_size = self.local_settings.max_header_list_size
+        self.initiate_connection()
+        if connection_window > DEFAULT_CONNECTION_WINDOW:
+            self.increment_flow_control_window(connection_window - DEFAULT_CONNECTION_WINDOW)
+
+
+def decode_headers(raw: list[tuple[bytes, bytes]]) -> Headers:
+    return [(k.decode("ascii", "replace").lower(), v.decode("utf-8", "replace")) for k, v in raw]
+
+
+class H2Session(asyncio.Protocol):
+    """The protocol of one HBONE connection's TLS transport.
+
+    Received bytes before `start()` (the TLS peer check happens in between) are held and processed
+    on `start()`; nothing is sent before it.
+    """
+
+    def __init__(
+        self,
+        *,
+        client_side: bool,
+        settings: H2Settings,
+        on_request: Callable[[HboneStream, Headers], None] | None = None,
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.client_side = client_side
+        self.settings = settings
+        self._on_request = on_request
+        self._h2 = _H2Connection(H2Configuration(client_side=client_side, header_encoding=None))
+        self.transport: asyncio.Transport | None = None
+        self.extra: dict[str, Any] = {}
+        self.peer_identity: Identity | None = None
+        self.streams: dict[int, HboneStream] = {}
+        # Streams with outbound bytes waiting for window or for the transport to drain.
+        self._pending: dict[int, HboneStream] = {}
+        self._early: list[bytes] | None = []
+        self._started = False
+        self._in_batch = False
+        self._unflushed = 0
+        self._write_paused = False
+        self._dead = False
+        self._transport_gone = False
+        self.close_reason: HboneError | None = None
+        self.goaway_received = False
+        self.goaway_sent = False
+        self._draining = False  # close the transport once the last stream finishes
+        self._refuse_above = 2**31  # streams above this id are refused (after our GOAWAY)
+        self.remote_settings: asyncio.Future[None] = self.loop.create_future()
+        self.closed: asyncio.Future[None] = self.loop.create_future()
+        self._ping_handle: asyncio.TimerHandle | None = None
+        self._pong_handle: asyncio.TimerHandle | None = None
+        self._ping_count = 0
+        self._dispatch: dict[type[ev.Event], Callable[[Any], None]] = {
+            ev.DataReceived: self._on_data,
+            ev.WindowUpdated: self._on_window_updated,
+            ev.StreamEnded: self._on_stream_ended,
+            ev.StreamReset: self._on_stream_reset,
+            ev.RequestReceived: self._on_request_received,
+            ev.ResponseReceived: self._on_response_received,
+            ev.RemoteSettingsChanged: self._on_remote_settings,
+            ev.PingAckReceived: self._on_ping_ack,
+            ev.ConnectionTerminated: self._on_goaway,
+        }
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the interface without subclassing asyncio.Transport.
+        transport = cast(asyncio.Transport, transport)
+        if self.transport is not None:
+            return
+        self.transport = transport
+        for name in ("peername", "sockname", "ssl_object", "peercert", "cipher"):
+            self.extra[name] = transport.get_extra_info(name)
+        transport.set_write_buffer_limits(high=TRANSPORT_HIGH_WATER)
+        if self._dead:
+            transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._started:
+            if self._early is not None:
+                self._early.append(bytes(data))
+            return
+        self._receive(data)
+
+    def eof_received(self) -> bool:
+        return False  # the TLS transport closes; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport_gone = True
+        if exc is None:
+            reason = ConnectionClosed(
+                "connection closed by peer" if not self._draining else "connection closed"
+            )
+        else:
+            reason = ConnectionClosed(f"connection lost: {exc}")
+            reason.__cause__ = exc
+        self._teardown(reason)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._pump_pending()
+        self._flush()
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Send the preface and process what arrived meanwhile; start the keepalive."""
+        if self._started or self._dead:
+            return
+        self._started = True
+        self._h2.begin(
+            self.settings.local_settings(client_side=self.client_side), self.settings.connection_window
+        )
+        self._flush()
+        self._schedule_ping()
+        early, self._early = self._early, None
+        for data in early or ():
+            if self._dead:
+                break
+            self._receive(data)
+
+    def is_usable(self) -> bool:
+        return self._started and not (
+            self._dead or self.goaway_received or self.goaway_sent or self._draining
+        )
+
+    def goaway(self, error_code: int = ErrorCodes.NO_ERROR) -> None:
+        """Graceful: announce that no new streams are accepted; close once the open ones finish."""
+        if self._dead or self.goaway_sent:
+            return
+        self.goaway_sent = True
+        self._draining = True
+        last = self._h2.highest_inbound_stream_id
+        self._refuse_above = last
+        if self._started:
+            self._h2.send_goaway(error_code, last)
+            self._flush()
+        self._maybe_close_idle()
+
+    def drain(self) -> None:
+        """Client side graceful close: no new streams; close once the open ones finish."""
+        if self._dead:
+            return
+        self._draining = True
+        self._maybe_close_idle()
+
+    def abort(self, reason: HboneError | None = None) -> None:
+        self._teardown(reason or ConnectionClosed("connection aborted"), abort=True)
+
+    def _maybe_close_idle(self) -> None:
+        if self._draining and not self.streams and not self._dead:
+            if self._started and not self.goaway_sent and not self.goaway_received:
+                self.goaway_sent = True
+                self._h2.send_goaway(ErrorCodes.NO_ERROR, self._h2.highest_inbound_stream_id)
+                self._flush()
+            self._teardown(ConnectionClosed("connection closed"), abort=False)
+
+    def _teardown(self, reason: HboneError, *, abort: bool = False) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        self.close_reason = reason
+        self._early = None
+        for handle in (self._ping_handle, self._pong_handle):
+            if handle is not None:
+                handle.cancel()
+        self._ping_handle = self._pong_handle = None
+        streams = list(self.streams.values())
+        self.streams.clear()
+        self._pending.clear()
+        for stream in streams:
+            stream._on_connection_lost(reason)
+        if not self.remote_settings.done():
+            self.remote_settings.set_exception(reason)
+            self.remote_settings.exception()  # retrieved: a failed open() reports it itself
+        transport = self.transport
+        if transport is not None and not self._transport_gone:
+            if abort:
+                transport.abort()
+            else:
+                self._flush_always()
+                transport.close()
+        elif transport is None and not self.closed.done():
+            self.closed.set_result(None)
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def _receive(self, data: bytes) -> None:
+        self._in_batch = True
+        try:
+            try:
+                events = self._h2.receive_data(data)
+            except ProtocolError as e:
+                self._flush_always()  # h2 queued a GOAWAY naming the error
+                self._teardown(ConnectionClosed(f"http2 protocol error: {e}"))
+                return
+            dispatch = self._dispatch
+            for event in events:
+                handler = dispatch.get(type(event))
+                if handler is not None:
+                    handler(event)
+                if self._dead:
+                    return
+        finally:
+            self._in_batch = False
+        self._flush()
+
+    def _on_data(self, event: ev.DataReceived) -> None:
+        stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
+        if stream is None:
+            self.ack(event.stream_id, event.flow_controlled_length)  # type: ignore[arg-type]
+            return
+        stream._on_data(event.data, event.flow_controlled_length)  # type: ignore[arg-type]
+
+    def _on_window_updated(self, event: ev.WindowUpdated) -> None:
+        if not self._pending:
+            return
+        if event.stream_id == 0:
+            self._pump_pending()
+        else:
+            stream = self._pending.get(event.stream_id)  # type: ignore[arg-type]
+            if stream is not None:
+                stream._pump()
+
+    def _on_stream_ended(self, event: ev.StreamEnded) -> None:
+        stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
+        if stream is not None:
+            stream._on_remote_end()
+
+    def _on_stream_reset(self, event: ev.StreamReset) -> None:
+        stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
+        if stream is not None:
+            stream._on_reset(int(event.error_code))  # type: ignore[arg-type]
+
+    def _on_request_received(self, event: ev.RequestReceived) -> None:
+        sid: int = event.stream_id  # type: ignore[assignment]
+        if self.client_side or self._on_request is None:
+            self.reset(sid, ErrorCodes.REFUSED_STREAM)
+            return
+        if sid > self._refuse_above:
+            self.reset(sid, ErrorCodes.REFUSED_STREAM)
+            return
+        stream = HboneStream(self, sid, high_water=self.settings.server_send_buffer)
+        self.streams[sid] = stream
+        self._on_request(stream, decode_headers(event.headers))  # type: ignore[arg-type]
+
+    def _on_response_received(self, event: ev.ResponseReceived) -> None:
+        stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
+        if stream is not None:
+            stream._on_response(decode_headers(event.headers))  # type: ignore[arg-type]
+
+    def _on_remote_settings(self, event: ev.RemoteSettingsChanged) -> None:
+        if not self.remote_settings.done():
+            self.remote_settings.set_result(None)
+        self._pump_pending()  # the initial window may have grown
+
+    def _on_goaway(self, event: ev.ConnectionTerminated) -> None:
+        self.goaway_received = True
+        self._draining = True
+        last = event.last_stream_id or 0
+        if event.error_code != ErrorCodes.NO_ERROR:
+            self._teardown(ConnectionClosed(f"connection closed by peer: GOAWAY {event.error_code!s}"))
+            return
+        # Streams we opened that the peer did not process are refused; the others carry on.
+        refused = ConnectionClosed("stream refused: peer sent GOAWAY")
+        for sid, stream in list(self.streams.items()):
+            if sid > last and self._h2._stream_id_is_outbound(sid):
+                stream._on_connection_lost(refused)
+        self._maybe_close_idle()
+
+    # -- keepalive -----------------------------------------------------------------------------
+
+    def _schedule_ping(self) -> None:
+        if self.settings.ping_interval > 0 and not self._dead:
+            self._ping_handle = self.loop.call_later(self.settings.ping_interval, self._send_ping)
+
+    def _send_ping(self) -> None:
+        self._ping_handle = None
+        if self._dead:
+            return
+        self._ping_count += 1
+        try:
+            self._h2.ping(self._ping_count.to_bytes(8, "big"))
+        except H2Error as e:
+            self._teardown(ConnectionClosed(f"keepalive ping failed: {e}"), abort=True)
+            return
+        self._flush()
+        self._pong_handle = self.loop.call_later(self.settings.ping_timeout, self._ping_timed_out)
+
+    def _on_ping_ack(self, event: ev.PingAckReceived) -> None:
+        if self._pong_handle is not None:
+            self._pong_handle.cancel()
+            self._pong_handle = None
+            self._schedule_ping()
+
+    def _ping_timed_out(self) -> None:
+        self._pong_handle = None
+        if self._dead:
+            return
+        log.warning(
+            "hbone: keepalive timeout, no PING reply within %.1fs; closing connection",
+            self.settings.ping_timeout,
+        )
+        if not self.client_side and not self.goaway_sent:
+            self.goaway_sent = True
+            self._h2.send_goaway(ErrorCodes.NO_ERROR, self._h2.highest_inbound_stream_id)
+            self._flush_always()
+        self._teardown(ConnectionClosed("keepalive timeout"), abort=True)
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        if self._in_batch:
+            return
+        self._flush_always()
+
+    def _flush_always(self) -> None:
+        self._unflushed = 0
+        chunks = self._h2.take_output()
+        if chunks and self.transport is not None and not self._transport_gone:
+            if len(chunks) == 1:
+                self.transport.write(chunks[0])
+            else:
+                self.transport.writelines(chunks)
+
+    def kick(self) -> None:
+        """Stream operations call this: flush now unless a received batch is being handled."""
+        if not self._in_batch:
+            self._flush_always()
+
+    def open_stream(self, headers: list[tuple[str, str]]) -> HboneStream:
+        if not self.is_usable():
+            raise self.close_reason or ConnectionClosed("connection is not usable (closing)")
+        sid = self._h2.get_next_available_stream_id()
+        try:
+            self._h2.send_headers(sid, headers)
+        except H2Error as e:
+            raise HboneError(f"cannot open stream: {e}") from e
+        stream = HboneStream(self, sid, high_water=self.settings.client_send_buffer)
+        stream._expect_response()
+        self.streams[sid] = stream
+        self.kick()
+        return stream
+
+    def send_headers(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool) -> bool:
+        if self._dead:
+            return False
+        try:
+            self._h2.send_headers(stream_id, headers, end_stream=end_stream)
+        except H2Error:
+            return False
+        self.kick()
+        return True
+
+    def send_data(self, stream_id: int, data: bytes | memoryview) -> int:
+        """Frame as much of `data` as the windows allow; returns how many bytes were taken."""
+        if self._write_paused or self._dead:
+            return 0
+        h2c = self._h2
+        total = len(data)
+        try:
+            n = min(h2c.local_flow_control_window(stream_id), total)
+        except H2Error:
+            return 0
+        if n <= 0:
+            return 0
+        max_frame = h2c.max_outbound_frame_size
+        if n == total and n <= max_frame:
+            h2c.send_data(stream_id, data)
+            self._unflushed += n
+        else:
+            view = memoryview(data)
+            sent = 0
+            while sent < n:
+                end = min(sent + max_frame, n)
+                h2c.send_data(stream_id, view[sent:end])
+                self._unflushed += end - sent
+                sent = end
+                if self._unflushed >= FLUSH_THRESHOLD and not self._in_batch:
+                    self._flush_always()
+                    if self._write_paused:
+                        return sent
+        if self._unflushed >= FLUSH_THRESHOLD and not self._in_batch:
+            self._flush_always()
+        return n
+
+    def end_stream(self, stream_id: int) -> None:
+        if self._dead:
+            return
+        try:
+            self._h2.end_stream(stream_id)
+        except H2Error:
+            return
+        self.kick()
+
+    def reset(self, stream_id: int, error_code: int) -> None:
+        if self._dead:
+            return
+        try:
+            self._h2.reset_stream(stream_id, error_code)
+        except H2Error:
+            return
+        self.kick()
+
+    def ack(self, stream_id: int, n: int) -> None:
+        if n and not self._dead:
+            self._h2.acknowledge_received_data(n, stream_id)
+
+    def want_window(self, stream: HboneStream) -> None:
+        self._pending[stream.stream_id] = stream
+
+    def window_satisfied(self, stream: HboneStream) -> None:
+        self._pending.pop(stream.stream_id, None)
+
+    def _pump_pending(self) -> None:
+        for stream in list(self._pending.values()):
+            if self._write_paused or self._dead:
+                return
+            stream._pump()
+
+    def forget(self, stream: HboneStream) -> None:
+        self.streams.pop(stream.stream_id, None)
+        self._pending.pop(stream.stream_id, None)
+        self._maybe_close_idle()
+
+    @property
+    def remote_max_concurrent_streams(self) -> int:
+        return int(self._h2.remote_settings.max_concurrent_streams)

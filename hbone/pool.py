@@ -1,0 +1,178 @@
+"""The client-side pool of HBONE connections (SPEC §2.8).
+
+One pool per proxy instance. Connections are shared only by callers with an equal `PoolKey`. A
+checkout takes the key's lock, so under a storm exactly one caller dials and the others wait for its
+connection. Streams are counted at checkout; the checkout that reaches the connection's stream limit
+takes it out of the pool for good (the next caller dials anew), as the reference does. A pooled
+connection not checked out for `idle_timeout` is released; a released or departed connection closes
+once its last stream ends. The clock is an input so tests drive idle release directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from hbone.errors import ConnectionClosed
+from hbone.identity import Identity
+from hbone.stream import HboneStream
+
+log = logging.getLogger("hbone")
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    src_identity: Identity
+    dst_identities: tuple[Identity, ...]
+    dst: tuple[str, int]  # the peer's HBONE address, port 15008 included
+    src_ip: str | None
+
+
+class PooledConnection(Protocol):
+    """What the pool needs of a connection (`HboneConnection`, or a fake in tests)."""
+
+    @property
+    def max_streams(self) -> int: ...
+
+    @property
+    def active_streams(self) -> int: ...
+
+    def is_usable(self) -> bool: ...
+
+    async def connect(self, authority: str, headers: Sequence[tuple[str, str]] = ()) -> HboneStream: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+C = TypeVar("C", bound=PooledConnection)
+
+
+class _Slot(Generic[C]):
+    __slots__ = ("conn", "last_used", "lock", "streams", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.conn: C | None = None
+        self.streams = 0
+        self.last_used = 0.0
+        self.users = 0  # callers inside checkout; the slot is dropped when none and empty
+
+
+class Pool(Generic[C]):
+    def __init__(
+        self,
+        connector: Callable[[PoolKey], Awaitable[C]],
+        *,
+        max_streams: int = 100,
+        idle_timeout: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._connector = connector
+        self._max_streams = max_streams
+        self._idle_timeout = idle_timeout
+        self._clock = clock
+        self._slots: dict[PoolKey, _Slot[C]] = {}
+        self._dialed: weakref.WeakSet[C] = weakref.WeakSet()
+        self._reaper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def __len__(self) -> int:
+        """Number of pooled (reusable) connections."""
+        return sum(1 for s in self._slots.values() if s.conn is not None)
+
+    def pooled(self, key: PoolKey) -> C | None:
+        slot = self._slots.get(key)
+        return slot.conn if slot is not None else None
+
+    async def connect(
+        self, key: PoolKey, authority: str, headers: Sequence[tuple[str, str]] = ()
+    ) -> HboneStream:
+        """Check out a connection for `key` and open a CONNECT stream on it."""
+        conn = await self.checkout(key)
+        try:
+            return await conn.connect(authority, headers)
+        finally:
+            if self.pooled(key) is not conn:
+                conn.close()  # left the pool: close once its streams are done
+
+    async def checkout(self, key: PoolKey) -> C:
+        """A connection for `key` with one stream counted against it; dials when none is pooled."""
+        if self._closed:
+            raise ConnectionClosed("pool closed")
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = _Slot()
+        slot.users += 1
+        try:
+            async with slot.lock:
+                conn = slot.conn
+                if conn is not None and not conn.is_usable():
+                    slot.conn = None
+                    conn.close()
+                    conn = None
+                if conn is None:
+                    conn = await self._connector(key)
+                    if self._closed:
+                        conn.abort()
+                        raise ConnectionClosed("pool closed")
+                    self._dialed.add(conn)
+                    slot.conn = conn
+                    slot.streams = 0
+                slot.streams += 1
+                slot.last_used = self._clock()
+                if slot.streams >= min(self._max_streams, conn.max_streams):
+                    slot.conn = None  # full: never handed out by the pool again
+                self._start_reaper()
+                return conn
+        finally:
+            slot.users -= 1
+            if slot.users == 0 and slot.conn is None and self._slots.get(key) is slot:
+                del self._slots[key]
+
+    def release_idle(self, now: float | None = None) -> int:
+        """Drop pooled connections not checked out for `idle_timeout`; returns how many."""
+        if now is None:
+            now = self._clock()
+        released = 0
+        for key, slot in list(self._slots.items()):
+            conn = slot.conn
+            if conn is None or now - slot.last_used < self._idle_timeout:
+                continue
+            slot.conn = None
+            released += 1
+            conn.close()
+            if slot.users == 0:
+                del self._slots[key]
+        return released
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None and not self._closed:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        interval = max(min(self._idle_timeout / 2, 30.0), 0.05)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.release_idle()
+            except Exception:
+                log.exception("hbone: pool idle release failed")
+
+    async def close(self) -> None:
+        """Stop the pool: no more checkouts; every connection it dialed is closed now."""
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.wait([self._reaper])
+            self._reaper = None
+        self._slots.clear()
+        for conn in list(self._dialed):
+            conn.abort()
+        self._dialed.clear()

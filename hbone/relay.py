@@ -1,0 +1,210 @@
+"""Splicing two transports together: the bidirectional copy of a proxied connection (SPEC §2.7, §13.2).
+
+Both ends are asyncio transports: a TCP socket's, or an `HboneStream` (which behaves like one). Bytes
+are written through as they arrive; an EOF on one side becomes a half-close on the other; flow control
+is the transports' own: when one side's write buffer passes its high-water mark, the other side stops
+reading until it drains. The copy is done when both directions have ended or either side is lost.
+
+`Inbox` is the protocol of a connection that is accepted but not yet relayed: it holds what arrives
+(so a handshake such as SOCKS5 can read from it) until `relay` takes the transport over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Accepted-but-not-yet-relayed connections hold at most this much before reading is paused.
+INBOX_LIMIT = 256 * 1024
+
+
+class Inbox(asyncio.Protocol):
+    """Buffers an accepted connection's bytes until it is relayed; supports simple async reads."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.eof = False
+        self.lost = False
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) >= INBOX_LIMIT and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return True  # keep the transport open: the other direction may still flow
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
+
+    async def wait_data(self) -> None:
+        """Wait until some bytes are buffered; raise EOFError if the connection ends first."""
+        while not self.buffer:
+            if self.eof or self.lost:
+                raise EOFError("connection ended")
+            await self._wait()
+
+    async def read_exactly(self, n: int) -> bytes:
+        """Read exactly n bytes; raise EOFError if the connection ends first."""
+        while len(self.buffer) < n:
+            if self.eof or self.lost:
+                raise EOFError(f"connection ended after {len(self.buffer)} of {n} bytes")
+            await self._wait()
+        data = bytes(self.buffer[:n])
+        del self.buffer[:n]
+        return data
+
+    def take(self) -> bytes:
+        data = bytes(self.buffer)
+        self.buffer.clear()
+        return data
+
+
+@dataclass(slots=True)
+class RelayResult:
+    """Bytes copied each way, and the error that ended the copy (None for a clean end)."""
+
+    a_to_b: int
+    b_to_a: int
+    error: BaseException | None
+
+
+class _End(asyncio.Protocol):
+    """The protocol installed on one side of a relay."""
+
+    __slots__ = ("count", "eof", "lost", "on_bytes", "peer", "relay", "transport")
+
+    def __init__(self, relay: _Relay, transport: asyncio.Transport, on_bytes: Callable[[int], None] | None):
+        self.relay = relay
+        self.transport = transport
+        self.peer: _End
+        self.on_bytes = on_bytes
+        self.count = 0
+        self.eof = False
+        self.lost = False
+
+    def data_received(self, data: bytes) -> None:
+        n = len(data)
+        self.count += n
+        self.peer.transport.write(data)
+        if self.on_bytes is not None:
+            self.on_bytes(n)
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        peer = self.peer.transport
+        if not peer.is_closing():
+            if peer.can_write_eof():
+                peer.write_eof()
+            else:
+                peer.close()
+        self.relay.maybe_done()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.relay.lost(self, exc)
+
+    def pause_writing(self) -> None:
+        self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.peer.transport.resume_reading()
+
+
+class _Relay:
+    def __init__(self) -> None:
+        self.done: asyncio.Future[RelayResult] = asyncio.get_running_loop().create_future()
+        self.a: _End
+        self.b: _End
+        self.error: BaseException | None = None
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(RelayResult(self.a.count, self.b.count, self.error))
+
+    def maybe_done(self) -> None:
+        if self.a.eof and self.b.eof:
+            for end in (self.a, self.b):
+                if not end.transport.is_closing():
+                    end.transport.close()
+            self._finish()
+
+    def lost(self, end: _End, exc: Exception | None) -> None:
+        other = end.peer
+        if exc is not None and self.error is None:
+            self.error = exc
+        if not other.lost and not other.transport.is_closing():
+            if exc is not None:
+                other.transport.abort()
+            else:
+                other.transport.close()
+        if other.lost or exc is not None or (self.a.eof and self.b.eof):
+            self._finish()
+        elif not end.eof:
+            # Lost without an EOF first (reset, or the stream was torn down): nothing more will
+            # come from this side, so the copy ends when the other side goes too.
+            end.eof = True
+            self.maybe_done()
+
+
+async def relay(
+    a: asyncio.Transport,
+    b: asyncio.Transport,
+    *,
+    a_pending: bytes = b"",
+    a_eof: bool = False,
+    on_a_to_b: Callable[[int], None] | None = None,
+    on_b_to_a: Callable[[int], None] | None = None,
+) -> RelayResult:
+    """Copy bytes between two transports until both directions end; returns the byte counts.
+
+    `a_pending` are bytes already read from `a` (e.g. by an `Inbox`) and `a_eof` whether `a` already
+    sent its EOF. Both transports are closed when this returns. Cancelling aborts both.
+    """
+    r = _Relay()
+    end_a = _End(r, a, on_a_to_b)
+    end_b = _End(r, b, on_b_to_a)
+    end_a.peer, end_b.peer = end_b, end_a
+    r.a, r.b = end_a, end_b
+    a.set_protocol(end_a)
+    b.set_protocol(end_b)
+    if a_pending:
+        end_a.data_received(a_pending)
+    if a_eof:
+        end_a.eof_received()
+    a.resume_reading()
+    b.resume_reading()
+    try:
+        return await asyncio.shield(r.done)
+    except asyncio.CancelledError:
+        a.abort()
+        b.abort()
+        raise

@@ -1,0 +1,269 @@
+"""The HBONE server (inbound :15008): TLS accept, client trust-domain check, HTTP/2, one task per CONNECT.
+
+The server does not judge requests: every request stream becomes a `ConnectRequest` handed to the
+handler, which answers with `respond` (SPEC §2.6: 400/401/503, or 200 and then the stream carries
+the bytes). A handler that fails or returns without answering gets a 503 sent for it. One stream's
+failure never affects the other streams of its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast
+
+from h2.errors import ErrorCodes
+
+from hbone.errors import ConnectionClosed, HboneError, TlsHandshakeError
+from hbone.h2conn import H2Session, Headers
+from hbone.identity import Identity
+from hbone.settings import H2Settings
+from hbone.stream import HboneStream
+from hbone.tls import check_alpn, check_client_trust_domain
+
+log = logging.getLogger("hbone")
+
+Address = tuple[str, int]
+
+
+def canonical_addr(addr: Any) -> Address:
+    """(host, port) of a socket address; an IPv4-mapped IPv6 address becomes the IPv4 one."""
+    if not addr:
+        return ("", 0)
+    host, port = str(addr[0]), int(addr[1])
+    if host.startswith("::ffff:") and "." in host:
+        host = host[len("::ffff:") :]
+    return (host, port)
+
+
+class ConnectRequest:
+    """One request stream received by the server, handed to the handler."""
+
+    __slots__ = ("authority", "headers", "local_addr", "method", "peer_addr", "peer_identity", "stream")
+
+    def __init__(
+        self,
+        method: str,
+        authority: str,
+        headers: dict[str, str],
+        peer_identity: Identity | None,
+        peer_addr: Address,
+        local_addr: Address,
+        stream: HboneStream,
+    ) -> None:
+        self.method = method
+        self.authority = authority
+        self.headers = headers
+        self.peer_identity = peer_identity
+        self.peer_addr = peer_addr
+        self.local_addr = local_addr
+        self.stream = stream
+
+    @property
+    def responded(self) -> bool:
+        return self.stream.responded
+
+    def respond(self, status: int, headers: Sequence[tuple[str, str]] = ()) -> None:
+        """Answer the request. 200 keeps the stream open for data; anything else ends it.
+
+        Responding to a stream the client already reset does nothing.
+        """
+        stream = self.stream
+        if stream.responded:
+            raise RuntimeError("already responded")
+        stream.responded = True
+        if stream._finished:
+            return
+        session = stream._session
+        end = status != 200
+        if not session.send_headers(stream.stream_id, [(":status", str(status)), *headers], end_stream=end):
+            end = True  # the stream is gone (reset by the client): nothing more to send or read
+        if end:
+            stream._local_ended = True
+            if not stream._remote_ended:
+                # RFC 9113 §8.1: a complete response before the request ended; stop the request.
+                session.reset(stream.stream_id, ErrorCodes.NO_ERROR)
+            stream._remote_ended = True
+            stream._closing = True
+            stream._finish(None)
+
+    def __repr__(self) -> str:
+        return f"<ConnectRequest {self.method} {self.authority} from {self.peer_addr} ({self.peer_identity})>"
+
+
+Handler = Callable[[ConnectRequest], Awaitable[None]]
+TlsErrorHook = Callable[[Address, Address, Exception], None]
+
+
+class _Accepted(asyncio.Protocol):
+    """Protocol of a freshly accepted TCP connection until TLS takes over."""
+
+    def __init__(self, server: HboneServer) -> None:
+        self._server = server
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the interface without subclassing asyncio.Transport.
+        transport = cast(asyncio.Transport, transport)
+        # Nothing may be read before start_tls installs the TLS protocol.
+        transport.pause_reading()
+        self._server._accepted(transport)
+
+    def data_received(self, data: bytes) -> None:  # pragma: no cover - reading is paused
+        pass
+
+
+class HboneServer:
+    def __init__(
+        self,
+        context: ssl.SSLContext | Callable[[], ssl.SSLContext],
+        handler: Handler,
+        settings: H2Settings,
+        own_trust_domain: Callable[[], str] | str,
+        on_tls_error: TlsErrorHook | None = None,
+        *,
+        handshake_timeout: float = 10.0,
+    ) -> None:
+        self._context = context
+        self._handler = handler
+        self.settings = settings
+        self._trust_domain = own_trust_domain
+        self._on_tls_error = on_tls_error
+        self._handshake_timeout = handshake_timeout
+        self._servers: list[asyncio.AbstractServer] = []
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
+        self.sessions: set[H2Session] = set()
+        self._shutting_down = False
+
+    async def serve(self, listen_sock: socket.socket) -> asyncio.AbstractServer:
+        """Accept HBONE connections on a bound, listening socket."""
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _Accepted(self), sock=listen_sock)
+        self._servers.append(server)
+        return server
+
+    async def serve_connection(self, sock: socket.socket) -> None:
+        """Serve one already accepted TCP socket; returns once it is handed to the TLS handshake."""
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: _Accepted(self), sock)
+
+    def _accepted(self, transport: asyncio.Transport) -> None:
+        if self._shutting_down:
+            transport.abort()
+            return
+        task = asyncio.get_running_loop().create_task(self._handshake(transport))
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
+
+    def _tls_error(self, peer: Address, local: Address, err: Exception) -> None:
+        if self._on_tls_error is not None:
+            try:
+                self._on_tls_error(peer, local, err)
+            except Exception:
+                log.exception("hbone: on_tls_error hook failed")
+        else:
+            log.warning("hbone: connection failed src=%s dst=%s: %s", peer, local, err)
+
+    async def _handshake(self, raw: asyncio.Transport) -> None:
+        loop = asyncio.get_running_loop()
+        peer = canonical_addr(raw.get_extra_info("peername"))
+        local = canonical_addr(raw.get_extra_info("sockname"))
+        session = H2Session(
+            client_side=False,
+            settings=self.settings,
+            on_request=lambda stream, headers: self._on_request(session, stream, headers, peer, local),
+        )
+        try:
+            ctx = self._context() if callable(self._context) else self._context
+            tls = await loop.start_tls(
+                raw, session, ctx, server_side=True, ssl_handshake_timeout=self._handshake_timeout
+            )
+        except asyncio.CancelledError:
+            raw.abort()
+            raise
+        except Exception as e:
+            raw.abort()
+            self._tls_error(peer, local, TlsHandshakeError(f"tls handshake error: {e}"))
+            return
+        if tls is None:  # pragma: no cover - start_tls returns None only for a closed transport
+            return
+        session.connection_made(tls)  # start_tls does not call it
+        try:
+            ssl_object = tls.get_extra_info("ssl_object")
+            check_alpn(ssl_object)
+            td = self._trust_domain() if callable(self._trust_domain) else self._trust_domain
+            session.peer_identity = check_client_trust_domain(ssl_object, td)
+        except Exception as e:
+            tls.abort()
+            err = e if isinstance(e, HboneError) else TlsHandshakeError(f"tls handshake error: {e}")
+            self._tls_error(peer, local, err)
+            return
+        if self._shutting_down:
+            tls.abort()
+            return
+        self.sessions.add(session)
+        session.closed.add_done_callback(lambda _: self.sessions.discard(session))
+        session.start()
+
+    def _on_request(
+        self, session: H2Session, stream: HboneStream, headers: Headers, peer: Address, local: Address
+    ) -> None:
+        method = authority = ""
+        fields: dict[str, str] = {}
+        for name, value in headers:
+            if name == ":method":
+                method = value
+            elif name == ":authority":
+                authority = value
+            elif not name.startswith(":"):
+                fields[name] = value
+        req = ConnectRequest(method, authority, fields, session.peer_identity, peer, local, stream)
+        task = session.loop.create_task(self._run_handler(req))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _run_handler(self, req: ConnectRequest) -> None:
+        try:
+            await self._handler(req)
+        except asyncio.CancelledError:
+            if not req.responded:
+                req.stream.abort()
+            raise
+        except Exception:
+            log.exception("hbone: handler failed for %r", req)
+            if not req.responded:
+                req.respond(503)
+            elif req.stream.get_protocol() is None:
+                req.stream.abort()
+            return
+        if not req.responded:
+            req.respond(503)
+        elif req.stream.get_protocol() is None:
+            # Answered 200 but nobody will ever read the stream: end it rather than leak it.
+            req.stream.abort()
+
+    async def shutdown(self, graceful: bool) -> None:
+        """Stop accepting. Graceful: GOAWAY(NO_ERROR) on every connection, wait for their streams to
+        finish (bound it with a timeout and call `shutdown(False)` after); else close everything."""
+        self._shutting_down = True
+        for server in self._servers:
+            server.close()
+        self._servers.clear()
+        for task in list(self._handshakes):
+            task.cancel()
+        sessions = list(self.sessions)
+        if graceful:
+            for session in sessions:
+                session.goaway()
+        else:
+            for session in sessions:
+                session.abort(ConnectionClosed("server shut down"))
+            for task in list(self._handlers):
+                task.cancel()
+        if sessions:
+            await asyncio.wait([asyncio.ensure_future(asyncio.shield(s.closed)) for s in sessions])
+        if not graceful and self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=1.0)

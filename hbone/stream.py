@@ -1,0 +1,386 @@
+"""One HBONE CONNECT stream, presented as an `asyncio.Transport` (SPEC §2.7).
+
+A generic relay splices it with a TCP transport: bytes written become DATA frames as the peer's
+flow-control window allows (the rest is buffered, with `pause_writing`/`resume_writing` on the
+write-buffer marks); received DATA is handed to the protocol and the receive window is released as
+it is consumed, so a paused reader stops the peer. `write_eof` sends END_STREAM; END_STREAM and a
+clean reset (NO_ERROR, CANCEL) arrive as `eof_received`; any other reset ends the stream with
+`StreamReset`; a dead connection ends it with `ConnectionClosed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from h2.errors import ErrorCodes
+
+from hbone.errors import ConnectionClosed, HboneError, StreamReset
+
+if TYPE_CHECKING:
+    from hbone.h2conn import H2Session
+
+log = logging.getLogger("hbone")
+
+_CLEAN_RESETS = (ErrorCodes.NO_ERROR, ErrorCodes.CANCEL)
+
+
+class HboneStream(asyncio.Transport):
+    """A CONNECT stream. Data received before the first `set_protocol` is held, unacknowledged."""
+
+    def __init__(self, session: H2Session, stream_id: int, *, high_water: int) -> None:
+        super().__init__()
+        self._session = session
+        self._loop = session.loop
+        self.stream_id = stream_id
+        self.status: int | None = None
+        self.response_headers: list[tuple[str, str]] = []
+        self._response: asyncio.Future[None] | None = None
+        self._protocol: asyncio.BaseProtocol | None = None
+        # inbound
+        self._inbox: deque[tuple[bytes, int]] = deque()
+        self._remote_ended = False  # END_STREAM or reset received (or connection gone)
+        self._eof_pending = False  # an EOF to deliver after the inbox
+        self._eof_delivered = False
+        self._reading = True
+        self._deliver_scheduled = False
+        # outbound
+        self._outbox: deque[bytes | memoryview] = deque()
+        self._outbox_size = 0
+        self._eof_requested = False  # write_eof/close called: END_STREAM after the outbox
+        self._local_ended = False  # END_STREAM or RST_STREAM sent (or no longer possible)
+        self._high = high_water
+        self._low = high_water // 4
+        self._writer_paused = False
+        # life cycle
+        self._closing = False
+        self._finished = False
+        self._lost_exc: Exception | None = None
+        self._lost_delivered = False
+        self.responded = False  # server side: a response was sent
+
+    def __repr__(self) -> str:
+        return f"<HboneStream id={self.stream_id} local_ended={self._local_ended} remote_ended={self._remote_ended}>"
+
+    # -- asyncio.BaseTransport -----------------------------------------------------------------
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "peer_identity":
+            return self._session.peer_identity
+        if name == "stream_id":
+            return self.stream_id
+        value = self._session.extra.get(name)
+        if value is None and self._session.transport is not None:
+            value = self._session.transport.get_extra_info(name)
+        return default if value is None else value
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._protocol = protocol
+        if self._finished:
+            if not self._lost_delivered:
+                self._lost_delivered = True
+                self._loop.call_soon(self._call_connection_lost, self._lost_exc)
+        elif self._reading and (self._inbox or self._eof_pending):
+            self._schedule_delivery()
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._protocol  # type: ignore[return-value]
+
+    def is_closing(self) -> bool:
+        return self._closing or self._finished
+
+    def close(self) -> None:
+        """Stop reading; send the buffered bytes, then END_STREAM. Done when the peer ends too."""
+        if self._closing or self._finished:
+            return
+        self._closing = True
+        self._reading = False
+        self._drop_inbox()
+        self.write_eof()
+        self._maybe_finish()
+
+    # -- asyncio.ReadTransport -----------------------------------------------------------------
+
+    def is_reading(self) -> bool:
+        return self._reading and not self._closing and not self._finished
+
+    def pause_reading(self) -> None:
+        self._reading = False
+
+    def resume_reading(self) -> None:
+        if self._reading or self._closing or self._finished:
+            return
+        self._reading = True
+        if self._inbox or self._eof_pending:
+            self._schedule_delivery()
+
+    # -- asyncio.WriteTransport ----------------------------------------------------------------
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if high is None:
+            high = 64 * 1024 if low is None else 4 * low
+        if low is None:
+            low = high // 4
+        if not high >= low >= 0:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        self._high, self._low = high, low
+        self._maybe_pause_writer()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (self._low, self._high)
+
+    def get_write_buffer_size(self) -> int:
+        return self._outbox_size
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closing or self._finished:
+            return  # like a closed socket transport: dropped
+        if self._eof_requested:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        if self._local_ended:
+            return  # reset: nowhere to send
+        if not data:
+            return
+        if not isinstance(data, bytes):
+            data = bytes(data)  # the caller may reuse its buffer
+        if self._outbox:
+            self._outbox.append(data)
+            self._outbox_size += len(data)
+        else:
+            n = self._session.send_data(self.stream_id, data)
+            if n < len(data):
+                rest = memoryview(data)[n:]
+                self._outbox.append(rest)
+                self._outbox_size += len(rest)
+                self._session.want_window(self)
+        self._session.kick()
+        self._maybe_pause_writer()
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.write(b"".join(list_of_data))
+
+    def write_eof(self) -> None:
+        if self._eof_requested or self._local_ended or self._finished:
+            return
+        self._eof_requested = True
+        if not self._outbox:
+            self._send_end()
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def abort(self) -> None:
+        """Reset the stream (RST_STREAM CANCEL) unless it already ended both ways."""
+        if self._finished:
+            return
+        self._closing = True
+        if not (self._local_ended and self._remote_ended):
+            self._session.reset(self.stream_id, ErrorCodes.CANCEL)
+        self._local_ended = self._remote_ended = True
+        self._drop_inbox()
+        self._drop_outbox()
+        self._finish(None)
+
+    # -- client side ---------------------------------------------------------------------------
+
+    def _expect_response(self) -> None:
+        self._response = self._loop.create_future()
+
+    async def wait_response(self) -> None:
+        assert self._response is not None
+        await self._response
+
+    def _on_response(self, headers: list[tuple[str, str]]) -> None:
+        status = next((v for k, v in headers if k == ":status"), "")
+        if status.startswith("1"):
+            return  # informational
+        try:
+            self.status = int(status)
+        except ValueError:
+            self.status = 0
+        self.response_headers = [(k, v) for k, v in headers if not k.startswith(":")]
+        if self._response is not None and not self._response.done():
+            self._response.set_result(None)
+
+    def _fail_response(self, exc: Exception) -> None:
+        if self._response is not None and not self._response.done():
+            self._response.set_exception(exc)
+            self._response.exception()  # a cancelled connect() would otherwise leave it unretrieved
+
+    # -- events from the session ---------------------------------------------------------------
+
+    def _on_data(self, data: bytes, flow_len: int) -> None:
+        if self._closing or self._finished:
+            self._session.ack(self.stream_id, flow_len)
+            return
+        if self._reading and self._protocol is not None and not self._inbox and not self._deliver_scheduled:
+            self._session.ack(self.stream_id, flow_len)
+            if data:
+                try:
+                    self._protocol.data_received(data)  # type: ignore[attr-defined]
+                except Exception:
+                    self._protocol_failed("data_received")
+            return
+        self._inbox.append((data, flow_len))
+
+    def _on_remote_end(self) -> None:
+        self._remote_ended = True
+        if self._closing or self._finished:
+            self._maybe_finish()
+            return
+        self._eof_pending = True
+        if self._reading and self._protocol is not None and not self._deliver_scheduled:
+            self._deliver()
+
+    def _on_reset(self, error_code: int) -> None:
+        self._local_ended = self._remote_ended = True
+        self._drop_outbox()
+        if self._response is not None and not self._response.done():
+            self._fail_response(StreamReset(error_code))
+        if error_code in _CLEAN_RESETS and not self._closing:
+            if not self._eof_delivered:
+                self._eof_pending = True
+                if self._reading and self._protocol is not None and not self._deliver_scheduled:
+                    self._deliver()
+                    return
+            self._maybe_finish()
+            return
+        self._drop_inbox()
+        self._finish(None if error_code in _CLEAN_RESETS else StreamReset(error_code))
+
+    def _on_connection_lost(self, reason: HboneError) -> None:
+        if self._finished:
+            return
+        self._fail_response(reason)
+        self._local_ended = self._remote_ended = True
+        self._inbox.clear()
+        self._drop_outbox()
+        self._finish(reason)
+
+    # -- delivery --------------------------------------------------------------------------------
+
+    def _schedule_delivery(self) -> None:
+        if not self._deliver_scheduled:
+            self._deliver_scheduled = True
+            self._loop.call_soon(self._deliver_soon)
+
+    def _deliver_soon(self) -> None:
+        self._deliver_scheduled = False
+        self._deliver()
+        self._session.kick()  # window updates for what was consumed
+
+    def _deliver(self) -> None:
+        protocol = self._protocol
+        if protocol is None or (self._finished and not self._eof_pending):
+            return
+        inbox = self._inbox
+        while inbox and self._reading and not self._closing:
+            data, n = inbox.popleft()
+            self._session.ack(self.stream_id, n)
+            if data:
+                try:
+                    protocol.data_received(data)  # type: ignore[attr-defined]
+                except Exception:
+                    self._protocol_failed("data_received")
+                    return
+        if self._eof_pending and not inbox and self._reading and not self._closing:
+            self._eof_pending = False
+            self._eof_delivered = True
+            try:
+                keep_open = protocol.eof_received()  # type: ignore[attr-defined]
+            except Exception:
+                self._protocol_failed("eof_received")
+                return
+            if not keep_open:
+                self.close()
+        self._maybe_finish()
+
+    def _protocol_failed(self, callback: str) -> None:
+        log.exception("hbone: stream %d: protocol %s failed; resetting the stream", self.stream_id, callback)
+        self.abort()
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        """Send buffered bytes as the window allows (called by the session on WINDOW_UPDATE)."""
+        outbox = self._outbox
+        session = self._session
+        while outbox:
+            head = outbox[0]
+            n = session.send_data(self.stream_id, head)
+            self._outbox_size -= n
+            if n == len(head):
+                outbox.popleft()
+            else:
+                if n:
+                    outbox[0] = memoryview(head)[n:]
+                break
+        if not outbox:
+            session.window_satisfied(self)
+            if self._eof_requested and not self._local_ended:
+                self._send_end()
+        if self._writer_paused and self._outbox_size <= self._low:
+            self._writer_paused = False
+            if self._protocol is not None:
+                try:
+                    self._protocol.resume_writing()
+                except Exception:
+                    self._protocol_failed("resume_writing")
+
+    def _maybe_pause_writer(self) -> None:
+        if not self._writer_paused and self._outbox_size > self._high and self._protocol is not None:
+            self._writer_paused = True
+            try:
+                self._protocol.pause_writing()
+            except Exception:
+                self._protocol_failed("pause_writing")
+
+    def _send_end(self) -> None:
+        self._local_ended = True
+        self._session.end_stream(self.stream_id)
+        self._maybe_finish()
+
+    def _drop_outbox(self) -> None:
+        self._outbox.clear()
+        self._outbox_size = 0
+        self._session.window_satisfied(self)
+
+    def _drop_inbox(self) -> None:
+        # Unread bytes still occupy the connection window: release it.
+        while self._inbox:
+            _, n = self._inbox.popleft()
+            self._session.ack(self.stream_id, n)
+        self._eof_pending = False
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def _maybe_finish(self) -> None:
+        if self._finished or not (self._local_ended and self._remote_ended):
+            return
+        if self._closing or self._eof_delivered:
+            self._finish(None)
+
+    def _finish(self, exc: Exception | None) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._closing = True
+        self._lost_exc = exc
+        self._drop_inbox()
+        self._session.forget(self)
+        if self._protocol is not None and not self._lost_delivered:
+            self._lost_delivered = True
+            self._loop.call_soon(self._call_connection_lost, exc)
+
+    def _call_connection_lost(self, exc: Exception | None) -> None:
+        if self._protocol is None:
+            return
+        try:
+            self._protocol.connection_lost(exc)
+        except Exception:
+            log.exception("hbone: stream %d: protocol connection_lost failed", self.stream_id)
+
+
+__all__ = ["ConnectionClosed", "HboneStream"]

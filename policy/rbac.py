@@ -1,0 +1,166 @@
+"""L4 authorization decisions (SPEC §5.3, §5.4): whether a policy matches a connection, and the verdict.
+
+Pure functions over `policy.model` values. The caller picks the candidate policies of the destination
+workload (SPEC §5.2), enforces the `Decision` and logs the dry-run notes it carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import TypeVar
+
+from policy.model import (
+    Action,
+    Authorization,
+    Clause,
+    Connection,
+    Match,
+    Rule,
+    ServiceAccountMatch,
+    StringMatch,
+    StringMatchKind,
+)
+
+# The reference's wording: users grep access logs for these (SPEC §5.3).
+NOT_ALLOWED = "allow policies exist, but none allowed"
+EXPLICITLY_DENIED = "explicitly denied by: "
+DRY_RUN_DENY_MATCH = "dry-run: deny policy match"
+DRY_RUN_ALLOW_MATCH = "dry-run: allow policy match"
+DRY_RUN_NO_ALLOW_MATCH = "dry-run: no allow policies match"
+
+SPIFFE_PREFIX = "spiffe://"
+
+_MATCH_FIELDS = tuple(f.name for f in fields(Match))
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Allow:
+    """The connection may proceed. `notes` are the dry-run log lines of the evaluation."""
+
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Deny:
+    """The connection is refused: `reason` is the reference's message, `policy` the denying policy key
+    (None when no ALLOW policy matched)."""
+
+    reason: str
+    policy: str | None = None
+    notes: tuple[str, ...] = ()
+
+
+Decision = Allow | Deny
+
+
+def authorize(policies: Iterable[Authorization], conn: Connection) -> Decision:
+    """The verdict of the candidate policies on one connection, in the reference's order (SPEC §5.3)."""
+    allows: list[Authorization] = []
+    dry_run_allows: list[Authorization] = []
+    denies: list[Authorization] = []
+    dry_run_denies: list[Authorization] = []
+    for policy in policies:
+        if policy.action is Action.DENY:
+            (dry_run_denies if policy.dry_run else denies).append(policy)
+        else:
+            (dry_run_allows if policy.dry_run else allows).append(policy)
+
+    notes: list[str] = [
+        f"{DRY_RUN_DENY_MATCH} policy={policy.key}" for policy in dry_run_denies if matches(policy, conn)
+    ]
+    for policy in denies:
+        if matches(policy, conn):
+            return Deny(EXPLICITLY_DENIED + policy.key, policy.key, tuple(notes))
+
+    dry_run_allowed = False
+    for policy in dry_run_allows:
+        if matches(policy, conn):
+            dry_run_allowed = True
+            notes.append(f"{DRY_RUN_ALLOW_MATCH} policy={policy.key}")
+    if not allows:
+        if dry_run_allows and not dry_run_allowed:
+            notes.append(DRY_RUN_NO_ALLOW_MATCH)
+        return Allow(tuple(notes))
+    if any(matches(policy, conn) for policy in allows):
+        return Allow(tuple(notes))
+    return Deny(NOT_ALLOWED, None, tuple(notes))
+
+
+def matches(policy: Authorization, conn: Connection) -> bool:
+    """A policy matches when any of its rules does; a policy with zero rules never matches."""
+    return any(rule_matches(rule, conn) for rule in policy.rules)
+
+
+def rule_matches(rule: Rule, conn: Connection) -> bool:
+    """A rule matches when all its clauses do (so a rule without clauses matches)."""
+    return all(clause_matches(clause, conn) for clause in rule)
+
+
+def clause_matches(clause: Clause, conn: Connection) -> bool:
+    """A clause matches when any of its non-empty entries does; a clause without entries matches."""
+    if not clause:
+        return True
+    return any(entry_matches(entry, conn) for entry in clause if not is_empty(entry))
+
+
+def is_empty(entry: Match) -> bool:
+    """An entry with every field empty: skipped, it can never make its clause match."""
+    return not any(getattr(entry, name) for name in _MATCH_FIELDS)
+
+
+def entry_matches(entry: Match, conn: Connection) -> bool:
+    """Every (positive, negative) field pair of the entry passes for the connection.
+
+    An address of the other IP family is outside every network (`ipaddress` containment)."""
+    principal = principal_of(conn)
+    namespace = conn.src_namespace or ""
+    return (
+        _passes(entry.destination_ips, entry.not_destination_ips, lambda net: conn.dst_ip in net)
+        and _passes(entry.source_ips, entry.not_source_ips, lambda net: conn.src_ip in net)
+        and _passes(entry.destination_ports, entry.not_destination_ports, lambda port: port == conn.dst_port)
+        and _passes(
+            entry.service_accounts, entry.not_service_accounts, lambda sa: service_account_matches(sa, conn)
+        )
+        and _passes(
+            entry.principals,
+            entry.not_principals,
+            lambda pattern: principal is not None and string_matches(pattern, principal),
+        )
+        and _passes(
+            entry.namespaces, entry.not_namespaces, lambda pattern: string_matches(pattern, namespace)
+        )
+    )
+
+
+def principal_of(conn: Connection) -> str | None:
+    """The source identity as principals are written (`td/ns/x/sa/y`), or None: without a SPIFFE
+    identity no principal pattern matches, not even presence."""
+    if conn.src_principal is None or not conn.src_principal.startswith(SPIFFE_PREFIX):
+        return None
+    return conn.src_principal[len(SPIFFE_PREFIX) :]
+
+
+def service_account_matches(pattern: ServiceAccountMatch, conn: Connection) -> bool:
+    if conn.src_namespace is None or conn.src_service_account is None:
+        return False
+    return pattern.namespace == conn.src_namespace and pattern.service_account == conn.src_service_account
+
+
+def string_matches(pattern: StringMatch, value: str) -> bool:
+    """Case-sensitive; presence means non-empty."""
+    if pattern.kind is StringMatchKind.EXACT:
+        return value == pattern.value
+    if pattern.kind is StringMatchKind.PREFIX:
+        return value.startswith(pattern.value)
+    if pattern.kind is StringMatchKind.SUFFIX:
+        return value.endswith(pattern.value)
+    return value != ""
+
+
+def _passes(positive: Sequence[T], negative: Sequence[T], hit: Callable[[T], bool]) -> bool:
+    if positive and not any(hit(item) for item in positive):
+        return False
+    return not any(hit(item) for item in negative)

@@ -1,0 +1,130 @@
+"""Test harness: dedicated proxies in this process on 127.0.0.x, an echo app, a SOCKS5 client."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ztunnel.app import App
+from ztunnel.config import Config
+
+
+def proxy_env(ns: str, name: str, sa: str, ip: str, local_config: str, **extra: str) -> dict[str, str]:
+    env = {
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": f"{ns}/{name}/{sa}",
+        "XDS_ADDRESS": "",
+        "FAKE_CA": "true",
+        "LOCAL_XDS": local_config,
+        "PROXY_BIND_ADDRESS": ip,
+        "UNSTABLE_ENABLE_SOCKS5": "true",
+        "SOCKS5_ADDRESS": f"{ip}:15080",
+        "ADMIN_ADDRESS": f"{ip}:15000",
+        "STATS_ADDRESS": f"{ip}:15020",
+        "READINESS_ADDRESS": f"{ip}:15021",
+        "CONNECTION_TERMINATION_DEADLINE": "1s",
+    }
+    env.update(extra)
+    return env
+
+
+async def start_proxy(env: Mapping[str, str]) -> App:
+    app = App(Config.from_env(env))
+    await app.start()
+    return app
+
+
+@dataclass
+class Echo:
+    server: asyncio.AbstractServer
+    host: str
+    port: int
+    connections: int = 0
+
+
+async def start_echo(host: str, port: int) -> Echo:
+    """An app that echoes everything and half-closes when its client does."""
+    echo = Echo(None, host, port)  # type: ignore[arg-type]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        echo.connections += 1
+        try:
+            while data := await reader.read(1 << 20):
+                writer.write(data)
+                await writer.drain()
+            writer.write_eof()
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    echo.server = await asyncio.start_server(handle, host, port)
+    return echo
+
+
+async def socks5_connect(
+    proxy: tuple[str, int], host: str, port: int
+) -> tuple[int, asyncio.StreamReader, asyncio.StreamWriter]:
+    """SOCKS5 CONNECT; returns (reply code, reader, writer). Reply 0 means connected."""
+    reader, writer = await asyncio.open_connection(*proxy)
+    writer.write(b"\x05\x01\x00")
+    assert await reader.readexactly(2) == b"\x05\x00"
+    try:
+        ip = ipaddress.ip_address(host)
+        atyp = b"\x01" if ip.version == 4 else b"\x04"
+        addr = ip.packed
+    except ValueError:
+        atyp, addr = b"\x03", bytes([len(host)]) + host.encode()
+    writer.write(b"\x05\x01\x00" + atyp + addr + port.to_bytes(2, "big"))
+    head = await reader.readexactly(4)
+    await reader.readexactly((4 if head[3] == 1 else 16) + 2)
+    return head[1], reader, writer
+
+
+@dataclass
+class Exchange:
+    code: int  # SOCKS5 reply code (0 = connected)
+    received: int  # bytes echoed back
+    digest: bytes  # sha256 of what came back
+
+
+async def echo_roundtrip(proxy: tuple[str, int], host: str, port: int, payload: bytes) -> Exchange:
+    """Send `payload` through the proxy to an echo app, half-close, read the echo to its end."""
+    code, reader, writer = await socks5_connect(proxy, host, port)
+    try:
+        if code != 0:
+            return Exchange(code, 0, b"")
+
+        async def send() -> None:
+            view = memoryview(payload)
+            for i in range(0, len(view), 1 << 20):
+                writer.write(view[i : i + (1 << 20)])
+                await writer.drain()
+            writer.write_eof()
+
+        sender = asyncio.create_task(send())
+        h = hashlib.sha256()
+        n = 0
+        try:
+            while chunk := await reader.read(1 << 20):
+                h.update(chunk)
+                n += len(chunk)
+        except ConnectionError:
+            pass
+        await sender
+        return Exchange(code, n, h.digest())
+    finally:
+        writer.close()
+
+
+def sha(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"

@@ -1,0 +1,239 @@
+"""End to end on loopback: dedicated proxies in this process, each on its own 127.0.0.x address,
+with the fake CA and one local config; traffic enters through SOCKS5 like a user's would."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.mesh import Echo, echo_roundtrip, proxy_env, sha, socks5_connect, start_echo, start_proxy
+from ztunnel.app import App
+
+SERVER, FRONTEND, INTRUDER, STRANGER = "127.0.0.3", "127.0.0.2", "127.0.0.4", "127.0.0.9"
+VIP = "127.0.10.1"
+
+CONFIG = f"""
+workloads:
+  - uid: t//v1/Pod/demo/server
+    name: server
+    namespace: demo
+    serviceAccount: server
+    trustDomain: cluster.local
+    workloadIps: ["{SERVER}"]
+    protocol: HBONE
+    canonicalName: echo
+    canonicalRevision: v1
+    workloadName: server
+    services:
+      "demo/echo.demo.svc.cluster.local":
+        80: 8080
+  - uid: t//v1/Pod/demo/frontend
+    name: frontend
+    namespace: demo
+    serviceAccount: frontend
+    trustDomain: cluster.local
+    workloadIps: ["{FRONTEND}"]
+    protocol: HBONE
+    workloadName: frontend
+  - uid: t//v1/Pod/demo/intruder
+    name: intruder
+    namespace: demo
+    serviceAccount: intruder
+    trustDomain: cluster.local
+    workloadIps: ["{INTRUDER}"]
+    protocol: HBONE
+services:
+  - name: echo
+    namespace: demo
+    hostname: echo.demo.svc.cluster.local
+    vips: ["/{VIP}"]
+    ports:
+      80: 8080
+policies:
+  - name: only-frontend
+    namespace: demo
+    scope: Namespace
+    action: Allow
+    dryRun: false
+    rules:
+      - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
+"""
+
+
+def metric(app: App, name: str, **labels: str) -> float:
+    """Sum of a metric's samples whose labels include `labels`, read from the rendered exposition."""
+    body, _ = app.metrics.render(None)
+    total = 0.0
+    for line in body.decode().splitlines():
+        m = re.match(rf"^{name}\{{(.*)\}} ([0-9.e+]+)$", line)
+        if not m:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[dict[str, App | Echo]]:
+    echo = await start_echo(SERVER, 8080)
+    apps: dict[str, App] = {}
+    try:
+        for name, ip in (("server", SERVER), ("frontend", FRONTEND), ("intruder", INTRUDER)):
+            apps[name] = await start_proxy(proxy_env("demo", name, name, ip, CONFIG))
+        yield {**apps, "echo": echo}
+    finally:
+        for app in apps.values():
+            await app.drain()
+        echo.server.close()
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def test_allowed_and_denied_by_identity(mesh: dict) -> None:
+    server: App = mesh["server"]
+    payload = os.urandom(50_000)
+    allowed = await echo_roundtrip((FRONTEND, 15080), SERVER, 8080, payload)
+    assert allowed.code == 0
+    assert allowed.digest == sha(payload)
+
+    denied = await echo_roundtrip((INTRUDER, 15080), SERVER, 8080, b"let me in")
+    assert denied.code == 2  # SOCKS5 "connection not allowed by ruleset": the server said 401
+
+    frontend_id = "spiffe://cluster.local/ns/demo/sa/frontend"
+    intruder_id = "spiffe://cluster.local/ns/demo/sa/intruder"
+    await wait_for(lambda: metric(server, "istio_tcp_connections_closed_total", reporter="destination") >= 2)
+    assert (
+        metric(
+            server, "istio_tcp_connections_opened_total", reporter="destination", source_principal=frontend_id
+        )
+        == 1
+    )
+    assert metric(
+        server, "istio_tcp_received_bytes_total", reporter="destination", source_principal=frontend_id
+    ) == len(payload)
+    assert metric(
+        server, "istio_tcp_sent_bytes_total", reporter="destination", source_principal=frontend_id
+    ) == len(payload)
+    assert (
+        metric(
+            server,
+            "istio_tcp_connections_closed_total",
+            reporter="destination",
+            source_principal=intruder_id,
+            response_flags="DENY",
+        )
+        == 1
+    )
+    frontend: App = mesh["frontend"]
+    assert (
+        metric(
+            frontend,
+            "istio_tcp_connections_opened_total",
+            reporter="source",
+            destination_principal="spiffe://cluster.local/ns/demo/sa/server",
+            connection_security_policy="mutual_tls",
+            destination_workload="server",
+        )
+        == 1
+    )
+
+
+async def test_service_vip_is_translated_to_an_endpoint(mesh: dict) -> None:
+    payload = b"to the service" * 100
+    ex = await echo_roundtrip((FRONTEND, 15080), VIP, 80, payload)
+    assert (ex.code, ex.digest) == (0, sha(payload))
+    frontend: App = mesh["frontend"]
+    await wait_for(lambda: metric(frontend, "istio_tcp_connections_closed_total") >= 1)
+    assert (
+        metric(
+            frontend, "istio_tcp_connections_opened_total", destination_service="echo.demo.svc.cluster.local"
+        )
+        == 1
+    )
+
+
+async def test_unknown_destination_is_passed_through_in_plain_tcp(mesh: dict) -> None:
+    stranger = await start_echo(STRANGER, 9000)
+    try:
+        payload = b"plain" * 1000
+        ex = await echo_roundtrip((INTRUDER, 15080), STRANGER, 9000, payload)
+        assert (ex.code, ex.digest) == (0, sha(payload))
+        intruder: App = mesh["intruder"]
+        await wait_for(lambda: metric(intruder, "istio_tcp_connections_closed_total") >= 1)
+        assert (
+            metric(intruder, "istio_tcp_connections_opened_total", connection_security_policy="unknown") == 1
+        )
+    finally:
+        stranger.server.close()
+
+
+async def test_nothing_listening_gives_refused(mesh: dict) -> None:
+    code, _, writer = await socks5_connect((FRONTEND, 15080), SERVER, 8081)
+    writer.close()
+    assert code == 5  # the server proxy answered 503: nothing listens on 8081
+
+
+async def test_half_close_from_the_server_side(mesh: dict) -> None:
+    """The app closes its side first; the client can still send, and the app still receives."""
+    got = asyncio.get_running_loop().create_future()
+
+    async def banner_then_read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"banner")
+        writer.write_eof()
+        data = await reader.read()
+        got.set_result(data)
+        writer.close()
+
+    app = await asyncio.start_server(banner_then_read, SERVER, 8090)
+    try:
+        code, reader, writer = await socks5_connect((FRONTEND, 15080), SERVER, 8090)
+        assert code == 0
+        assert await reader.read() == b"banner"  # EOF arrives after the banner
+        writer.write(b"still talking after your EOF")
+        writer.write_eof()
+        assert await asyncio.wait_for(got, 5) == b"still talking after your EOF"
+        writer.close()
+    finally:
+        app.close()
+
+
+async def test_half_close_from_the_client_side(mesh: dict) -> None:
+    """The client half-closes first; the echo app keeps sending what it got, then closes."""
+    code, reader, writer = await socks5_connect((FRONTEND, 15080), SERVER, 8080)
+    assert code == 0
+    writer.write(b"one way")
+    writer.write_eof()
+    assert await asyncio.wait_for(reader.read(), 5) == b"one way"
+    writer.close()
+
+
+@pytest.mark.parametrize("size", [1 << 20, 100 << 20], ids=["1MiB", "100MiB"])
+async def test_large_transfers_arrive_intact(mesh: dict, size: int) -> None:
+    payload = os.urandom(size)
+    ex = await asyncio.wait_for(echo_roundtrip((FRONTEND, 15080), SERVER, 8080, payload), 120)
+    assert ex.received == size
+    assert ex.digest == sha(payload)
+
+
+async def test_200_concurrent_connections_over_the_pool(mesh: dict) -> None:
+    server: App = mesh["server"]
+    payloads = [os.urandom(1000 + i) for i in range(200)]
+    results = await asyncio.wait_for(
+        asyncio.gather(*(echo_roundtrip((FRONTEND, 15080), SERVER, 8080, p) for p in payloads)), 60
+    )
+    assert [r.digest for r in results] == [sha(p) for p in payloads]
+    await wait_for(
+        lambda: metric(server, "istio_tcp_connections_closed_total", reporter="destination") >= 200
+    )
+    assert metric(server, "istio_tcp_connections_opened_total", reporter="destination") == 200

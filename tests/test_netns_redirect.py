@@ -1,0 +1,246 @@
+"""Real redirection, as root, in network namespaces the test creates.
+
+Two hosts joined by a veth: host A (10.77.0.1) runs an app and its dedicated proxy; host B
+(10.77.0.2) runs the server's proxy and an echo app. In A, `iptables -t nat ... REDIRECT --to-ports
+15001` captures the app's connection; the proxy recovers the original destination with
+SO_ORIGINAL_DST and carries it over HBONE to B. In B, plaintext arriving for the app is redirected
+to 15006, where authorization without identity applies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.netns import Netns, link, require_root
+
+pytestmark = pytest.mark.root
+
+A_IP, B_IP = "10.77.0.1", "10.77.0.2"
+
+CONFIG = f"""
+workloads:
+  - uid: n//v1/Pod/demo/client
+    name: client
+    namespace: demo
+    serviceAccount: client
+    trustDomain: cluster.local
+    workloadIps: ["{A_IP}"]
+    protocol: HBONE
+  - uid: n//v1/Pod/demo/server
+    name: server
+    namespace: demo
+    serviceAccount: server
+    trustDomain: cluster.local
+    workloadIps: ["{B_IP}"]
+    protocol: HBONE
+policies:
+  - name: strict-mtls
+    namespace: demo
+    scope: Namespace
+    action: Deny
+    dryRun: false
+    rules:
+      - - - notPrincipals: [!Presence []]
+"""
+
+ECHO = textwrap.dedent(
+    """
+    import socket, sys, threading
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(64)
+    def serve(c):
+        peer = c.getpeername()[0].encode()
+        while (d := c.recv(65536)):
+            c.sendall(d)
+        c.sendall(b"|peer=" + peer); c.close()
+    while True:
+        c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
+    """
+)
+
+CLIENT = textwrap.dedent(
+    """
+    import socket, sys
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+    if len(sys.argv) > 3:
+        c.setsockopt(socket.SOL_SOCKET, 36, int(sys.argv[3]))  # SO_MARK (only effective before connect)
+    c.sendall(b"hello"); c.shutdown(socket.SHUT_WR)
+    data = b""
+    try:
+        while (d := c.recv(65536)):
+            data += d
+    except ConnectionResetError:
+        pass
+    print(data.decode())
+    """
+)
+
+MARKED_CLIENT = textwrap.dedent(
+    """
+    import socket, sys
+    c = socket.socket(); c.settimeout(10)
+    c.setsockopt(socket.SOL_SOCKET, 36, 1337)  # SO_MARK: bypasses A's capture rule, like a non-mesh app
+    c.connect((sys.argv[1], int(sys.argv[2])))
+    c.sendall(b"hello"); c.shutdown(socket.SHUT_WR)
+    data = b""
+    try:
+        while (d := c.recv(65536)):
+            data += d
+    except ConnectionResetError:
+        pass
+    print(repr(data.decode()))
+    """
+)
+
+
+def proxy_env(name: str, config: Path, ip: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PROXY_MODE="dedicated",
+        PROXY_WORKLOAD_INFO=f"demo/{name}/{name}",
+        XDS_ADDRESS="",
+        FAKE_CA="true",
+        LOCAL_XDS_PATH=str(config),
+        PACKET_MARK="1337",
+        ADMIN_ADDRESS="127.0.0.1:15000",
+        STATS_ADDRESS=f"{ip}:15020",
+        READINESS_ADDRESS="127.0.0.1:15021",
+    )
+    env.update(extra)
+    return env
+
+
+def wait_ready(ns: Netns, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        r = ns.exec(
+            "curl",
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "http://127.0.0.1:15021/healthz/ready",
+            check=False,
+        )
+        if r.stdout == b"200":
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"proxy not ready: {log.read_text()}")
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[tuple[Netns, Netns, Path]]:
+    require_root("ip", "iptables", "curl")
+    a, b = Netns("zta"), Netns("ztb")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        link(a, A_IP, b, B_IP)
+        config = tmp_path / "mesh.yaml"
+        config.write_text(CONFIG)
+        (tmp_path / "echo.py").write_text(ECHO)
+        (tmp_path / "client.py").write_text(CLIENT)
+        (tmp_path / "marked_client.py").write_text(MARKED_CLIENT)
+        # Host A: capture the app's outbound TCP (not to loopback, not from the proxy's marked sockets).
+        a.exec(
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "OUTPUT",
+            "-p",
+            "tcp",
+            "!",
+            "-d",
+            "127.0.0.0/8",
+            "-m",
+            "mark",
+            "!",
+            "--mark",
+            "1337",
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            "15001",
+        )
+        # Host B: plaintext for the app (anything but HBONE) goes to the inbound plaintext listener.
+        b.exec(
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "PREROUTING",
+            "-p",
+            "tcp",
+            "!",
+            "--dport",
+            "15008",
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            "15006",
+        )
+        procs.append(
+            b.popen(
+                [sys.executable, str(tmp_path / "echo.py"), B_IP, "8080"],
+                dict(os.environ),
+                str(tmp_path / "echo.log"),
+            )
+        )
+        for ns, name, ip in ((a, "client", A_IP), (b, "server", B_IP)):
+            log = tmp_path / f"{name}.log"
+            p = ns.popen([sys.executable, "-m", "ztunnel", "proxy"], proxy_env(name, config, ip), str(log))
+            procs.append(p)
+            wait_ready(ns, p, log)
+        yield a, b, tmp_path
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        a.delete()
+        b.delete()
+
+
+def test_redirected_connection_goes_over_hbone(hosts: tuple[Netns, Netns, Path]) -> None:
+    a, b, tmp = hosts
+    out = a.exec(sys.executable, str(tmp / "client.py"), B_IP, "8080").stdout.decode().strip()
+    # The echo reached B's app and came back through both proxies.
+    assert out.startswith("hello|peer=")
+    # The server proxy saw it as mTLS from the client's identity, for the original destination.
+    metrics = b.exec("curl", "-s", f"http://{B_IP}:15020/metrics").stdout.decode()
+    opened = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("istio_tcp_connections_opened_total") and 'reporter="destination"' in line
+    ]
+    assert len(opened) == 1, metrics
+    assert 'source_principal="spiffe://cluster.local/ns/demo/sa/client"' in opened[0]
+    assert 'connection_security_policy="mutual_tls"' in opened[0]
+    assert opened[0].endswith(" 1.0") or opened[0].endswith(" 1")
+    # The client proxy learned the original destination from SO_ORIGINAL_DST.
+    log = (tmp / "client.log").read_text()
+    assert f"dst.hbone_addr={B_IP}:8080" in log, log
+
+
+def test_plaintext_inbound_is_denied_by_strict_policy(hosts: tuple[Netns, Netns, Path]) -> None:
+    a, b, tmp = hosts
+    out = a.exec(sys.executable, str(tmp / "marked_client.py"), B_IP, "8080").stdout.decode().strip()
+    assert out == "''"  # closed without a byte: plaintext has no identity, STRICT denies it
+    log = (tmp / "server.log").read_text()
+    assert "connection closed due to policy rejection: explicitly denied by: demo/strict-mtls" in log, log
+    dump = json.loads(b.exec("curl", "-s", "http://127.0.0.1:15000/config_dump").stdout)
+    assert [p["name"] for p in dump["policies"]] == ["strict-mtls"]

@@ -1,0 +1,214 @@
+"""The in-memory model of what a control plane sends: workloads and services (SPEC §6.8).
+
+These are immutable values. `xds.localconfig` builds them from the reference's YAML format and the
+xDS client from `istio.workload.Address` messages; `ztunnel.state` indexes them. Field names follow
+the proto's (snake_case); enums are Python enums whose values are the proto numbers.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from dataclasses import dataclass, field
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class TunnelProtocol(enum.IntEnum):
+    NONE = 0  # plain TCP ("TCP" in the local config)
+    HBONE = 1
+    LEGACY_ISTIO_MTLS = 2  # rejected at ingest
+
+
+class WorkloadStatus(enum.IntEnum):
+    HEALTHY = 0
+    UNHEALTHY = 1
+
+
+class NetworkMode(enum.IntEnum):
+    STANDARD = 0
+    HOST_NETWORK = 1
+
+
+class AppTunnelProtocol(enum.IntEnum):
+    NONE = 0
+    PROXY = 1
+
+
+class IPFamilies(enum.IntEnum):
+    AUTOMATIC = 0
+    IPV4_ONLY = 1
+    IPV6_ONLY = 2
+    DUAL = 3
+
+
+class Visibility(enum.IntEnum):
+    PUBLIC = 0
+    NAMESPACE = 1
+
+
+class LoadBalancingScope(enum.IntEnum):
+    UNSPECIFIED_SCOPE = 0
+    REGION = 1
+    ZONE = 2
+    SUBZONE = 3
+    NODE = 4
+    CLUSTER = 5
+    NETWORK = 6
+
+
+class LoadBalancingMode(enum.IntEnum):
+    UNSPECIFIED_MODE = 0  # "Standard" in the local config
+    STRICT = 1
+    FAILOVER = 2
+    PASSTHROUGH = 3
+
+
+class HealthPolicy(enum.IntEnum):
+    ONLY_HEALTHY = 0
+    ALLOW_ALL = 1
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkAddress:
+    """An IP in a network (`"<network>/<ip>"` in the local config; network may be empty)."""
+
+    network: str
+    address: IPAddress
+
+    def __str__(self) -> str:
+        return f"{self.network}/{self.address}"
+
+
+@dataclass(frozen=True, slots=True)
+class NamespacedHostname:
+    namespace: str
+    hostname: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.hostname}"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayAddress:
+    """A waypoint or network gateway: an address or a namespaced hostname, plus its HBONE port."""
+
+    destination: NetworkAddress | NamespacedHostname
+    hbone_mtls_port: int = 15008
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedWaypoint:
+    destination: GatewayAddress
+    weight: int
+
+
+@dataclass(frozen=True, slots=True)
+class ApplicationTunnel:
+    protocol: AppTunnelProtocol = AppTunnelProtocol.NONE
+    port: int | None = None  # None: keep the resolved port
+
+
+@dataclass(frozen=True, slots=True)
+class Locality:
+    region: str = ""
+    zone: str = ""
+    subzone: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    uid: str
+    name: str = ""
+    namespace: str = ""
+    addresses: tuple[IPAddress, ...] = ()
+    hostname: str = ""
+    network: str = ""
+    tunnel_protocol: TunnelProtocol = TunnelProtocol.NONE
+    trust_domain: str = ""
+    service_account: str = ""
+    waypoint: GatewayAddress | None = None
+    network_gateway: GatewayAddress | None = None
+    node: str = ""
+    canonical_name: str = ""
+    canonical_revision: str = ""
+    workload_type: str = ""  # lowercased: deployment | cronjob | pod | job (free string locally)
+    workload_name: str = ""
+    native_tunnel: bool = False
+    application_tunnel: ApplicationTunnel | None = None
+    # "namespace/hostname" -> {service port: target port}
+    services: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
+    authorization_policies: tuple[str, ...] = ()
+    status: WorkloadStatus = WorkloadStatus.HEALTHY
+    cluster_id: str = ""
+    locality: Locality = field(default_factory=Locality)
+    network_mode: NetworkMode = NetworkMode.STANDARD
+    capacity: int = 1
+
+    @property
+    def identity_uri(self) -> str:
+        """The SPIFFE URI of the workload (`spiffe://td/ns/ns/sa/sa`)."""
+        return f"spiffe://{self.trust_domain}/ns/{self.namespace}/sa/{self.service_account}"
+
+    def service_ports(self) -> dict[str, dict[int, int]]:
+        return {key: dict(ports) for key, ports in self.services}
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A workload's membership in a service: its port mapping (service port -> target port) and health."""
+
+    workload_uid: str
+    port: tuple[tuple[int, int], ...] = ()
+    status: WorkloadStatus = WorkloadStatus.HEALTHY
+
+    def target_port(self, service_port: int) -> int | None:
+        for svc, target in self.port:
+            if svc == service_port:
+                return target
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBalancer:
+    routing_preferences: tuple[LoadBalancingScope, ...] = ()
+    mode: LoadBalancingMode = LoadBalancingMode.UNSPECIFIED_MODE
+    health_policy: HealthPolicy = HealthPolicy.ONLY_HEALTHY
+
+
+@dataclass(frozen=True, slots=True)
+class CidrVip:
+    network: str
+    cidr: IPNetwork
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    name: str
+    namespace: str
+    hostname: str
+    vips: tuple[NetworkAddress, ...] = ()
+    cidr_vips: tuple[CidrVip, ...] = ()
+    ports: tuple[tuple[int, int], ...] = ()  # service port -> target port (0: per endpoint)
+    subject_alt_names: tuple[str, ...] = ()
+    waypoint: GatewayAddress | None = None
+    weighted_waypoints: tuple[WeightedWaypoint, ...] = ()
+    load_balancer: LoadBalancer | None = None
+    ip_families: IPFamilies = IPFamilies.AUTOMATIC
+    canonical: bool = False
+    visibility: Visibility = Visibility.PUBLIC
+    # Endpoints listed in the service itself (local config `endpoints`); the store merges the
+    # workloads' `services` memberships into its own endpoint sets.
+    endpoints: tuple[Endpoint, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.hostname}"
+
+    def target_port(self, service_port: int) -> int | None:
+        """The target port of a service port: None when the service lacks the port, 0 for per-endpoint."""
+        for svc, target in self.ports:
+            if svc == service_port:
+                return target
+        return None

@@ -1,0 +1,3 @@
+from ztunnel.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,304 @@
+"""`ztunnel demo`: the whole path on loopback, with real processes (CONTRACT §2).
+
+Three dedicated proxies run as `ztunnel proxy` processes, each bound to its workload's loopback
+address, fed by one local config file and issued certificates by the fake CA: a server workload
+(`demo/server`, 127.0.0.3) in front of an echo app, and two clients with different identities
+(`demo/frontend` on 127.0.0.2, `demo/intruder` on 127.0.0.4). A namespace policy allows only the
+frontend's identity. The demo drives one connection from each client through its proxy's SOCKS5
+listener, over HBONE to the server's proxy, and prints what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+TRUST_DOMAIN = "cluster.local"
+APP_PORT = 8080
+
+LOCAL_CONFIG = """\
+workloads:
+  - uid: demo//v1/Pod/demo/server
+    name: server
+    namespace: demo
+    serviceAccount: server
+    trustDomain: cluster.local
+    workloadIps: ["127.0.0.3"]
+    protocol: HBONE
+    canonicalName: echo
+    canonicalRevision: v1
+    workloadName: server
+    workloadType: deployment
+    clusterId: Kubernetes
+  - uid: demo//v1/Pod/demo/frontend
+    name: frontend
+    namespace: demo
+    serviceAccount: frontend
+    trustDomain: cluster.local
+    workloadIps: ["127.0.0.2"]
+    protocol: HBONE
+    canonicalName: frontend
+    workloadName: frontend
+    workloadType: deployment
+    clusterId: Kubernetes
+  - uid: demo//v1/Pod/demo/intruder
+    name: intruder
+    namespace: demo
+    serviceAccount: intruder
+    trustDomain: cluster.local
+    workloadIps: ["127.0.0.4"]
+    protocol: HBONE
+    canonicalName: intruder
+    workloadName: intruder
+    workloadType: deployment
+    clusterId: Kubernetes
+policies:
+  - name: only-frontend
+    namespace: demo
+    scope: Namespace
+    action: Allow
+    dryRun: false
+    rules:
+      - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
+"""
+
+
+@dataclass
+class DemoProxy:
+    name: str
+    ip: str
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def identity(self) -> str:
+        return f"spiffe://{TRUST_DOMAIN}/ns/demo/sa/{self.name}"
+
+    def env(self, config_path: Path) -> dict[str, str]:
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("XDS_", "CA_", "PROXY_", "LOCAL_XDS"))
+        }
+        env.update(
+            PROXY_MODE="dedicated",
+            PROXY_WORKLOAD_INFO=f"demo/{self.name}/{self.name}",
+            XDS_ADDRESS="",
+            FAKE_CA="true",
+            LOCAL_XDS_PATH=str(config_path),
+            PROXY_BIND_ADDRESS=self.ip,
+            UNSTABLE_ENABLE_SOCKS5="true",
+            SOCKS5_ADDRESS=f"{self.ip}:15080",
+            ADMIN_ADDRESS=f"{self.ip}:15000",
+            STATS_ADDRESS=f"{self.ip}:15020",
+            READINESS_ADDRESS=f"{self.ip}:15021",
+            LOG_LEVEL="info",
+        )
+        return env
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def http_post(url: str, timeout: float = 2.0) -> int:
+    req = urllib.request.Request(url, method="POST", data=b"")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def wait_ready(proxy: DemoProxy, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        assert proxy.process is not None
+        if proxy.process.poll() is not None:
+            raise RuntimeError(
+                f"proxy {proxy.name} exited with {proxy.process.returncode}: see {proxy.log_path}"
+            )
+        try:
+            status, body = http_get(f"http://{proxy.ip}:15021/healthz/ready", timeout=0.5)
+            if status == 200:
+                return
+            last = body.strip()
+        except OSError as e:
+            last = str(e)
+        time.sleep(0.1)
+    raise RuntimeError(f"proxy {proxy.name} not ready after {timeout}s: {last}")
+
+
+async def echo_server(host: str, port: int) -> asyncio.AbstractServer:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)
+
+
+async def socks5_exchange(proxy_ip: str, target: tuple[str, int], payload: bytes) -> tuple[int, bytes]:
+    """One SOCKS5 CONNECT through a proxy; returns (reply code, echoed bytes)."""
+    reader, writer = await asyncio.open_connection(proxy_ip, 15080)
+    try:
+        writer.write(b"\x05\x01\x00")
+        await reader.readexactly(2)
+        ip = bytes(int(x) for x in target[0].split("."))
+        writer.write(b"\x05\x01\x00\x01" + ip + target[1].to_bytes(2, "big"))
+        head = await reader.readexactly(4)
+        code = head[1]
+        if code != 0:
+            return code, b""
+        await reader.readexactly(6)
+        writer.write(payload)
+        writer.write_eof()
+        echoed = await asyncio.wait_for(reader.read(), 10)
+        return code, echoed
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return -1, b""
+    finally:
+        writer.close()
+
+
+METRIC_LINE = re.compile(r"^(istio_tcp_\w+)\{(.*)\}\s+([0-9.e+]+)$")
+
+
+def scrape(proxy: DemoProxy) -> list[tuple[str, dict[str, str], float]]:
+    _, text = http_get(f"http://{proxy.ip}:15020/metrics")
+    out = []
+    for line in text.splitlines():
+        m = METRIC_LINE.match(line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            out.append((m.group(1), labels, float(m.group(3))))
+    return out
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+async def drive(server: DemoProxy, clients: list[DemoProxy]) -> tuple[list[list[str]], bool]:
+    rows = [["client", "identity", "to", "expected", "outcome", "bytes sent/echoed"]]
+    ok = True
+    for client, allowed in zip(clients, (True, False), strict=True):
+        payload = f"hello from {client.name}\n".encode() * 64
+        code, echoed = await socks5_exchange(client.ip, (server.ip, APP_PORT), payload)
+        passed = echoed == payload and code == 0
+        outcome = "allowed" if passed else (f"denied (SOCKS5 reply {code})" if code > 0 else "failed")
+        behaved = passed == allowed and (allowed or code == 2)
+        ok &= behaved
+        rows.append(
+            [
+                client.name,
+                client.identity,
+                f"{server.ip}:{APP_PORT}",
+                "allow" if allowed else "deny",
+                outcome + ("" if behaved else "  <-- unexpected"),
+                f"{len(payload)}/{len(echoed)}",
+            ]
+        )
+    return rows, ok
+
+
+def run_demo(*, keep: bool = False) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="ztunnel-demo-"))
+    config_path = workdir / "local.yaml"
+    config_path.write_text(LOCAL_CONFIG)
+    server = DemoProxy("server", "127.0.0.3")
+    clients = [DemoProxy("frontend", "127.0.0.2"), DemoProxy("intruder", "127.0.0.4")]
+    proxies = [server, *clients]
+
+    async def main() -> int:
+        echo = await echo_server(server.ip, APP_PORT)
+        try:
+            for p in proxies:
+                p.log_path = workdir / f"{p.name}.log"
+                p.process = subprocess.Popen(
+                    [sys.executable, "-m", "ztunnel", "proxy"],
+                    env=p.env(config_path),
+                    stdout=p.log_path.open("wb"),
+                    stderr=subprocess.STDOUT,
+                )
+            for p in proxies:
+                await asyncio.to_thread(wait_ready, p)
+            print("ztunnel demo: three dedicated proxies on loopback, certificates from the fake CA\n")
+            rows, ok = await drive(server, clients)
+            print(table(rows))
+            await asyncio.sleep(0.3)  # let the server proxy finish its records
+            metrics = [["metric (server proxy, reporter=destination)", "source_principal", "flags", "value"]]
+            for name, labels, value in scrape(server):
+                if labels.get("reporter") == "destination":
+                    metrics.append(
+                        [
+                            name,
+                            labels.get("source_principal", ""),
+                            labels.get("response_flags", ""),
+                            f"{value:g}",
+                        ]
+                    )
+            print()
+            print(table(metrics) if len(metrics) > 1 else "no traffic metrics on the server proxy")
+            opened = sum(v for n, lb, v in scrape(server) if n == "istio_tcp_connections_opened_total")
+            ok &= opened >= 2
+            print(f"\naccess logs and proxy output: {workdir}")
+            if keep:
+                print(
+                    "\nThe demo keeps running. Try:\n"
+                    f"  curl --socks5 127.0.0.2:15080 telnet://{server.ip}:{APP_PORT}   (frontend: allowed)\n"
+                    f"  curl --socks5 127.0.0.4:15080 telnet://{server.ip}:{APP_PORT}   (intruder: denied)\n"
+                    "  curl -s 127.0.0.3:15000/config_dump | less\n"
+                    "  curl -s 127.0.0.3:15020/metrics | grep istio_tcp\n"
+                    "Press Ctrl-C to stop."
+                )
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                loop.add_signal_handler(signal.SIGINT, stop.set)
+                loop.add_signal_handler(signal.SIGTERM, stop.set)
+                await stop.wait()
+            print("\nresult:", "everything behaved" if ok else "SOMETHING MISBEHAVED")
+            return 0 if ok else 1
+        finally:
+            for p in proxies:
+                if p.process and p.process.poll() is None:
+                    try:
+                        http_post(f"http://{p.ip}:15000/quitquitquit")
+                    except OSError:
+                        p.process.terminate()
+            for p in proxies:
+                if p.process:
+                    try:
+                        p.process.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        p.process.kill()
+            echo.close()
+
+    try:
+        return asyncio.run(main())
+    except RuntimeError as e:
+        print(f"ztunnel demo: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if not keep and os.environ.get("ZTUNNEL_DEMO_KEEP_LOGS") != "1":
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,419 @@
+"""Workload certificates per identity: the fake CA, the CA client interface and the secret manager that
+fetches, shares, rotates and forgets certificates (SPEC §8.1, §8.3).
+
+The secret manager is process-wide: every proxy whose workload has the same identity shares one
+certificate. Rotation runs at half-life off an injectable clock; `refresh_due(now)` is the step the
+background scheduler takes, so tests can drive rotation without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import heapq
+import itertools
+import logging
+import random
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from enum import IntEnum
+from importlib import resources
+from typing import Any, Protocol
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from hbone.identity import Identity
+from hbone.tls import WorkloadCertificate
+
+log = logging.getLogger(__name__)
+
+FAKE_CA_VALIDITY = timedelta(hours=24)
+INITIAL_BACKOFF = 1.0
+MAX_BACKOFF = 150.0
+MAX_CONCURRENT_FETCHES = 8
+# The scheduler re-reads the wall clock at least this often, so clock jumps are noticed.
+_MAX_SLEEP = 60.0
+
+
+class CaError(Exception):
+    """The CA did not issue a certificate."""
+
+
+class CertificateUnavailable(Exception):
+    """No usable certificate for an identity (the IDENTITY_ERROR of the reference)."""
+
+
+class CaClient(Protocol):
+    async def fetch(self, identity: Identity) -> WorkloadCertificate: ...
+
+
+class Priority(IntEnum):
+    """Order in which queued CA calls are made (lower first)."""
+
+    REALTIME = 0  # a connection is waiting
+    WARMUP = 1  # prefetch
+    BACKGROUND = 2  # scheduled rotation
+
+
+# --- fake CA -----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _embedded_root() -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, bytes]:
+    data = resources.files("ztunnel") / "testdata"
+    key = serialization.load_pem_private_key(data.joinpath("ca-key.pem").read_bytes(), password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise TypeError("embedded test CA key is not an EC key")
+    root_pem = data.joinpath("root-cert.pem").read_bytes()
+    return key, x509.load_pem_x509_certificate(root_pem), root_pem
+
+
+_ORG = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "cluster.local")])
+
+
+class FakeCA:
+    """In-process CA signing with the embedded test root (`FAKE_CA=true`): every process using it trusts
+    every other one. Trust domain `error` with namespace `forgotten` simulates a CA failure."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._key, self._root, self._root_pem = _embedded_root()
+
+    @property
+    def root_pem(self) -> bytes:
+        return self._root_pem
+
+    def issue(self, identity: Identity, now: datetime | None = None) -> WorkloadCertificate:
+        if identity.trust_domain == "error" and identity.namespace == "forgotten":
+            raise CaError(f"simulated CA failure for {identity}")
+        # X.509 times have whole seconds; keep WorkloadCertificate equal to what the cert says.
+        not_before = (now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
+        not_after = not_before + FAKE_CA_VALIDITY
+        key = ec.generate_private_key(ec.SECP256R1())
+        serial = 0
+        while serial == 0:
+            serial = secrets.randbits(159)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_ORG)
+            .issuer_name(self._root.subject)
+            .public_key(key.public_key())
+            .serial_number(serial)
+            .not_valid_before(not_before)
+            .not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=True,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .add_extension(
+                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]), critical=True
+            )
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False
+            )
+            .sign(self._key, hashes.SHA256())
+        )
+        return WorkloadCertificate(
+            identity=identity,
+            chain_pem=(cert.public_bytes(serialization.Encoding.PEM),),
+            key_pem=key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+            roots_pem=(self._root_pem,),
+            not_before=not_before,
+            not_after=not_after,
+        )
+
+    async def fetch(self, identity: Identity) -> WorkloadCertificate:
+        return self.issue(identity, datetime.fromtimestamp(self._clock(), UTC))
+
+
+# --- secret manager ----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Ticket:
+    priority: Priority
+    seq: int
+    future: asyncio.Future[None] | None = None
+
+
+class _CallSlots:
+    """At most `limit` CA calls at once; queued calls go by priority, then oldest first."""
+
+    def __init__(self, limit: int) -> None:
+        self._free = limit
+        self._queue: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    def ticket(self, priority: Priority) -> _Ticket:
+        return _Ticket(priority, next(self._seq))
+
+    async def acquire(self, ticket: _Ticket) -> None:
+        if self._free > 0:
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ticket.future = fut
+        heapq.heappush(self._queue, (ticket.priority, ticket.seq, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # the slot was handed over just as we were cancelled
+            raise
+
+    def bump(self, ticket: _Ticket, priority: Priority) -> None:
+        if priority >= ticket.priority:
+            return
+        ticket.priority = priority
+        if ticket.future is not None and not ticket.future.done():
+            # The stale heap entry is skipped once the future is done.
+            heapq.heappush(self._queue, (priority, ticket.seq, ticket.future))
+
+    def release(self) -> None:
+        while self._queue:
+            _, _, fut = heapq.heappop(self._queue)
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._free += 1
+
+
+@dataclass(eq=False)
+class _Entry:
+    cert: WorkloadCertificate | None = None
+    error: str | None = None  # set only while there is no valid certificate
+    fetch: asyncio.Task[WorkloadCertificate] | None = None
+    ticket: _Ticket | None = None
+    refresh_at: float | None = None
+    backoff: float = INITIAL_BACKOFF
+
+    @property
+    def state(self) -> str:
+        if self.cert is not None:
+            return "Available"
+        if self.error is not None:
+            return f"Unavailable: {self.error}"
+        return "Initializing"
+
+
+class SecretManager:
+    """Certificates by identity: one shared in-flight fetch, rotation at half-life, retry with backoff."""
+
+    def __init__(
+        self,
+        ca: CaClient,
+        *,
+        clock: Callable[[], float] = time.time,
+        max_concurrent_fetches: int = MAX_CONCURRENT_FETCHES,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._ca = ca
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._slots = _CallSlots(max_concurrent_fetches)
+        self._entries: dict[Identity, _Entry] = {}
+        self._wake = asyncio.Event()
+        self._scheduler: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def get(self, identity: Identity) -> WorkloadCertificate:
+        """The identity's certificate, waiting for an in-flight fetch; raise CertificateUnavailable."""
+        entry = self._entry(identity, Priority.REALTIME)
+        cert = entry.cert
+        if cert is not None and self._clock() < cert.not_after.timestamp():
+            return cert
+        if entry.fetch is None:
+            if entry.error is not None:
+                raise CertificateUnavailable(entry.error)
+            self._start_fetch(identity, entry, Priority.REALTIME)
+        elif entry.ticket is not None:
+            self._slots.bump(entry.ticket, Priority.REALTIME)
+        task = entry.fetch
+        assert task is not None
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):
+                raise CertificateUnavailable(f"{identity} was forgotten") from None
+            raise
+
+    def prefetch(self, identity: Identity) -> None:
+        """Start fetching a certificate that will soon be needed (at Warmup priority)."""
+        self._entry(identity, Priority.WARMUP)
+
+    def forget(self, identity: Identity) -> None:
+        """Drop the identity's certificate and stop its refreshes."""
+        entry = self._entries.pop(identity, None)
+        if entry is not None and entry.fetch is not None:
+            entry.fetch.cancel()
+
+    def identities(self) -> list[Identity]:
+        return sorted(self._entries, key=str)
+
+    async def refresh_due(self, now: float | None = None) -> list[Identity]:
+        """Start the refreshes and retries due at `now` (default: the clock) and wait for them."""
+        started = self._start_due(self._clock() if now is None else now)
+        await asyncio.gather(*(task for _, task in started), return_exceptions=True)
+        return [identity for identity, _ in started]
+
+    def dump(self) -> list[dict[str, Any]]:
+        """The `certificates` section of `/config_dump` (SPEC §10.5), sorted by identity."""
+        out = []
+        for identity in self.identities():
+            entry = self._entries[identity]
+            chain: list[dict[str, str]] = []
+            roots: list[dict[str, str]] = []
+            if entry.cert is not None:
+                chain = [_cert_dump(c) for pem in entry.cert.chain_pem for c in _load_certs(pem)]
+                roots = [_cert_dump(c) for pem in entry.cert.roots_pem for c in _load_certs(pem)]
+            out.append(
+                {"identity": str(identity), "state": entry.state, "certChain": chain, "rootCerts": roots}
+            )
+        return out
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks: list[asyncio.Task[Any]] = [e.fetch for e in self._entries.values() if e.fetch is not None]
+        if self._scheduler is not None:
+            tasks.append(self._scheduler)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._entries.clear()
+
+    # --- internals ---
+
+    def _entry(self, identity: Identity, priority: Priority) -> _Entry:
+        if self._closed:
+            raise CertificateUnavailable("secret manager is closed")
+        entry = self._entries.get(identity)
+        if entry is None:
+            entry = self._entries[identity] = _Entry()
+            self._start_fetch(identity, entry, priority)
+            self._ensure_scheduler()
+        return entry
+
+    def _start_fetch(
+        self, identity: Identity, entry: _Entry, priority: Priority
+    ) -> asyncio.Task[WorkloadCertificate]:
+        entry.refresh_at = None
+        entry.ticket = self._slots.ticket(priority)
+        task = asyncio.get_running_loop().create_task(
+            self._run_fetch(identity, entry, entry.ticket), name=f"fetch certificate {identity}"
+        )
+        task.add_done_callback(_consume_result)
+        entry.fetch = task
+        return task
+
+    async def _run_fetch(self, identity: Identity, entry: _Entry, ticket: _Ticket) -> WorkloadCertificate:
+        try:
+            await self._slots.acquire(ticket)
+            try:
+                cert = await self._ca.fetch(identity)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                return self._fetch_failed(identity, entry, e)
+            finally:
+                self._slots.release()
+            entry.cert, entry.error, entry.backoff = cert, None, INITIAL_BACKOFF
+            not_before, not_after = cert.not_before.timestamp(), cert.not_after.timestamp()
+            entry.refresh_at = not_before + (not_after - not_before) / 2
+            log.debug("fetched certificate for %s, refresh at %s", identity, entry.refresh_at)
+            return cert
+        finally:
+            entry.fetch = None
+            entry.ticket = None
+            self._wake.set()
+
+    def _fetch_failed(self, identity: Identity, entry: _Entry, err: Exception) -> WorkloadCertificate:
+        now = self._clock()
+        message = str(err) or type(err).__name__
+        delay = entry.backoff * self._rng.uniform(0.8, 1.2)
+        entry.backoff = min(entry.backoff * 2, MAX_BACKOFF)
+        cert = entry.cert
+        if cert is not None and now < cert.not_after.timestamp():
+            entry.refresh_at = min(now + delay, cert.not_after.timestamp())
+            log.warning(
+                "failed to refresh certificate for %s, keeping the current one: %s", identity, message
+            )
+            return cert
+        entry.cert, entry.error = None, message
+        entry.refresh_at = now + delay
+        log.warning("failed to fetch certificate for %s: %s", identity, message)
+        raise CertificateUnavailable(message)
+
+    def _start_due(self, now: float) -> list[tuple[Identity, asyncio.Task[WorkloadCertificate]]]:
+        started = []
+        for identity, entry in list(self._entries.items()):
+            if entry.fetch is None and entry.refresh_at is not None and entry.refresh_at <= now:
+                started.append((identity, self._start_fetch(identity, entry, Priority.BACKGROUND)))
+        return started
+
+    def _ensure_scheduler(self) -> None:
+        if self._scheduler is None or self._scheduler.done():
+            self._scheduler = asyncio.get_running_loop().create_task(
+                self._schedule(), name="certificate rotation"
+            )
+
+    async def _schedule(self) -> None:
+        while True:
+            self._wake.clear()
+            now = self._clock()
+            self._start_due(now)
+            due = [
+                e.refresh_at for e in self._entries.values() if e.fetch is None and e.refresh_at is not None
+            ]
+            timeout = min(max(0.0, min(due) - now), _MAX_SLEEP) if due else None
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+
+def _consume_result(task: asyncio.Task[WorkloadCertificate]) -> None:
+    # Prefetch and rotation fetches have no waiter; their failures are already in the entry's state.
+    if not task.cancelled():
+        task.exception()
+
+
+def _load_certs(pem: bytes) -> list[x509.Certificate]:
+    return x509.load_pem_x509_certificates(pem)
+
+
+def _rfc3339(when: datetime) -> str:
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _cert_dump(cert: x509.Certificate) -> dict[str, str]:
+    return {
+        "pem": base64.b64encode(cert.public_bytes(serialization.Encoding.PEM)).decode("ascii"),
+        "serialNumber": str(cert.serial_number),
+        "validFrom": _rfc3339(cert.not_valid_before_utc),
+        "expirationTime": _rfc3339(cert.not_valid_after_utc),
+    }

@@ -1,0 +1,244 @@
+"""Logging: the level filter, the plain and JSON line formats, and access-log emission (SPEC §10.4, §10.5).
+
+Logger names are the targets of the reference: `access` for access logs, `dns` for DNS queries and the
+module path (`ztunnel.proxy`, `hbone.pool`, …) for the rest; the `ztunnel.` prefix is not printed, as the
+reference strips `ztunnel::`. Structured fields travel on the record as `extra={"fields": mapping}`.
+
+Filter syntax, as `RUST_LOG`: comma-separated directives, each a level (the default) or
+`target=level`, where the target matches that logger and its children; `::` in a target is read as
+`.`. Levels: error, warn, info, debug, trace, off. Without a default directive the default is `info`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import sys
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+TRACE = 5
+OFF = logging.CRITICAL + 10
+logging.addLevelName(TRACE, "TRACE")
+
+LEVELS: Mapping[str, int] = {
+    "error": logging.ERROR,
+    "warn": logging.WARNING,
+    "info": logging.INFO,
+    "debug": logging.DEBUG,
+    "trace": TRACE,
+    "off": OFF,
+}
+
+ACCESS = logging.getLogger("access")
+
+_TARGET_PREFIX = "ztunnel."
+
+
+class Bare(str):
+    """A string value printed without quotes in the plain format (addresses and the like)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class LogFilter:
+    """A parsed filter: the default level (None: not given) and per-target levels in order."""
+
+    default: str | None
+    targets: tuple[tuple[str, str], ...] = ()
+
+    def merged(self, other: LogFilter) -> LogFilter:
+        """`other` appended to this filter: its default and targets replace the ones they name."""
+        targets = dict(self.targets)
+        for target, level in other.targets:
+            targets.pop(target, None)
+            targets[target] = level
+        return LogFilter(other.default or self.default, tuple(targets.items()))
+
+    def __str__(self) -> str:
+        parts = [self.default or "info"]
+        parts.extend(f"{target}={level}" for target, level in self.targets)
+        return ",".join(parts)
+
+
+def parse_filter(spec: str) -> LogFilter:
+    """Parse `info,access=debug`; raise ValueError naming the bad directive."""
+    default: str | None = None
+    targets: dict[str, str] = {}
+    directives = [d.strip() for d in spec.split(",")]
+    if not any(directives):
+        raise ValueError("empty log level")
+    for directive in directives:
+        if not directive:
+            continue
+        target, sep, level = directive.rpartition("=")
+        level = level.strip().lower()
+        if level not in LEVELS:
+            raise ValueError(
+                f"invalid level {level!r} in {directive!r} (expected one of {', '.join(LEVELS)})"
+            )
+        if not sep:
+            default = level
+            continue
+        target = target.strip().replace("::", ".")
+        if not target or any(c in target for c in "=[]{} "):
+            raise ValueError(f"invalid target in {directive!r}")
+        targets.pop(target, None)
+        targets[target] = level
+    return LogFilter(default, tuple(targets.items()))
+
+
+class _State:
+    handler: logging.Handler | None = None
+    startup = LogFilter("info")
+    current = LogFilter("info")
+    touched: set[str] = set()
+
+
+def _apply(flt: LogFilter) -> None:
+    logging.getLogger().setLevel(LEVELS[flt.default or "info"])
+    wanted = dict(flt.targets)
+    for name in _State.touched - wanted.keys():
+        logging.getLogger(name).setLevel(logging.NOTSET)
+    for name, level in wanted.items():
+        logging.getLogger(name).setLevel(LEVELS[level])
+    _State.touched = set(wanted)
+    _State.current = flt
+
+
+def setup_logging(log_format: str, level_filter: str, stream: TextIO | None = None) -> None:
+    """Install the formatter on the root logger (stderr unless `stream`) and apply the filter."""
+    if log_format == "plain":
+        formatter: logging.Formatter = PlainFormatter()
+    elif log_format == "json":
+        formatter = JsonFormatter()
+    else:
+        raise ValueError(f"invalid log format {log_format!r} (expected plain or json)")
+    flt = parse_filter(level_filter)
+    root = logging.getLogger()
+    if _State.handler is not None:
+        root.removeHandler(_State.handler)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(formatter)
+    root.addHandler(handler)
+    _State.handler = handler
+    _State.startup = flt
+    _apply(flt)
+
+
+def current_filter() -> str:
+    return str(_State.current)
+
+
+def set_filter(spec: str, reset: bool) -> str:
+    """Change the filter at runtime (admin `/logging`): append `spec`, after going back to the startup
+    filter when `reset`. Return the new filter; raise ValueError when `spec` is invalid."""
+    base = _State.startup if reset else _State.current
+    if spec or not reset:
+        base = base.merged(parse_filter(spec))
+    _apply(base)
+    return str(base)
+
+
+def log_fields(logger: logging.Logger, level: int, message: str, fields: Mapping[str, object]) -> None:
+    """Emit `message` with structured `fields` (insertion order kept, None values left out)."""
+    if logger.isEnabledFor(level):
+        logger.log(level, message, extra={"fields": fields})
+
+
+def access_log(level: int, message: str, fields: Mapping[str, object]) -> None:
+    if ACCESS.isEnabledFor(level):
+        ACCESS.log(level, message, extra={"fields": fields})
+
+
+# --- formats -----------------------------------------------------------------------------------
+
+
+def _level_name(levelno: int) -> str:
+    if levelno >= logging.ERROR:
+        return "error"
+    if levelno >= logging.WARNING:
+        return "warn"
+    if levelno >= logging.INFO:
+        return "info"
+    if levelno >= logging.DEBUG:
+        return "debug"
+    return "trace"
+
+
+def _target(name: str) -> str:
+    return name[len(_TARGET_PREFIX) :] if name.startswith(_TARGET_PREFIX) else name
+
+
+def _timestamp(created: float) -> str:
+    return datetime.fromtimestamp(created, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _quote(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _bare_text(value: object) -> str | None:
+    """The unquoted rendering of values that print bare, or None for values that are quoted."""
+    if isinstance(value, Bare):
+        return str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, ipaddress.IPv4Address | ipaddress.IPv6Address):
+        return str(value)
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], int):
+        host = str(value[0])
+        return f"[{host}]:{value[1]}" if ":" in host else f"{host}:{value[1]}"
+    return None
+
+
+def _fields(record: logging.LogRecord) -> list[tuple[str, object]]:
+    fields: Mapping[str, object] = getattr(record, "fields", None) or {}
+    items = [(k, v) for k, v in fields.items() if v is not None]
+    if record.exc_info and record.exc_info[1] is not None:
+        items.append(("exception", "".join(traceback.format_exception(record.exc_info[1])).rstrip()))
+    return items
+
+
+class PlainFormatter(logging.Formatter):
+    """`<time>\\t<level>\\t<target>\\t"<message>"\\t<k=v …>`: strings quoted, numbers and addresses bare."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = (
+            f"{_timestamp(record.created)}\t{_level_name(record.levelno)}\t{_target(record.name)}\t"
+            f"{_quote(record.getMessage())}"
+        )
+        items = _fields(record)
+        if not items:
+            return line
+        rendered = []
+        for key, value in items:
+            bare = _bare_text(value)
+            rendered.append(f"{key}={bare if bare is not None else _quote(str(value))}")
+        return line + "\t" + " ".join(rendered)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: level, time, scope, message, then the fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        obj: dict[str, Any] = {
+            "level": _level_name(record.levelno),
+            "time": _timestamp(record.created),
+            "scope": _target(record.name),
+            "message": record.getMessage(),
+        }
+        for key, value in _fields(record):
+            if isinstance(value, bool | int | float) and not isinstance(value, Bare):
+                obj[key] = value
+            else:
+                bare = _bare_text(value)
+                obj[key] = bare if bare is not None else str(value)
+        return json.dumps(obj, ensure_ascii=False)

@@ -1,0 +1,234 @@
+"""Prometheus metrics of the proxy: the `istio_tcp_*` traffic families, open sockets, build info, and
+their rendering for the stats endpoint (SPEC §10.1-§10.3).
+
+Everything lives in one `CollectorRegistry` per `Metrics` (never the process-global one). The traffic
+counters are our own collector rather than `prometheus_client.Counter`: a connection resolves its
+counter cells once and then adds to a plain attribute per chunk (no lock, no label lookup), which is
+safe because each data-plane event loop owns its `Metrics`; it also keeps `_created` samples, which
+the reference does not emit, out of the output.
+
+`response_flags` is decided only when a connection closes, so the opened and byte counters carry
+`response_flags="-"` (as the reference, which records them with the flags of a fresh connection) and
+only `closed` and `failed` carry the final flag.
+
+Runtime families: `process_*` come from prometheus_client's process collector; the reference's
+`tokio_*` event-loop gauges have no equivalent here.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text;charset=utf-8;version=1.0.0"
+
+Reporter = Literal["source", "destination"]
+
+NO_FLAGS = "-"
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficLabels:
+    """The traffic label set except `response_flags` (given at close); fields in emission order.
+
+    Empty strings render as `unknown`, like absent values.
+    """
+
+    reporter: str = UNKNOWN
+    source_workload: str = UNKNOWN
+    source_canonical_service: str = UNKNOWN
+    source_canonical_revision: str = UNKNOWN
+    source_workload_namespace: str = UNKNOWN
+    source_principal: str = UNKNOWN
+    source_app: str = UNKNOWN
+    source_version: str = UNKNOWN
+    source_cluster: str = UNKNOWN
+    destination_service: str = UNKNOWN
+    destination_service_namespace: str = UNKNOWN
+    destination_service_name: str = UNKNOWN
+    destination_workload: str = UNKNOWN
+    destination_canonical_service: str = UNKNOWN
+    destination_canonical_revision: str = UNKNOWN
+    destination_workload_namespace: str = UNKNOWN
+    destination_principal: str = UNKNOWN
+    destination_app: str = UNKNOWN
+    destination_version: str = UNKNOWN
+    destination_cluster: str = UNKNOWN
+    request_protocol: str = "tcp"
+    connection_security_policy: str = UNKNOWN
+    source_region: str = UNKNOWN
+    source_zone: str = UNKNOWN
+    destination_region: str = UNKNOWN
+    destination_zone: str = UNKNOWN
+
+
+_FIELDS = tuple(f.name for f in fields(TrafficLabels))
+# SPEC §10.3: response_flags sits between request_protocol and connection_security_policy.
+_FLAGS_AT = _FIELDS.index("request_protocol") + 1
+TRAFFIC_LABEL_NAMES: tuple[str, ...] = (*_FIELDS[:_FLAGS_AT], "response_flags", *_FIELDS[_FLAGS_AT:])
+_label_values = operator.attrgetter(*_FIELDS)
+
+
+def _values(labels: TrafficLabels, flags: str) -> tuple[str, ...]:
+    vals = tuple(v or UNKNOWN for v in _label_values(labels))
+    return (*vals[:_FLAGS_AT], flags, *vals[_FLAGS_AT:])
+
+
+class CounterCell:
+    """One labelled counter value; `inc` is the hot-path operation."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
+
+
+class _CounterFamily:
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.cells: dict[tuple[str, ...], CounterCell] = {}
+
+    def cell(self, values: tuple[str, ...]) -> CounterCell:
+        cell = self.cells.get(values)
+        if cell is None:
+            cell = self.cells[values] = CounterCell()
+        return cell
+
+    def family(self) -> CounterMetricFamily:
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, cell in list(self.cells.items()):
+            fam.add_metric(values, cell.value)
+        return fam
+
+
+class _TrafficCollector(Collector):
+    def __init__(self, families: Iterable[_CounterFamily]) -> None:
+        self._families = tuple(families)
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(f.name, f.documentation, labels=f.labelnames) for f in self._families]
+
+    def collect(self) -> Iterator[Metric]:
+        for f in self._families:
+            if f.cells:
+                yield f.family()
+
+
+class ConnectionMetrics:
+    """The counters of one connection, resolved when it opened."""
+
+    __slots__ = ("_closed", "_labels", "_metrics", "received_cell", "sent_cell")
+
+    def __init__(self, metrics: Metrics, labels: TrafficLabels) -> None:
+        self._metrics = metrics
+        self._labels = labels
+        self._closed = False
+        values = _values(labels, NO_FLAGS)
+        metrics._opened.cell(values).inc()
+        self.received_cell = metrics._received.cell(values)
+        self.sent_cell = metrics._sent.cell(values)
+
+    @property
+    def labels(self) -> TrafficLabels:
+        return self._labels
+
+    def received(self, n: int) -> None:
+        """Bytes read from downstream and written upstream."""
+        self.received_cell.inc(n)
+
+    def sent(self, n: int) -> None:
+        """Bytes from upstream written back downstream."""
+        self.sent_cell.inc(n)
+
+    def close(self, response_flags: str = NO_FLAGS) -> None:
+        """Count the close once, with the final flags; any flag but `-` also counts a failure."""
+        if self._closed:
+            return
+        self._closed = True
+        values = _values(self._labels, response_flags)
+        self._metrics._closed.cell(values).inc()
+        if response_flags != NO_FLAGS:
+            self._metrics._failed.cell(values).inc()
+
+
+class Metrics:
+    """The proxy's metrics registry."""
+
+    def __init__(self, istio_version: str = UNKNOWN, *, process_metrics: bool = True) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._opened = _CounterFamily(
+            "istio_tcp_connections_opened", "The total number of TCP connections opened", TRAFFIC_LABEL_NAMES
+        )
+        self._closed = _CounterFamily(
+            "istio_tcp_connections_closed", "The total number of TCP connections closed", TRAFFIC_LABEL_NAMES
+        )
+        self._received = _CounterFamily(
+            "istio_tcp_received_bytes",
+            "The size of total bytes received during request in case of a TCP connection",
+            TRAFFIC_LABEL_NAMES,
+        )
+        self._sent = _CounterFamily(
+            "istio_tcp_sent_bytes",
+            "The size of total bytes sent during response in case of a TCP connection",
+            TRAFFIC_LABEL_NAMES,
+        )
+        self._failed = _CounterFamily(
+            "istio_tcp_connections_failed",
+            "The total number of TCP connections that failed to establish (unstable)",
+            TRAFFIC_LABEL_NAMES,
+        )
+        self.registry.register(
+            _TrafficCollector((self._opened, self._closed, self._received, self._sent, self._failed))
+        )
+        self._sockets_open = Gauge(
+            "istio_tcp_sockets_open",
+            "The current number of open TCP sockets (unstable)",
+            ["reporter"],
+            registry=self.registry,
+        )
+        build = Gauge(
+            "istio_build", "Istio component build info", ["component", "tag"], registry=self.registry
+        )
+        build.labels(component="ztunnel", tag=istio_version or UNKNOWN).set(1)
+        if process_metrics:
+            ProcessCollector(registry=self.registry)
+
+    def open_connection(self, labels: TrafficLabels) -> ConnectionMetrics:
+        """Count an opened connection and return its pre-resolved counters."""
+        return ConnectionMetrics(self, labels)
+
+    def sockets_open(self, reporter: Reporter) -> Gauge:
+        """The `istio_tcp_sockets_open` gauge of one reporter (inc on accept, dec on close)."""
+        return self._sockets_open.labels(reporter=reporter)
+
+    def render(self, accept_header: str | None) -> tuple[bytes, str]:
+        """The exposition body and its content type, negotiated from an `Accept` header.
+
+        The body is OpenMetrics text either way (as the reference); only the content type differs.
+        """
+        body = generate_latest(self.registry)
+        return body, OPENMETRICS_CONTENT_TYPE if wants_openmetrics(accept_header) else TEXT_CONTENT_TYPE
+
+
+def wants_openmetrics(accept_header: str | None) -> bool:
+    if not accept_header:
+        return False
+    for entry in accept_header.split(","):
+        media_type = entry.split(";", 1)[0].strip().lower()
+        if media_type == "application/openmetrics-text":
+            return True
+    return False

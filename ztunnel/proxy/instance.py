@@ -1,0 +1,668 @@
+"""One proxy instance: the listeners of one workload and the flows behind them (SPEC §3, §4).
+
+Outbound (15001) and SOCKS5 (15080) resolve a route and carry the app's bytes by TCP or inside an
+HBONE stream from the pool; inbound HBONE (15008) validates each CONNECT, authorizes it and delivers
+it to the app; inbound plaintext (15006) authorizes by address only. Every carried connection gets a
+`ConnectionRecord` (metrics and the access log) and is tracked so that a drain can wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import secrets as pyrandom
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from hbone.client import HboneConnection
+from hbone.errors import HboneError, HttpStatusError
+from hbone.identity import Identity
+from hbone.pool import Pool, PoolKey
+from hbone.relay import Inbox, RelayResult, relay
+from hbone.server import ConnectRequest, HboneServer
+from hbone.settings import H2Settings
+from hbone.tls import WorkloadCertificate, server_context
+from policy import Connection, Deny, authorize
+from xds.model import IPAddress, Workload
+from ztunnel import baggage
+from ztunnel.config import Config, WorkloadInfo, illegal_ports
+from ztunnel.identity import SecretManager
+from ztunnel.metrics import Metrics
+from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
+from ztunnel.route import NoRoute, Protocol, Route, format_addr, route
+from ztunnel.sockets import SocketFactory, canonical_addr, canonical_ip, original_dst
+from ztunnel.socks5 import ConnectRequest as SocksConnect
+from ztunnel.socks5 import HandshakeFailed, Reply, Socks5Handshake, encode_reply
+from ztunnel.state import ProxyState
+
+log = logging.getLogger("ztunnel.proxy")
+
+LOCAL_WORKLOAD_WAIT = 5.0
+CONNECT_TIMEOUT = 10.0
+NETWORK_POLICY_HINT = "connection timed out, maybe a NetworkPolicy is blocking HBONE port 15008"
+
+
+def addr_str(addr: tuple[str, int]) -> str:
+    return format_addr(ipaddress.ip_address(addr[0]), addr[1])
+
+
+def traceparent() -> str:
+    return f"00-{pyrandom.token_hex(16)}-{pyrandom.token_hex(8)}-00"
+
+
+@dataclass
+class UpstreamFailure:
+    """Why an upstream could not be established, with the SOCKS5 reply that tells a client so."""
+
+    error: str
+    flags: str
+    reply: Reply
+
+
+class _Accepted(Inbox):
+    """An accepted connection: hands itself to a handler task as soon as it is made."""
+
+    def __init__(
+        self, instance: ProxyInstance, handler: Callable[[asyncio.Transport, Inbox], Awaitable[None]]
+    ):
+        super().__init__()
+        self._instance = instance
+        self._handler = handler
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        assert isinstance(transport, asyncio.Transport)
+        sock = transport.get_extra_info("socket")
+        with contextlib.suppress(OSError):
+            self._instance.sockets.tune_accepted(sock)
+        self._instance.track(self._handler(transport, self))
+
+
+class ProxyInstance:
+    def __init__(
+        self,
+        config: Config,
+        state: ProxyState,
+        secrets: SecretManager,
+        metrics: Metrics,
+        info: WorkloadInfo,
+        sockets: SocketFactory,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.secrets = secrets
+        self.metrics = metrics
+        self.info = info
+        self.sockets = sockets
+        self.bind = config.proxy_bind_address
+        self.illegal = illegal_ports(config)
+        self.settings = H2Settings(
+            stream_window=config.http2_stream_window_size,
+            connection_window=config.http2_connection_window_size,
+            frame_size=config.http2_frame_size,
+        )
+        self.pool = Pool(
+            self._dial_hbone,
+            max_streams=config.pool_max_streams_per_connection,
+            idle_timeout=config.pool_unused_release_timeout,
+        )
+        self.hbone_server = HboneServer(
+            context=self._server_context,
+            handler=self._inbound,
+            settings=self.settings,
+            own_trust_domain=self._trust_domain,
+            on_tls_error=self._inbound_tls_error,
+        )
+        self._servers: list[asyncio.AbstractServer] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._state_waiters: set[asyncio.Future[None]] = set()
+        self._server_cert: WorkloadCertificate | None = None
+        self._server_ctx: ssl.SSLContext | None = None
+        self.addresses: dict[str, tuple[str, int]] = {}
+        state.subscribe(self._state_changed)
+
+    # -- identity ----------------------------------------------------------------------------
+
+    def _state_changed(self) -> None:
+        for fut in self._state_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._state_waiters.clear()
+
+    def find_local_workload(self) -> Workload | None:
+        i = self.info
+        return self.state.find_local_workload(i.name, i.namespace, i.service_account, self.config.node_name)
+
+    async def local_workload(self, timeout: float = LOCAL_WORKLOAD_WAIT) -> Workload | None:
+        """The proxy's own workload, waiting up to `timeout` for it to appear (SPEC §3.1 step 3)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (w := self.find_local_workload()) is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            fut = loop.create_future()
+            self._state_waiters.add(fut)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, remaining)
+        return w
+
+    def identity(self, w: Workload | None = None) -> Identity:
+        td = (w.trust_domain if w else "") or self.config.trust_domain
+        return Identity(td, self.info.namespace, self.info.service_account)
+
+    def _trust_domain(self) -> str:
+        return self.identity(self.find_local_workload()).trust_domain
+
+    async def certificate(self) -> WorkloadCertificate:
+        cert = await self.secrets.get(self.identity(self.find_local_workload()))
+        if cert is not self._server_cert:
+            self._server_cert = cert
+            self._server_ctx = server_context(cert)
+        return cert
+
+    def _server_context(self) -> ssl.SSLContext:
+        if self._server_ctx is None:
+            raise RuntimeError("no certificate yet for the inbound listener")
+        return self._server_ctx
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def track(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def active_connections(self) -> int:
+        return len(self._tasks)
+
+    def bind_listeners(self) -> dict[str, socket.socket]:
+        """Bind every listener now (a port conflict is a start-up error, SPEC §1.3)."""
+        host = self.bind or ""
+        socks: dict[str, socket.socket] = {}
+        try:
+            socks["outbound"] = self.sockets.listener(host, 15001, transparent=True)
+            socks["inbound_plaintext"] = self.sockets.listener(host, 15006, transparent=True)
+            socks["inbound"] = self.sockets.listener(host, 15008, transparent=True)
+            if self.config.enable_socks5:
+                shost, sport = self.config.socks5_address
+                socks["socks5"] = self.sockets.listener(shost, sport)
+        except BaseException:
+            for s in socks.values():
+                s.close()
+            raise
+        for name, s in socks.items():
+            self.addresses[name] = canonical_addr(s.getsockname())
+        return socks
+
+    async def serve(self, socks: dict[str, socket.socket]) -> None:
+        """Start the accept loops on sockets from `bind_listeners`."""
+        loop = asyncio.get_running_loop()
+        # The inbound listener needs our certificate; fetch it before accepting.
+        with contextlib.suppress(Exception):
+            await self.certificate()
+        self.track(self._refresh_certificate())
+        handlers = {
+            "outbound": self._outbound,
+            "inbound_plaintext": self._inbound_plaintext,
+            "socks5": self._socks5,
+        }
+        for name, sock in socks.items():
+            if name == "inbound":
+                self._servers.append(await self.hbone_server.serve(sock))
+            else:
+                handler = handlers[name]
+                self._servers.append(
+                    await loop.create_server(lambda h=handler: _Accepted(self, h), sock=sock)  # type: ignore[misc]
+                )
+
+    async def _refresh_certificate(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.certificate()
+            await asyncio.sleep(5.0 if self._server_cert is None else 30.0)
+
+    async def drain(self, deadline: float, *, graceful: bool = True) -> None:
+        """Stop accepting, let connections finish for up to `deadline` seconds, then cut the rest."""
+        for server in self._servers:
+            server.close()
+        await self.hbone_server.shutdown(graceful=graceful)
+        pending = [t for t in self._tasks if not t.done() and t is not asyncio.current_task()]
+        refresh = [t for t in pending if getattr(t.get_coro(), "__name__", "") == "_refresh_certificate"]
+        for t in refresh:
+            t.cancel()
+        pending = [t for t in pending if t not in refresh]
+        if pending and graceful:
+            await asyncio.wait(pending, timeout=deadline)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
+        await self.pool.close()
+        await self.hbone_server.shutdown(graceful=False)
+
+    # -- outbound -----------------------------------------------------------------------------
+
+    async def _dial_hbone(self, key: PoolKey) -> HboneConnection:
+        sock = await self.sockets.connect(key.dst, source_ip=key.src_ip, timeout=CONNECT_TIMEOUT)
+        cert = await self.secrets.get(key.src_identity)
+        return await HboneConnection.open(
+            sock,
+            cert,
+            key.dst_identities,
+            self.settings,
+            max_streams=self.config.pool_max_streams_per_connection,
+        )
+
+    async def _outbound(self, transport: asyncio.Transport, inbox: Inbox) -> None:
+        src = canonical_addr(transport.get_extra_info("peername"))
+        dst = original_dst(transport.get_extra_info("socket"))
+        if ipaddress.ip_address(dst[0]).is_loopback and dst[1] in self.illegal:
+            connection_failed(
+                addr_str(src), addr_str(dst), "outbound", "attempted recursive call to ourselves"
+            )
+            transport.close()
+            return
+        up = await self.open_upstream(src, dst)
+        if isinstance(up, UpstreamFailure):
+            transport.close()
+            return
+        upstream, record = up
+        await self._carry(transport, inbox, upstream, record)
+
+    async def _carry(
+        self,
+        downstream: asyncio.Transport,
+        inbox: Inbox,
+        upstream: asyncio.Transport,
+        record: ConnectionRecord,
+    ) -> None:
+        if inbox.lost:
+            upstream.close()
+            record.finish(received=0, sent=0)
+            return
+        result: RelayResult | None = None
+        try:
+            result = await relay(
+                downstream,
+                upstream,
+                a_pending=inbox.take(),
+                a_eof=inbox.eof,
+                on_a_to_b=record.received,
+                on_b_to_a=record.sent,
+            )
+        finally:
+            if result is None:  # cancelled (drain deadline) or crashed
+                record.finish(received=0, sent=0, error="connection closed: drain deadline")
+            else:
+                # Resets and broken pipes during the copy are normal TCP endings (SPEC §2.7).
+                record.finish(received=result.a_to_b, sent=result.b_to_a)
+
+    async def open_upstream(
+        self, src: tuple[str, int], dst: tuple[str, int]
+    ) -> tuple[asyncio.Transport, ConnectionRecord] | UpstreamFailure:
+        """Resolve and establish the upstream of an outbound connection (SPEC §3.1 steps 3-6)."""
+        src_s, dst_s = addr_str(src), addr_str(dst)
+        local = await self.local_workload()
+        if local is None:
+            err = f"unknown source workload: {self.info.namespace}/{self.info.name}"
+            connection_failed(src_s, dst_s, "outbound", err)
+            return UpstreamFailure(err, "-", Reply.GENERAL_FAILURE)
+        r = route(self.state, local, (ipaddress.ip_address(dst[0]), dst[1]), network=self.config.network)
+        if isinstance(r, NoRoute):
+            connection_failed(src_s, dst_s, "outbound", r.reason)
+            return UpstreamFailure(r.reason, "-", Reply.HOST_UNREACHABLE)
+        mtls = r.protocol is Protocol.HBONE
+        own = self.identity(local)
+        record = ConnectionRecord(
+            self.metrics,
+            direction="outbound",
+            src_addr=src_s,
+            dst_addr=format_addr(*r.next_hop),
+            src=Peer(local, str(own) if mtls else None),
+            dst=Peer(r.workload, r.workload.identity_uri if (mtls and r.workload) else None),
+            service=r.service,
+            hbone_addr=r.authority,
+            mtls=mtls,
+        )
+        try:
+            upstream = await self._establish(r, src, local, own)
+        except Exception as e:
+            fail = classify_upstream_error(e, r.protocol)
+            record.finish(received=0, sent=0, error=fail.error, flags=fail.flags)
+            return fail
+        return upstream, record
+
+    async def _establish(
+        self, r: Route, src: tuple[str, int], local: Workload, own: Identity
+    ) -> asyncio.Transport:
+        loop = asyncio.get_running_loop()
+        next_hop = (str(r.next_hop[0]), r.next_hop[1])
+        if r.protocol is Protocol.TCP:
+            sock = await self.sockets.connect(next_hop, source_ip=self.bind, timeout=CONNECT_TIMEOUT)
+            transport, _ = await loop.create_connection(Inbox, sock=sock)
+            transport.pause_reading()
+            return transport
+        assert r.authority is not None
+        key = PoolKey(
+            src_identity=own,
+            dst_identities=tuple(i for i in map(Identity.try_parse, r.expected_identities) if i is not None),
+            dst=next_hop,
+            src_ip=self.bind,
+        )
+        forwarded = f'for="{addr_str(src)}"'
+        if r.service is not None:
+            forwarded += f";host={r.service.hostname}"
+        headers = [("forwarded", forwarded), ("traceparent", traceparent())]
+        bag = baggage.encode(local)
+        if bag:
+            headers.insert(0, ("baggage", bag))
+        stream = await self.pool.connect(key, r.authority, headers)
+        stream.pause_reading()
+        return stream
+
+    # -- SOCKS5 -------------------------------------------------------------------------------
+
+    async def _socks5(self, transport: asyncio.Transport, inbox: Inbox) -> None:
+        src = canonical_addr(transport.get_extra_info("peername"))
+        hs = Socks5Handshake()
+        request: SocksConnect | None = None
+        try:
+            async with asyncio.timeout(10.0):
+                while request is None:
+                    await inbox.wait_data()
+                    events = hs.receive(inbox.take())
+                    out = hs.data_to_send()
+                    if out:
+                        transport.write(out)
+                    for ev in events:
+                        if isinstance(ev, HandshakeFailed):
+                            log.debug("socks5 handshake failed from %s: %s", addr_str(src), ev.reason)
+                            transport.close()
+                            return
+                        request = ev
+        except (EOFError, TimeoutError):
+            transport.close()
+            return
+        assert request is not None
+        leftover = hs.leftover
+        try:
+            dst_ip = await self._resolve(request.host, ipaddress.ip_address(src[0]).version)
+        except OSError as e:
+            connection_failed(addr_str(src), f"{request.host}:{request.port}", "outbound", f"dns: {e}")
+            transport.write(encode_reply(Reply.HOST_UNREACHABLE))
+            transport.close()
+            return
+        up = await self.open_upstream(src, (dst_ip, request.port))
+        if isinstance(up, UpstreamFailure):
+            transport.write(encode_reply(up.reply))
+            transport.close()
+            return
+        upstream, record = up
+        # Ours (CONTRACT §4): success is only replied once the upstream is established.
+        transport.write(encode_reply(Reply.SUCCEEDED))
+        if leftover:
+            inbox.buffer[:0] = leftover
+        await self._carry(transport, inbox, upstream, record)
+
+    async def _resolve(self, host: IPAddress | str, family: int) -> str:
+        if not isinstance(host, str):
+            return canonical_ip(str(host))
+        loop = asyncio.get_running_loop()
+        fam = socket.AF_INET6 if family == 6 else socket.AF_INET
+        try:
+            infos = await loop.getaddrinfo(host, None, family=fam, type=socket.SOCK_STREAM)
+        except OSError:
+            infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        return canonical_ip(str(infos[0][4][0]))
+
+    # -- inbound HBONE ------------------------------------------------------------------------
+
+    def _inbound_tls_error(self, peer: tuple[str, int], local: tuple[str, int], error: Exception) -> None:
+        connection_failed(
+            addr_str(canonical_addr(peer)), addr_str(canonical_addr(local)), "inbound", f"tls: {error}"
+        )
+
+    async def _inbound(self, req: ConnectRequest) -> None:
+        src_s, local_s = addr_str(req.peer_addr), addr_str(req.local_addr)
+        if req.method != "CONNECT":
+            connection_failed(src_s, local_s, "inbound", f"invalid method: {req.method}")
+            req.respond(400)
+            return
+        target = parse_authority(req.authority)
+        if target is None:
+            connection_failed(src_s, local_s, "inbound", f"invalid authority: {req.authority!r}")
+            req.respond(400)
+            return
+        local = await self.local_workload()
+        if local is None:
+            connection_failed(src_s, local_s, "inbound", "unknown local workload")
+            req.respond(503)
+            return
+        local_ip = ipaddress.ip_address(req.local_addr[0])
+        host, port = target
+        if isinstance(host, str):
+            # A hostname authority (from a network gateway): the service's target port on our IP.
+            svc = self.state.service_by_hostname(host, local.namespace)
+            tp = svc.target_port(port) if svc else None
+            if not tp:
+                connection_failed(src_s, local_s, "inbound", f"unknown service or port: {req.authority}")
+                req.respond(503)
+                return
+            port = tp
+        elif host != local_ip and local.application_tunnel is None:
+            err = f"ip mismatch: {local_ip} != {host}"
+            connection_failed(src_s, local_s, "inbound", err)
+            req.respond(400)
+            return
+        if port in self.illegal:
+            connection_failed(src_s, local_s, "inbound", f"illegal port: {port}")
+            req.respond(503)
+            return
+        peer_ip = ipaddress.ip_address(req.peer_addr[0])
+        via_gateway = (req.headers.get("x-forwarded-network") or "").lower() not in (
+            "",
+            self.config.network.lower(),
+        )
+        src_workload = None if via_gateway else self.state.workload_by_addr(self.config.network, peer_ip)
+        identity = req.peer_identity
+        src_peer = self._peer_from_baggage(src_workload, identity, req.headers.get("baggage"))
+        record = ConnectionRecord(
+            self.metrics,
+            direction="inbound",
+            src_addr=src_s,
+            dst_addr=local_s,
+            src=src_peer,
+            dst=Peer(local, str(self.identity(local))),
+            service=self._inbound_service(local, port, req.headers.get("forwarded")),
+            hbone_addr=req.authority,
+            mtls=True,
+        )
+        conn = Connection(
+            src_ip=peer_ip,
+            src_port=req.peer_addr[1],
+            dst_ip=local_ip,
+            dst_port=port,
+            src_principal=str(identity) if identity else None,
+            src_namespace=identity.namespace if identity else None,
+            src_service_account=identity.service_account if identity else None,
+            dst_network=self.config.network,
+        )
+        decision = authorize(self.state.policies_for(local), conn)
+        _log_notes(decision.notes)
+        if isinstance(decision, Deny):
+            req.respond(401)
+            record.finish(
+                received=0,
+                sent=0,
+                error=f"connection closed due to policy rejection: {decision.reason}",
+                flags="DENY",
+            )
+            return
+        try:
+            sock = await self.sockets.connect(
+                (str(local_ip), port), source_ip=self.bind, timeout=CONNECT_TIMEOUT
+            )
+            loop = asyncio.get_running_loop()
+            app, _ = await loop.create_connection(Inbox, sock=sock)
+            app.pause_reading()
+        except Exception as e:
+            req.respond(503)
+            record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
+            return
+        headers = []
+        if self.config.enable_response_baggage:
+            bag = baggage.encode(local)
+            if bag:
+                headers.append(("baggage", bag))
+        req.respond(200, headers)
+        stream = req.stream
+        stream.pause_reading()
+        result: RelayResult | None = None
+        try:
+            result = await relay(stream, app, on_a_to_b=record.received, on_b_to_a=record.sent)
+        finally:
+            if result is None:
+                record.finish(received=0, sent=0, error="connection closed: drain deadline")
+            else:
+                record.finish(received=result.a_to_b, sent=result.b_to_a)
+
+    def _peer_from_baggage(self, w: Workload | None, identity: Identity | None, header: str | None) -> Peer:
+        ident = str(identity) if identity else None
+        if w is not None or not self.config.enable_response_baggage:
+            return Peer(w, ident)
+        b = baggage.parse(header)
+        return Peer(
+            None,
+            ident,
+            name=b.workload_name,
+            namespace=b.namespace,
+            cluster=b.cluster_id,
+            canonical_service=b.service_name,
+            canonical_revision=b.service_version,
+        )
+
+    def _inbound_service(self, local: Workload, port: int, forwarded: str | None):  # type: ignore[no-untyped-def]
+        services = self.state.services_of_workload(local)
+        host = None
+        for part in (forwarded or "").split(";"):
+            k, _, v = part.strip().partition("=")
+            if k.lower() == "host":
+                host = v.strip('"')
+        for svc in services:
+            if host and svc.hostname == host:
+                return svc
+        for svc in services:
+            if any(t == port for _, t in svc.ports):
+                return svc
+        return None
+
+    # -- inbound plaintext --------------------------------------------------------------------
+
+    async def _inbound_plaintext(self, transport: asyncio.Transport, inbox: Inbox) -> None:
+        src = canonical_addr(transport.get_extra_info("peername"))
+        dst = original_dst(transport.get_extra_info("socket"))
+        src_s, dst_s = addr_str(src), addr_str(dst)
+        if dst[1] in self.illegal:
+            connection_failed(src_s, dst_s, "inbound", "attempted recursive call to ourselves")
+            transport.close()
+            return
+        local = await self.local_workload()
+        if local is None:
+            connection_failed(src_s, dst_s, "inbound", "unknown local workload")
+            transport.close()
+            return
+        src_ip = ipaddress.ip_address(src[0])
+        dst_ip = ipaddress.ip_address(dst[0])
+        record = ConnectionRecord(
+            self.metrics,
+            direction="inbound",
+            src_addr=src_s,
+            dst_addr=dst_s,
+            src=Peer(self.state.workload_by_addr(self.config.network, src_ip)),
+            dst=Peer(local),
+            service=self._inbound_service(local, dst[1], None),
+        )
+        conn = Connection(
+            src_ip=src_ip, src_port=src[1], dst_ip=dst_ip, dst_port=dst[1], dst_network=self.config.network
+        )
+        decision = authorize(self.state.policies_for(local), conn)
+        _log_notes(decision.notes)
+        if isinstance(decision, Deny):
+            transport.close()
+            record.finish(
+                received=0,
+                sent=0,
+                error=f"connection closed due to policy rejection: {decision.reason}",
+                flags="DENY",
+            )
+            return
+        try:
+            sock = await self.sockets.connect(dst, source_ip=self.bind, timeout=CONNECT_TIMEOUT)
+            app, _ = await asyncio.get_running_loop().create_connection(Inbox, sock=sock)
+            app.pause_reading()
+        except Exception as e:
+            transport.close()
+            record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
+            return
+        await self._carry(transport, inbox, app, record)
+
+
+def _log_notes(notes: tuple[str, ...]) -> None:
+    for note in notes:
+        log.debug("%s", note)
+
+
+def parse_authority(authority: str) -> tuple[IPAddress | str, int] | None:
+    """`ip:port`, `[v6]:port` or `host:port`; None when it is neither."""
+    host, sep, port_s = authority.rpartition(":")
+    if not sep or not port_s.isdigit() or not host:
+        return None
+    port = int(port_s)
+    if port > 65535:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return ipaddress.IPv6Address(host[1:-1]), port
+        except ValueError:
+            return None
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if ":" in host or not all(c.isalnum() or c in "-._" for c in host):
+            return None
+        return host, port
+    if ip.version == 6:
+        return None  # a bare IPv6 literal must be bracketed
+    return ip, port
+
+
+def describe(e: BaseException) -> str:
+    if isinstance(e, TimeoutError):
+        return "connection timed out"
+    return str(e) or type(e).__name__
+
+
+def classify_upstream_error(e: BaseException, protocol: Protocol) -> UpstreamFailure:
+    if isinstance(e, HttpStatusError):
+        status = e.status
+        reply = {401: Reply.NOT_ALLOWED, 503: Reply.CONNECTION_REFUSED}.get(status, Reply.GENERAL_FAILURE)
+        return UpstreamFailure(str(e), "CONNECT", reply)
+    if isinstance(e, ConnectionRefusedError):
+        return UpstreamFailure(describe(e), "CONNECT", Reply.CONNECTION_REFUSED)
+    if isinstance(e, TimeoutError):
+        if protocol is Protocol.HBONE:
+            return UpstreamFailure(NETWORK_POLICY_HINT, "NETWORK_POLICY", Reply.HOST_UNREACHABLE)
+        return UpstreamFailure(describe(e), "CONNECT", Reply.HOST_UNREACHABLE)
+    if isinstance(e, OSError):
+        return UpstreamFailure(describe(e), "CONNECT", Reply.HOST_UNREACHABLE)
+    if isinstance(e, HboneError):
+        name = type(e).__name__
+        flags = "TLS_FAILURE" if "Tls" in name or "Identity" in name else "CONNECT"
+        return UpstreamFailure(str(e), flags, Reply.GENERAL_FAILURE)
+    return UpstreamFailure(describe(e), "CONNECT", Reply.GENERAL_FAILURE)

@@ -1,0 +1,172 @@
+"""One connection's telemetry: its metric labels (SPEC §10.3), live byte counts and the access log
+line written when it completes (SPEC §10.4)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from xds.model import Service, Workload
+from ztunnel.logs import access_log
+from ztunnel.metrics import ConnectionMetrics, Metrics, TrafficLabels
+
+UNKNOWN = "unknown"
+
+
+def _v(value: str | None) -> str:
+    return value or UNKNOWN
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """One side of a connection as telemetry describes it."""
+
+    workload: Workload | None = None
+    identity: str | None = None  # SPIFFE URI, only when proven by mTLS
+    # Values learned from baggage when no workload is known.
+    name: str = ""
+    namespace: str = ""
+    cluster: str = ""
+    canonical_service: str = ""
+    canonical_revision: str = ""
+
+    @property
+    def workload_name(self) -> str:
+        return (self.workload.workload_name or self.workload.name) if self.workload else self.name
+
+    @property
+    def ns(self) -> str:
+        return self.workload.namespace if self.workload else self.namespace
+
+    @property
+    def app(self) -> str:
+        w = self.workload
+        return (w.canonical_name or w.workload_name or w.name) if w else self.canonical_service
+
+    @property
+    def version(self) -> str:
+        return self.workload.canonical_revision if self.workload else self.canonical_revision
+
+    @property
+    def cluster_id(self) -> str:
+        return self.workload.cluster_id if self.workload else self.cluster
+
+
+def traffic_labels(
+    reporter: str, src: Peer, dst: Peer, service: Service | None, security_policy: str
+) -> TrafficLabels:
+    located = src.workload is not None or dst.workload is not None
+    return TrafficLabels(
+        reporter=reporter,
+        source_workload=_v(src.workload_name),
+        source_canonical_service=_v(src.app),
+        source_canonical_revision=_v(src.version),
+        source_workload_namespace=_v(src.ns),
+        source_principal=_v(src.identity),
+        source_app=_v(src.app),
+        source_version=_v(src.version),
+        source_cluster=_v(src.cluster_id),
+        destination_service=_v(service.hostname if service else None),
+        destination_service_namespace=_v(service.namespace if service else None),
+        destination_service_name=_v(service.name if service else None),
+        destination_workload=_v(dst.workload_name),
+        destination_canonical_service=_v(dst.app),
+        destination_canonical_revision=_v(dst.version),
+        destination_workload_namespace=_v(dst.ns),
+        destination_principal=_v(dst.identity),
+        destination_app=_v(dst.app),
+        destination_version=_v(dst.version),
+        destination_cluster=_v(dst.cluster_id),
+        request_protocol="tcp",
+        response_flags="-",
+        connection_security_policy=security_policy,
+        source_region=_v(src.workload.locality.region if located and src.workload else None),
+        source_zone=_v(src.workload.locality.zone if located and src.workload else None),
+        destination_region=_v(dst.workload.locality.region if located and dst.workload else None),
+        destination_zone=_v(dst.workload.locality.zone if located and dst.workload else None),
+    )
+
+
+class ConnectionRecord:
+    """Created once a connection is to be carried (the opened counter moves then); `finish` once."""
+
+    __slots__ = (
+        "_metrics",
+        "direction",
+        "dst",
+        "dst_addr",
+        "hbone_addr",
+        "received",
+        "sent",
+        "service",
+        "src",
+        "src_addr",
+        "start",
+    )
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        direction: str,
+        src_addr: str,
+        dst_addr: str,
+        src: Peer,
+        dst: Peer,
+        service: Service | None = None,
+        hbone_addr: str | None = None,
+        mtls: bool = False,
+    ) -> None:
+        self.direction = direction
+        self.src_addr = src_addr
+        self.dst_addr = dst_addr
+        self.src = src
+        self.dst = dst
+        self.service = service
+        self.hbone_addr = hbone_addr
+        self.start = time.monotonic()
+        reporter = "source" if direction == "outbound" else "destination"
+        labels = traffic_labels(reporter, src, dst, service, "mutual_tls" if mtls else UNKNOWN)
+        self._metrics: ConnectionMetrics = metrics.open_connection(labels)
+        self.received = self._metrics.received  # bytes from the downstream side, live
+        self.sent = self._metrics.sent  # bytes back to the downstream side, live
+
+    def finish(self, *, received: int, sent: int, error: str | None = None, flags: str = "-") -> None:
+        self._metrics.close(flags)
+        # Logs speak from the app's side: the client app for outbound, the server app for inbound.
+        if self.direction == "outbound":
+            bytes_sent, bytes_recv = received, sent
+        else:
+            bytes_sent, bytes_recv = sent, received
+        src, dst = self.src, self.dst
+        access_log(
+            logging.ERROR if error else logging.INFO,
+            "connection complete",
+            {
+                "src.addr": self.src_addr,
+                "src.workload": src.workload_name or None,
+                "src.namespace": src.ns or None,
+                "src.identity": src.identity,
+                "dst.addr": self.dst_addr,
+                "dst.hbone_addr": self.hbone_addr,
+                "dst.service": self.service.hostname if self.service else None,
+                "dst.workload": dst.workload_name or None,
+                "dst.namespace": dst.ns or None,
+                "dst.identity": dst.identity,
+                "direction": self.direction,
+                "bytes_sent": bytes_sent,
+                "bytes_recv": bytes_recv,
+                "duration": f"{round((time.monotonic() - self.start) * 1000)}ms",
+                "error": error,
+            },
+        )
+
+
+def connection_failed(src_addr: str, dst_addr: str, direction: str, error: str) -> None:
+    """An early rejection, before any telemetry exists: a warning and no metrics (SPEC §10.4)."""
+    access_log(
+        logging.WARNING,
+        "connection failed",
+        {"src.addr": src_addr, "dst.addr": dst_addr, "direction": direction, "error": error},
+    )

@@ -1,0 +1,149 @@
+"""How the proxy makes its sockets: listeners, outgoing connections, and the Linux socket options
+the reference relies on (SPEC §1.2, §12.4, Appendix B).
+
+A `SocketFactory` is per proxy instance; the in-pod mode will give each pod one that creates its
+sockets inside the pod's network namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import struct
+from dataclasses import dataclass
+
+SOL_IP = 0
+SOL_IPV6 = 41
+SO_ORIGINAL_DST = 80
+IP6T_SO_ORIGINAL_DST = 80
+IP_TRANSPARENT = 19
+IPV6_TRANSPARENT = 75
+SO_MARK = 36
+
+SockAddr = tuple[str, int]
+
+
+def canonical_ip(host: str) -> str:
+    """IPv4-mapped IPv6 addresses become plain IPv4 (SPEC §3.1 step 1)."""
+    ip = ipaddress.ip_address(host.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+def canonical_addr(addr: tuple[str, int] | tuple[str, int, int, int]) -> SockAddr:
+    return canonical_ip(addr[0]), addr[1]
+
+
+def original_dst(sock: socket.socket) -> SockAddr:
+    """The destination the app dialled before iptables redirected it; the local address otherwise."""
+    try:
+        raw = sock.getsockopt(SOL_IP, SO_ORIGINAL_DST, 16)
+        port, packed = struct.unpack_from("!2xH4s", raw)
+        return str(ipaddress.IPv4Address(packed)), port
+    except OSError:
+        pass
+    try:
+        raw = sock.getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST, 28)
+        port, packed = struct.unpack_from("!2xH4x16s", raw)
+        return canonical_ip(str(ipaddress.IPv6Address(packed))), port
+    except OSError:
+        return canonical_addr(sock.getsockname())
+
+
+@dataclass(frozen=True)
+class SocketOptions:
+    keepalive: bool = True
+    keepalive_time: int = 180
+    keepalive_interval: int = 180
+    keepalive_retries: int = 9
+    mark: int | None = None
+    reuseport: bool = False
+    backlog: int = 1024
+
+
+class SocketFactory:
+    """Creates the sockets of one proxy instance (listeners and outgoing TCP)."""
+
+    def __init__(self, options: SocketOptions | None = None) -> None:
+        self.options = options or SocketOptions()
+
+    def _new(self, family: int) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        if self.options.mark is not None:
+            sock.setsockopt(socket.SOL_SOCKET, SO_MARK, self.options.mark)
+        return sock
+
+    def listener(self, host: str, port: int, *, transparent: bool = False) -> socket.socket:
+        """A bound, listening, non-blocking socket; `host` "" or "::" means the dual-stack wildcard."""
+        if host in ("", "::"):
+            family, bind_host = socket.AF_INET6, "::"
+        else:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            bind_host = host
+        try:
+            sock = self._new(family)
+        except OSError:
+            if host not in ("", "::"):
+                raise
+            family, bind_host = socket.AF_INET, "0.0.0.0"
+            sock = self._new(family)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self.options.reuseport:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6 and bind_host == "::":
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            if transparent:
+                level, opt = (
+                    (SOL_IPV6, IPV6_TRANSPARENT) if family == socket.AF_INET6 else (SOL_IP, IP_TRANSPARENT)
+                )
+                try:
+                    sock.setsockopt(level, opt, 1)
+                except OSError:
+                    pass  # best effort, as the reference: only decides source spoofing
+            sock.bind((bind_host, port))
+            sock.listen(self.options.backlog)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def tune_accepted(self, sock: socket.socket) -> None:
+        """TCP_NODELAY and keepalive for an accepted app-facing socket."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._keepalive(sock)
+
+    def _keepalive(self, sock: socket.socket) -> None:
+        o = self.options
+        if not o.keepalive:
+            return
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, o.keepalive_time)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, o.keepalive_interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, o.keepalive_retries)
+
+    async def connect(
+        self, addr: SockAddr, *, source_ip: str | None = None, timeout: float = 10.0
+    ) -> socket.socket:
+        """A connected non-blocking TCP socket to `addr`, optionally from `source_ip`.
+
+        Raises TimeoutError after `timeout`, or the OSError of the connect (e.g. ConnectionRefusedError).
+        """
+        host, port = addr
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = self._new(family)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._keepalive(sock)
+            if source_ip is not None and (":" in source_ip) == (family == socket.AF_INET6):
+                sock.bind((source_ip, 0))
+            async with asyncio.timeout(timeout):
+                await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock

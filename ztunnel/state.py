@@ -1,0 +1,381 @@
+"""The proxy's view of the mesh (SPEC §6.5, §3.3): workloads, services, their endpoints, and policies.
+
+`ProxyState` is fed by the xDS client and the local config file and read by routing, the listeners and
+the admin server. It is mutated only on the event loop's thread, so it takes no locks; listeners are
+called synchronously once a change (or a `batch()` of changes) is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from policy.model import Authorization, Scope
+from xds.localconfig import (
+    LocalConfig,
+    endpoint_to_dict,
+    policy_to_dict,
+    service_to_dict,
+    workload_to_dict,
+)
+from xds.model import (
+    Endpoint,
+    HealthPolicy,
+    IPAddress,
+    NetworkAddress,
+    NetworkMode,
+    Service,
+    TunnelProtocol,
+    Visibility,
+    Workload,
+    WorkloadStatus,
+)
+
+log = logging.getLogger("ztunnel.state")
+
+Listener = Callable[[], None]
+
+
+class ProxyState:
+    def __init__(self) -> None:
+        self._workloads: dict[str, Workload] = {}  # by uid, in first-seen order
+        self._workloads_by_addr: dict[NetworkAddress, list[str]] = {}
+        self._services: dict[str, Service] = {}  # by namespace/hostname, in first-seen order
+        self._services_by_vip: dict[NetworkAddress, list[str]] = {}
+        self._services_by_hostname: dict[str, list[str]] = {}
+        self._services_with_cidr_vips: dict[str, Service] = {}
+        # Endpoints from the workloads' `services` memberships, by service key then workload uid. Those
+        # of a service not known yet are the staged ones: they count once the service arrives.
+        self._memberships: dict[str, dict[str, Endpoint]] = {}
+        self._policies: dict[str, Authorization] = {}
+        self._namespace_policies: dict[str, dict[str, None]] = {}  # namespace -> ordered set of keys
+        self._global_policies: dict[str, None] = {}
+        self._listeners: list[Listener] = []
+        self._policy_listeners: list[Listener] = []
+        self._batch_depth = 0
+        self._changed = False
+        self._policies_changed = False
+
+    # --- listeners ---------------------------------------------------------------------------------
+
+    def subscribe(self, callback: Listener) -> Callable[[], None]:
+        """Call `callback` after any change; returns the function that unsubscribes it."""
+        self._listeners.append(callback)
+        return lambda: self._listeners.remove(callback)
+
+    def subscribe_policies(self, callback: Listener) -> Callable[[], None]:
+        """Call `callback` after policies changed (live re-evaluation, SPEC §5.5); workload changes
+        alone do not call it."""
+        self._policy_listeners.append(callback)
+        return lambda: self._policy_listeners.remove(callback)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Apply several changes, e.g. one xDS response, with one notification at the end."""
+        self._batch_depth += 1
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+            if self._batch_depth == 0:
+                self._notify()
+
+    def _notify(self) -> None:
+        changed, policies_changed = self._changed, self._policies_changed
+        self._changed = self._policies_changed = False
+        listeners = (self._policy_listeners if policies_changed else []) + (
+            self._listeners if changed else []
+        )
+        for callback in list(listeners):
+            try:
+                callback()
+            except Exception:
+                log.exception("state listener failed")
+
+    # --- workloads ---------------------------------------------------------------------------------
+
+    def upsert_workload(self, w: Workload) -> None:
+        with self.batch():
+            previous = self._workloads.get(w.uid)
+            if previous is not None:
+                self._unindex_workload(previous)
+            self._workloads[w.uid] = w
+            # A host-network workload shares the node's IP, which must not resolve to it.
+            if w.network_mode is not NetworkMode.HOST_NETWORK:
+                for ip in w.addresses:
+                    uids = self._workloads_by_addr.setdefault(NetworkAddress(w.network, ip), [])
+                    if w.uid not in uids:
+                        uids.append(w.uid)
+            for service_key, ports in w.services:
+                self._memberships.setdefault(service_key, {})[w.uid] = Endpoint(w.uid, ports, w.status)
+            self._changed = True
+
+    def remove(self, name: str) -> bool:
+        """Remove by xDS resource name: a workload uid, else a `namespace/hostname` service."""
+        workload = self._workloads.get(name)
+        if workload is not None:
+            with self.batch():
+                self._unindex_workload(workload)
+                del self._workloads[name]
+                self._changed = True
+            return True
+        _, slash, hostname = name.partition("/")
+        if not slash or "/" in hostname:
+            return False
+        return self.remove_service(name)
+
+    def _unindex_workload(self, w: Workload) -> None:
+        for ip in w.addresses:
+            addr = NetworkAddress(w.network, ip)
+            _unlist(self._workloads_by_addr, addr, w.uid)
+        for service_key, _ in w.services:
+            endpoints = self._memberships.get(service_key)
+            if endpoints is not None:
+                endpoints.pop(w.uid, None)
+                if not endpoints:
+                    del self._memberships[service_key]
+
+    # --- services ----------------------------------------------------------------------------------
+
+    def upsert_service(self, s: Service) -> None:
+        with self.batch():
+            key = s.key
+            previous = self._services.get(key)
+            if previous is not None:
+                for vip in set(previous.vips) - set(s.vips):
+                    _unlist(self._services_by_vip, vip, key)
+            self._services[key] = s
+            # An updated service keeps its place among those sharing a VIP or hostname.
+            for vip in s.vips:
+                keys = self._services_by_vip.setdefault(vip, [])
+                if key not in keys:
+                    keys.append(key)
+            keys = self._services_by_hostname.setdefault(s.hostname, [])
+            if key not in keys:
+                keys.append(key)
+            if s.cidr_vips:
+                self._services_with_cidr_vips[key] = s
+            else:
+                self._services_with_cidr_vips.pop(key, None)
+            self._changed = True
+
+    def remove_service(self, key: str) -> bool:
+        """Remove a service; its workloads' memberships stay, staged until it comes back."""
+        service = self._services.pop(key, None)
+        if service is None:
+            return False
+        with self.batch():
+            for vip in service.vips:
+                _unlist(self._services_by_vip, vip, key)
+            _unlist(self._services_by_hostname, service.hostname, key)
+            self._services_with_cidr_vips.pop(key, None)
+            self._changed = True
+        return True
+
+    # --- policies ----------------------------------------------------------------------------------
+
+    def upsert_policy(self, p: Authorization) -> None:
+        with self.batch():
+            # The same key may come back with another scope or namespace (SPEC §5.7 case 44).
+            self._unindex_policy(p.key)
+            self._policies[p.key] = p
+            if p.scope is Scope.GLOBAL:
+                self._global_policies[p.key] = None
+            elif p.scope is Scope.NAMESPACE:
+                self._namespace_policies.setdefault(p.namespace, {})[p.key] = None
+            self._changed = self._policies_changed = True
+
+    def remove_policy(self, key: str) -> bool:
+        if key not in self._policies:
+            return False
+        with self.batch():
+            self._unindex_policy(key)
+            del self._policies[key]
+            self._changed = self._policies_changed = True
+        return True
+
+    def _unindex_policy(self, key: str) -> None:
+        previous = self._policies.get(key)
+        if previous is None:
+            return
+        self._global_policies.pop(key, None)
+        keys = self._namespace_policies.get(previous.namespace)
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self._namespace_policies[previous.namespace]
+
+    # --- the local config file ---------------------------------------------------------------------
+
+    def apply_local_config(self, cfg: LocalConfig) -> None:
+        """Replace every workload and service and drop every policy, then insert the file's (SPEC §7.1)."""
+        with self.batch():
+            self._workloads.clear()
+            self._workloads_by_addr.clear()
+            self._memberships.clear()
+            self._services.clear()
+            self._services_by_vip.clear()
+            self._services_by_hostname.clear()
+            self._services_with_cidr_vips.clear()
+            self._policies.clear()
+            self._namespace_policies.clear()
+            self._global_policies.clear()
+            self._changed = self._policies_changed = True
+            for w in cfg.workloads:
+                self.upsert_workload(w)
+            for s in cfg.services:
+                self.upsert_service(s)
+            for p in cfg.policies:
+                self.upsert_policy(p)
+
+    # --- lookups -----------------------------------------------------------------------------------
+
+    def workloads(self) -> list[Workload]:
+        return list(self._workloads.values())
+
+    def services(self) -> list[Service]:
+        return list(self._services.values())
+
+    def policies(self) -> list[Authorization]:
+        return list(self._policies.values())
+
+    def workload_by_uid(self, uid: str) -> Workload | None:
+        return self._workloads.get(uid)
+
+    def workload_by_addr(self, network: str, ip: IPAddress) -> Workload | None:
+        """When workloads share an address, a pod wins, then an HBONE one, then the first seen."""
+        uids = self._workloads_by_addr.get(NetworkAddress(network, ip))
+        if not uids:
+            return None
+        return max(
+            (self._workloads[uid] for uid in uids),
+            key=lambda w: ("//Pod/" in w.uid, w.tunnel_protocol is TunnelProtocol.HBONE),
+        )
+
+    def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
+        """Every service with this exact VIP, whatever its visibility, in first-seen order."""
+        return [self._services[key] for key in self._services_by_vip.get(NetworkAddress(network, ip), ())]
+
+    def service_for_vip(self, network: str, ip: IPAddress, client_namespace: str | None) -> Service | None:
+        """The service a client addressing `ip` reaches: by exact VIP, else by the best CIDR VIP."""
+        exact = _preferred(self.services_by_vip(network, ip), client_namespace)
+        if exact is not None:
+            return exact
+        best: Service | None = None
+        best_rank: tuple[bool, int, bool] | None = None
+        for service in self._services_with_cidr_vips.values():
+            if not _visible(service, client_namespace):
+                continue
+            for vip in service.cidr_vips:
+                if vip.network != network or ip not in vip.cidr:
+                    continue
+                rank = (service.namespace == client_namespace, vip.cidr.prefixlen, service.canonical)
+                if best_rank is None or rank > best_rank:
+                    best, best_rank = service, rank
+        return best
+
+    def service_by_hostname(
+        self, hostname: str, client_namespace: str | None, preferred_namespace: str | None = None
+    ) -> Service | None:
+        """`preferred_namespace` is the DNS proxy's PREFERED_SERVICE_NAMESPACE tie-break."""
+        keys = self._services_by_hostname.get(hostname, ())
+        return _preferred([self._services[key] for key in keys], client_namespace, preferred_namespace)
+
+    def service_by_key(self, key: str) -> Service | None:
+        return self._services.get(key)
+
+    def endpoints(self, service_key: str) -> list[Endpoint]:
+        """The endpoints in use: the service's own and its workloads', unhealthy ones only under
+        ALLOW_ALL. Empty for an unknown service (its endpoints are staged)."""
+        service = self._services.get(service_key)
+        if service is None:
+            return []
+        memberships = self._memberships.get(service_key, {})
+        if service.endpoints:
+            merged = {ep.workload_uid: ep for ep in service.endpoints}
+            merged.update(memberships)
+            memberships = merged
+        lb = service.load_balancer
+        if lb is not None and lb.health_policy is HealthPolicy.ALLOW_ALL:
+            return list(memberships.values())
+        return [ep for ep in memberships.values() if ep.status is WorkloadStatus.HEALTHY]
+
+    def find_local_workload(
+        self, name: str, namespace: str, service_account: str, node_name: str | None
+    ) -> Workload | None:
+        """The proxy's own workload, looked for among the workloads of its node (all when no node)."""
+        for w in self._workloads.values():
+            if node_name and w.node != node_name:
+                continue
+            if w.name == name and w.namespace == namespace and w.service_account == service_account:
+                return w
+        return None
+
+    def policy(self, key: str) -> Authorization | None:
+        return self._policies.get(key)
+
+    def policies_for(self, w: Workload) -> list[Authorization]:
+        """The candidate policies of a destination workload (SPEC §5.2)."""
+        keys = dict.fromkeys(self._namespace_policies.get(w.namespace, ()))
+        keys.update(dict.fromkeys(self._global_policies))
+        keys.update(dict.fromkeys(w.authorization_policies))
+        policies = []
+        for key in keys:
+            policy = self._policies.get(key)
+            if policy is None:
+                log.warning("workload %s names unknown policy %s, skipping it", w.uid, key)
+                continue
+            policies.append(policy)
+        return policies
+
+    def services_of_workload(self, w: Workload) -> list[Service]:
+        return [self._services[key] for key, _ in w.services if key in self._services]
+
+    # --- /config_dump ------------------------------------------------------------------------------
+
+    def dump(self) -> dict[str, Any]:
+        """JSON-serialisable, in the local config's format; services show the endpoints in use."""
+        return {
+            "workloads": [workload_to_dict(w) for w in self._workloads.values()],
+            "services": [service_to_dict(s, self.endpoints(s.key)) for s in self._services.values()],
+            "policies": [policy_to_dict(p) for p in self._policies.values()],
+            "stagedServices": {
+                key: {uid: endpoint_to_dict(ep) for uid, ep in endpoints.items()}
+                for key, endpoints in self._memberships.items()
+                if key not in self._services
+            },
+        }
+
+
+def _unlist(index: dict[Any, list[str]], where: Any, key: str) -> None:
+    keys = index.get(where)
+    if keys is None:
+        return
+    keys[:] = [k for k in keys if k != key]
+    if not keys:
+        del index[where]
+
+
+def _visible(service: Service, client_namespace: str | None) -> bool:
+    return service.visibility is Visibility.PUBLIC or service.namespace == client_namespace
+
+
+def _preferred(
+    candidates: Iterable[Service], client_namespace: str | None, preferred_namespace: str | None = None
+) -> Service | None:
+    """Among services sharing a VIP or hostname: the client's namespace, then a canonical one, then the
+    preferred namespace, then the first seen (SPEC §3.3)."""
+    visible = [s for s in candidates if _visible(s, client_namespace)]
+    for s in visible:
+        if s.namespace == client_namespace:
+            return s
+    for s in visible:
+        if s.canonical:
+            return s
+    if preferred_namespace:
+        for s in visible:
+            if s.namespace == preferred_namespace:
+                return s
+    return visible[0] if visible else None
