@@ -95,7 +95,9 @@ class HboneConnection:
             if isinstance(cause, ssl.SSLError):
                 # TLS 1.3: a server refusing our certificate says so after our side finished.
                 raise TlsHandshakeError(f"tls handshake error: {cause}") from cause
-            raise H2HandshakeError(f"http2 handshake error: {e}") from e
+            raise H2HandshakeError(
+                f"http2 handshake error: {e} before its SETTINGS (did it refuse our certificate?)"
+            ) from e
         except BaseException:
             session.abort()
             raise
@@ -110,8 +112,8 @@ class HboneConnection:
         stream = self._session.open_stream([(":method", "CONNECT"), (":authority", authority), *headers])
         try:
             await stream.wait_response()
-        except asyncio.CancelledError:
-            stream.abort()
+        except BaseException:
+            stream.abort()  # cancelled: RST_STREAM(CANCEL); reset or connection lost: forget it
             raise
         if stream.status != 200:
             if stream._remote_ended:

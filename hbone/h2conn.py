@@ -27,7 +27,7 @@ import h2.events as ev
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.exceptions import H2Error, ProtocolError, StreamClosedError, StreamIDTooLowError
+from h2.exceptions import H2Error, StreamClosedError, StreamIDTooLowError
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, RstStreamFrame
 
@@ -337,7 +337,7 @@ class H2Session(asyncio.Protocol):
         try:
             try:
                 events = self._h2.receive_data(data)
-            except ProtocolError as e:
+            except H2Error as e:
                 self._flush_always()  # h2 queued a GOAWAY naming the error
                 self._teardown(ConnectionClosed(f"http2 protocol error: {e}"))
                 return
@@ -478,8 +478,8 @@ class H2Session(asyncio.Protocol):
     def open_stream(self, headers: list[tuple[str, str]]) -> HboneStream:
         if not self.is_usable():
             raise self.close_reason or ConnectionClosed("connection is not usable (closing)")
-        sid = self._h2.get_next_available_stream_id()
         try:
+            sid = self._h2.get_next_available_stream_id()
             self._h2.send_headers(sid, headers)
         except H2Error as e:
             raise HboneError(f"cannot open stream: {e}") from e
@@ -512,24 +512,30 @@ class H2Session(asyncio.Protocol):
         if n <= 0:
             return 0
         max_frame = h2c.max_outbound_frame_size
-        if n == total and n <= max_frame:
-            h2c.send_data(stream_id, data)
-            self._unflushed += n
-        else:
-            view = memoryview(data)
-            sent = 0
-            while sent < n:
-                end = min(sent + max_frame, n)
-                h2c.send_data(stream_id, view[sent:end])
-                self._unflushed += end - sent
-                sent = end
-                if self._unflushed >= FLUSH_THRESHOLD and not self._in_batch:
-                    self._flush_always()
-                    if self._write_paused:
-                        return sent
+        sent = 0
+        try:
+            if n == total and n <= max_frame:
+                h2c.send_data(stream_id, data)
+                sent = n
+                self._unflushed += n
+            else:
+                view = memoryview(data)
+                while sent < n:
+                    end = min(sent + max_frame, n)
+                    h2c.send_data(stream_id, view[sent:end])
+                    self._unflushed += end - sent
+                    sent = end
+                    if self._unflushed >= FLUSH_THRESHOLD and not self._in_batch:
+                        self._flush_always()
+                        if self._write_paused:
+                            return sent
+        except H2Error:
+            # The stream closed under us (a reset in the batch being handled); its reset event
+            # follows and drops the rest.
+            return sent
         if self._unflushed >= FLUSH_THRESHOLD and not self._in_batch:
             self._flush_always()
-        return n
+        return sent
 
     def end_stream(self, stream_id: int) -> None:
         if self._dead:
@@ -551,7 +557,10 @@ class H2Session(asyncio.Protocol):
 
     def ack(self, stream_id: int, n: int) -> None:
         if n and not self._dead:
-            self._h2.acknowledge_received_data(n, stream_id)
+            try:
+                self._h2.acknowledge_received_data(n, stream_id)
+            except H2Error:
+                pass  # the stream is gone; h2 still credited the connection window
 
     def want_window(self, stream: HboneStream) -> None:
         self._pending[stream.stream_id] = stream

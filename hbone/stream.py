@@ -173,11 +173,15 @@ class HboneStream(asyncio.Transport):
 
     def abort(self) -> None:
         """Reset the stream (RST_STREAM CANCEL) unless it already ended both ways."""
+        self.reset(ErrorCodes.CANCEL)
+
+    def reset(self, error_code: int = ErrorCodes.CANCEL) -> None:
+        """End the stream now with RST_STREAM(`error_code`); the protocol gets connection_lost(None)."""
         if self._finished:
             return
         self._closing = True
         if not (self._local_ended and self._remote_ended):
-            self._session.reset(self.stream_id, ErrorCodes.CANCEL)
+            self._session.reset(self.stream_id, error_code)
         self._local_ended = self._remote_ended = True
         self._drop_inbox()
         self._drop_outbox()

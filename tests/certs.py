@@ -38,7 +38,9 @@ def _now() -> datetime.datetime:
 
 def make_ca(name: str = "hbone test root", *, parent: CA | None = None) -> CA:
     key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "test"), x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    subject = x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "test"), x509.NameAttribute(NameOID.COMMON_NAME, name)]
+    )
     issuer = parent.cert.subject if parent else subject
     signer = parent.key if parent else key
     now = _now()
@@ -117,7 +119,9 @@ def issue(
             critical=True,
         )
         .add_extension(x509.SubjectAlternativeName(sans), critical=True)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False
+        )
     )
     if eku:
         builder = builder.add_extension(x509.ExtendedKeyUsage(list(eku)), critical=False)

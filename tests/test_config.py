@@ -42,7 +42,9 @@ def test_defaults_of_an_empty_environment() -> None:
     assert c.trust_domain == "cluster.local"
     assert c.cluster_domain == "cluster.local"
     assert c.network == ""
-    assert c.node_name is None and c.pod_name is None and c.pod_namespace is None and c.service_account is None
+    assert (
+        c.node_name is None and c.pod_name is None and c.pod_namespace is None and c.service_account is None
+    )
     assert c.instance_ip == "1.1.1.1"
     assert c.enable_socks5 is False
     assert c.inpod_uds == "/var/run/ztunnel/ztunnel.sock"
@@ -64,7 +66,12 @@ def test_defaults_of_an_empty_environment() -> None:
     assert c.localhost_app_tunnel is True
     assert c.enable_response_baggage is True
     assert c.ipv6_enabled is True
-    assert (c.keepalive_enabled, c.keepalive_time, c.keepalive_interval, c.keepalive_retries) == (True, 180, 180, 9)
+    assert (c.keepalive_enabled, c.keepalive_time, c.keepalive_interval, c.keepalive_retries) == (
+        True,
+        180,
+        180,
+        9,
+    )
     assert c.enable_orig_src is None
     assert dict(c.istio_meta) == {}
     assert c.dns_capture is True
@@ -153,14 +160,21 @@ def test_ca_address() -> None:
 
 def test_root_cas_and_hostnames() -> None:
     c = cfg(XDS_ROOT_CA="SYSTEM", CA_ROOT_CA="/tmp/root.pem", ALT_XDS_HOSTNAME="a", ALT_CA_HOSTNAME="b")
-    assert (c.xds_root_ca, c.ca_root_ca, c.alt_xds_hostname, c.alt_ca_hostname) == ("SYSTEM", "/tmp/root.pem", "a", "b")
+    assert (c.xds_root_ca, c.ca_root_ca, c.alt_xds_hostname, c.alt_ca_hostname) == (
+        "SYSTEM",
+        "/tmp/root.pem",
+        "a",
+        "b",
+    )
 
 
 def test_grpc_headers() -> None:
     c = cfg(XDS_HEADER_X_TENANT="a", CA_HEADER_FOO="b")
     assert c.xds_headers == (("x_tenant", "a"),)
     assert c.ca_headers == (("foo", "b"),)
-    assert error(XDS_HEADER_BAD="x\x01") == "invalid env var XDS_HEADER_BAD=x\x01 (invalid gRPC metadata value)"
+    assert (
+        error(XDS_HEADER_BAD="x\x01") == "invalid env var XDS_HEADER_BAD=x\x01 (invalid gRPC metadata value)"
+    )
     assert error(**{"CA_HEADER_A B": "x"}) == "invalid env var CA_HEADER_A B=x (invalid gRPC metadata key)"
 
 
@@ -177,7 +191,16 @@ def test_auth_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("value", "seconds"),
-    [("500ms", 0.5), ("30s", 30), ("5m", 300), ("24h", 86400), ("1h30m", 5400), ("90", 90), ("1.5s", 1.5), ("2d", 172800)],
+    [
+        ("500ms", 0.5),
+        ("30s", 30),
+        ("5m", 300),
+        ("24h", 86400),
+        ("1h30m", 5400),
+        ("90", 90),
+        ("1.5s", 1.5),
+        ("2d", 172800),
+    ],
 )
 def test_durations(value: str, seconds: float) -> None:
     assert parse_duration(value) == pytest.approx(seconds)
@@ -263,7 +286,12 @@ def test_identity_and_node_variables() -> None:
         CRL_PATH="/tmp/crl.pem",
         PREFERED_SERVICE_NAMESPACE="ns1",
     )
-    assert (c.cluster_id, c.trust_domain, c.cluster_domain, c.network) == ("c1", "td.example", "corp.local", "net1")
+    assert (c.cluster_id, c.trust_domain, c.cluster_domain, c.network) == (
+        "c1",
+        "td.example",
+        "corp.local",
+        "net1",
+    )
     assert (c.node_name, c.pod_name, c.pod_namespace, c.service_account) == (
         "node-a",
         "ztunnel-x",
@@ -299,7 +327,10 @@ def test_dns_capture_and_address() -> None:
     assert cfg(ISTIO_META_DNS_CAPTURE="no").dns_capture is False
     assert cfg(ISTIO_META_DNS_PROXY_ADDR="localhost:5353").dns_proxy_addr == ("127.0.0.1", 5353)
     assert cfg(ISTIO_META_DNS_PROXY_ADDR="[::1]:53").dns_proxy_addr == ("::1", 53)
-    assert error(ISTIO_META_DNS_PROXY_ADDR="dns") == "invalid env var ISTIO_META_DNS_PROXY_ADDR=dns (expected ip:port)"
+    assert (
+        error(ISTIO_META_DNS_PROXY_ADDR="dns")
+        == "invalid env var ISTIO_META_DNS_PROXY_ADDR=dns (expected ip:port)"
+    )
 
 
 def test_integers() -> None:
@@ -410,12 +441,18 @@ def test_proxy_config_ports() -> None:
     c = cfg(PROXY_CONFIG='{"proxyAdminPort": 9000, "statsPort": 9020}')
     assert c.admin_address == ("127.0.0.1", 9000)
     assert c.stats_address == ("0.0.0.0", 9020)
-    assert cfg(PROXY_CONFIG="proxyAdminPort: 9000", ADMIN_ADDRESS="127.0.0.1:1").admin_address == ("127.0.0.1", 1)
+    assert cfg(PROXY_CONFIG="proxyAdminPort: 9000", ADMIN_ADDRESS="127.0.0.1:1").admin_address == (
+        "127.0.0.1",
+        1,
+    )
 
 
 def test_bad_proxy_config() -> None:
     assert error(PROXY_CONFIG="[1, 2]") == "invalid env var PROXY_CONFIG=[1, 2] (expected a mapping)"
-    assert error(PROXY_CONFIG="statsPort: x") == "invalid env var PROXY_CONFIG=statsPort: x (statsPort: expected a port number)"
+    assert (
+        error(PROXY_CONFIG="statsPort: x")
+        == "invalid env var PROXY_CONFIG=statsPort: x (statsPort: expected a port number)"
+    )
     assert error(PROXY_CONFIG="a: [").startswith("invalid env var PROXY_CONFIG=a: [ (")
 
 
@@ -425,7 +462,10 @@ def test_mesh_config_file(tmp_path: Path) -> None:
     c = Config.from_env({"PROXY_CONFIG": "proxyMetadata: {B: '2'}"}, mesh_config_path=str(mesh))
     assert c.xds_address == "https://mesh-cp:15012"
     assert dict(c.istio_meta) == {"A": "1", "B": "2"}
-    assert Config.from_env({}, mesh_config_path=str(tmp_path / "missing")).xds_address == "https://localhost:15012"
+    assert (
+        Config.from_env({}, mesh_config_path=str(tmp_path / "missing")).xds_address
+        == "https://localhost:15012"
+    )
     mesh.write_text("defaultConfig: [")
     with pytest.raises(ConfigError, match=f"^failed parsing mesh config file {mesh}: "):
         Config.from_env({}, mesh_config_path=str(mesh))

@@ -79,7 +79,7 @@ def metric(app: App, name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-async def mesh() -> AsyncIterator[dict[str, App | Echo]]:
+async def mesh(proxy_logs) -> AsyncIterator[dict[str, App | Echo]]:  # type: ignore[no-untyped-def]
     echo = await start_echo(SERVER, 8080)
     apps: dict[str, App] = {}
     try:

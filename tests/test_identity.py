@@ -258,7 +258,12 @@ async def test_background_rotation_runs_on_its_own() -> None:
             now = datetime.now(UTC)
             cert = self.fake.issue(identity, now)
             return WorkloadCertificate(
-                cert.identity, cert.chain_pem, cert.key_pem, cert.roots_pem, now, now + timedelta(milliseconds=40)
+                cert.identity,
+                cert.chain_pem,
+                cert.key_pem,
+                cert.roots_pem,
+                now,
+                now + timedelta(milliseconds=40),
             )
 
     ca = ShortLived()

@@ -133,7 +133,8 @@ class HttpServer:
 
     async def _read_request(self, reader: asyncio.StreamReader) -> Request:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._header_timeout)
+            async with asyncio.timeout(self._header_timeout):
+                head = await reader.readuntil(b"\r\n\r\n")
         except TimeoutError:
             raise _BadRequest(408, "request header read timeout") from None
         except (asyncio.LimitOverrunError, ValueError):
@@ -158,7 +159,8 @@ class HttpServer:
             if int(length) > MAX_BODY_BYTES:
                 raise _BadRequest(413, "request body too large")
             try:
-                body = await asyncio.wait_for(reader.readexactly(int(length)), self._header_timeout)
+                async with asyncio.timeout(self._header_timeout):
+                    body = await reader.readexactly(int(length))
             except TimeoutError:
                 raise _BadRequest(408, "request body read timeout") from None
         url = urlsplit(target)

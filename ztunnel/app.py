@@ -18,7 +18,7 @@ from typing import Any
 
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
-from ztunnel.admin import AdminServer, MetricsServer, Readiness, ReadinessServer
+from ztunnel.admin import HttpServer, Readiness, admin_server, readiness_server, stats_server
 from ztunnel.config import Config, ConfigError
 from ztunnel.identity import FakeCA, SecretManager
 from ztunnel.logs import setup_logging
@@ -76,7 +76,7 @@ class App:
         self.static: LocalConfig | None = None
         self.proxies: list[ProxyInstance] = []
         self._stop = asyncio.Event()
-        self._servers: list[Any] = []
+        self._servers: list[HttpServer] = []
 
     def config_dump(self) -> dict[str, Any]:
         dump: dict[str, Any] = dict(self.state.dump())
@@ -109,9 +109,16 @@ class App:
             self.state.apply_local_config(self.static)
         state_task.release()
 
-        self._servers.append(await ReadinessServer(self.readiness).start(*cfg.readiness_address))
-        self._servers.append(await AdminServer(self.config_dump, self.shutdown).start(*cfg.admin_address))
-        self._servers.append(await MetricsServer(self.metrics).start(*cfg.stats_address))
+        for server, (host, port) in (
+            (readiness_server(self.readiness), cfg.readiness_address),
+            (admin_server(self.config_dump, self.shutdown), cfg.admin_address),
+            (stats_server(self.metrics), cfg.stats_address),
+        ):
+            try:
+                await server.start(host, port)
+            except OSError as e:
+                raise StartupError(f"failed to bind {server.name} server on {host}:{port}: {e.strerror or e}") from None
+            self._servers.append(server)
 
         assert cfg.workload_info is not None
         options = SocketOptions(

@@ -128,11 +128,16 @@ class FakeCA:
                 critical=False,
             )
             .add_extension(
-                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]), critical=True
+                # RFC 5280 §4.2.1.6: not critical, the subject is not empty.
+                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]),
+                critical=False,
             )
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False
             )
+            # The leaf's subject equals the root's (O=cluster.local, as the reference's fake CA);
+            # without its own key identifier OpenSSL takes it for self-signed.
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(self._key, hashes.SHA256())
         )
         return WorkloadCertificate(
@@ -382,7 +387,7 @@ class SecretManager:
             )
 
     async def _schedule(self) -> None:
-        while True:
+        while not self._closed:
             self._wake.clear()
             now = self._clock()
             self._start_due(now)
@@ -390,8 +395,10 @@ class SecretManager:
                 e.refresh_at for e in self._entries.values() if e.fetch is None and e.refresh_at is not None
             ]
             timeout = min(max(0.0, min(due) - now), _MAX_SLEEP) if due else None
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel racing a set event.
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

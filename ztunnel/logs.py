@@ -131,6 +131,16 @@ def setup_logging(log_format: str, level_filter: str, stream: TextIO | None = No
     _apply(flt)
 
 
+def reset_logging() -> None:
+    """Undo `setup_logging`: remove its handler and per-target levels (for tests and re-setup)."""
+    if _State.handler is not None:
+        logging.getLogger().removeHandler(_State.handler)
+        _State.handler = None
+    _State.startup = LogFilter("info")
+    _apply(LogFilter("info"))
+    logging.getLogger().setLevel(logging.WARNING)
+
+
 def current_filter() -> str:
     return str(_State.current)
 

@@ -11,6 +11,9 @@ the reference does not emit, out of the output.
 `response_flags="-"` (as the reference, which records them with the flags of a fresh connection) and
 only `closed` and `failed` carry the final flag.
 
+Exposition is our own (OpenMetrics text, see `render_openmetrics`) because prometheus_client sorts
+labels alphabetically while SPEC §10.3 fixes their order.
+
 Runtime families: `process_*` come from prometheus_client's process collector; the reference's
 `tokio_*` event-loop gauges have no equivalent here.
 """
@@ -24,8 +27,8 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
-from prometheus_client.openmetrics.exposition import generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text;charset=utf-8;version=1.0.0"
@@ -220,8 +223,39 @@ class Metrics:
 
         The body is OpenMetrics text either way (as the reference); only the content type differs.
         """
-        body = generate_latest(self.registry)
+        body = render_openmetrics(self.registry)
         return body, OPENMETRICS_CONTENT_TYPE if wants_openmetrics(accept_header) else TEXT_CONTENT_TYPE
+
+
+def _escape_label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _format_value(value: float) -> str:
+    if isinstance(value, int) or (value.is_integer() and abs(value) < 2**53):
+        return str(int(value))
+    return floatToGoString(value)
+
+
+def render_openmetrics(registry: CollectorRegistry) -> bytes:
+    """OpenMetrics text keeping each family's label order (prometheus_client's own exposition sorts
+    labels alphabetically; SPEC §10.3 fixes the order) and leaving out families without samples."""
+    out: list[str] = []
+    for family in registry.collect():
+        if not family.samples:
+            continue
+        out.append(f"# HELP {family.name} {_escape_label_value(family.documentation)}\n")
+        out.append(f"# TYPE {family.name} {family.type}\n")
+        if family.unit:
+            out.append(f"# UNIT {family.name} {family.unit}\n")
+        for sample in family.samples:
+            if sample.labels:
+                labels = ",".join(f'{k}="{_escape_label_value(v)}"' for k, v in sample.labels.items())
+                out.append(f"{sample.name}{{{labels}}} {_format_value(sample.value)}\n")
+            else:
+                out.append(f"{sample.name} {_format_value(sample.value)}\n")
+    out.append("# EOF\n")
+    return "".join(out).encode()
 
 
 def wants_openmetrics(accept_header: str | None) -> bool:

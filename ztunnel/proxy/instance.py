@@ -79,7 +79,18 @@ class _Accepted(Inbox):
         sock = transport.get_extra_info("socket")
         with contextlib.suppress(OSError):
             self._instance.sockets.tune_accepted(sock)
-        self._instance.track(self._handler(transport, self))
+        self._instance.track(self._guarded(transport))
+
+    async def _guarded(self, transport: asyncio.Transport) -> None:
+        # A bug in one connection's handling must cost that connection only.
+        try:
+            await self._handler(transport, self)
+        except asyncio.CancelledError:
+            transport.abort()
+            raise
+        except Exception:
+            log.exception("connection handling failed")
+            transport.abort()
 
 
 class ProxyInstance:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from xds.model import Service, Workload
-from ztunnel.logs import access_log
+from ztunnel.logs import Bare, access_log
 from ztunnel.metrics import ConnectionMetrics, Metrics, TrafficLabels
 
 UNKNOWN = "unknown"
@@ -79,7 +79,6 @@ def traffic_labels(
         destination_version=_v(dst.version),
         destination_cluster=_v(dst.cluster_id),
         request_protocol="tcp",
-        response_flags="-",
         connection_security_policy=security_policy,
         source_region=_v(src.workload.locality.region if located and src.workload else None),
         source_zone=_v(src.workload.locality.zone if located and src.workload else None),
@@ -144,12 +143,12 @@ class ConnectionRecord:
             logging.ERROR if error else logging.INFO,
             "connection complete",
             {
-                "src.addr": self.src_addr,
+                "src.addr": Bare(self.src_addr),
                 "src.workload": src.workload_name or None,
                 "src.namespace": src.ns or None,
                 "src.identity": src.identity,
-                "dst.addr": self.dst_addr,
-                "dst.hbone_addr": self.hbone_addr,
+                "dst.addr": Bare(self.dst_addr),
+                "dst.hbone_addr": Bare(self.hbone_addr) if self.hbone_addr else None,
                 "dst.service": self.service.hostname if self.service else None,
                 "dst.workload": dst.workload_name or None,
                 "dst.namespace": dst.ns or None,
@@ -168,5 +167,5 @@ def connection_failed(src_addr: str, dst_addr: str, direction: str, error: str) 
     access_log(
         logging.WARNING,
         "connection failed",
-        {"src.addr": src_addr, "dst.addr": dst_addr, "direction": direction, "error": error},
+        {"src.addr": Bare(src_addr), "dst.addr": Bare(dst_addr), "direction": direction, "error": error},
     )

@@ -1,0 +1,27 @@
+"""Shared fixtures. Proxies in tests log in the plain format, so failures show real log lines."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import pytest
+
+from ztunnel.logs import reset_logging, setup_logging
+
+
+class LogLines(io.StringIO):
+    def text(self) -> str:
+        return self.getvalue()
+
+
+@pytest.fixture
+def proxy_logs() -> Iterator[LogLines]:
+    """What the proxies log (plain format, debug), as a user reading their output would see it."""
+    stream = LogLines()
+    setup_logging("plain", "debug", stream=stream)
+    try:
+        yield stream
+    finally:
+        print(stream.getvalue())
+        reset_logging()

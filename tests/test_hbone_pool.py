@@ -1,0 +1,231 @@
+"""The HBONE connection pool (SPEC §2.8), with a fake connector and an injected clock."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import cast
+
+import pytest
+
+from hbone.errors import ConnectionClosed
+from hbone.identity import Identity
+from hbone.pool import Pool, PoolKey
+from hbone.stream import HboneStream
+
+pytestmark = pytest.mark.timeout(10)
+
+SRC = Identity("cluster.local", "ns", "client")
+DST = Identity("cluster.local", "ns", "server")
+KEY = PoolKey(SRC, (DST,), ("10.0.0.2", 15008), "10.0.0.1")
+
+
+class FakeConnection:
+    def __init__(self, key: PoolKey, max_streams: int = 100) -> None:
+        self.key = key
+        self.max_streams = max_streams
+        self.active_streams = 0
+        self.usable = True
+        self.closed = False
+        self.aborted = False
+        self.authorities: list[str] = []
+
+    def is_usable(self) -> bool:
+        return self.usable and not self.closed and not self.aborted
+
+    async def connect(self, authority: str, headers: Sequence[tuple[str, str]] = ()) -> HboneStream:
+        self.authorities.append(authority)
+        self.active_streams += 1
+        return cast(HboneStream, (self, authority, tuple(headers)))  # a stand-in the tests compare
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Connector:
+    def __init__(self, max_streams: int = 100, delay: float = 0.0) -> None:
+        self.dials: list[PoolKey] = []
+        self.made: list[FakeConnection] = []
+        self.max_streams = max_streams
+        self.delay = delay
+        self.fail_next = 0
+
+    async def __call__(self, key: PoolKey) -> FakeConnection:
+        self.dials.append(key)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.fail_next:
+            self.fail_next -= 1
+            raise OSError("connection refused")
+        conn = FakeConnection(key, self.max_streams)
+        self.made.append(conn)
+        return conn
+
+
+@pytest.fixture
+async def pool_parts():
+    made: list[Pool[FakeConnection]] = []
+
+    def make(connector: Connector, **kw: object) -> Pool[FakeConnection]:
+        p: Pool[FakeConnection] = Pool(connector, **kw)  # type: ignore[arg-type]  # kwargs as object
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        await p.close()
+
+
+async def test_same_key_reuses_connection(pool_parts) -> None:
+    dial = Connector()
+    pool = pool_parts(dial)
+    a = await pool.checkout(KEY)
+    b = await pool.checkout(PoolKey(SRC, (DST,), ("10.0.0.2", 15008), "10.0.0.1"))  # equal, not identical
+    assert a is b
+    assert len(dial.dials) == 1
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        replace(KEY, src_identity=Identity("cluster.local", "ns", "other-client")),
+        replace(KEY, dst_identities=(DST, Identity("cluster.local", "ns", "waypoint"))),
+        replace(KEY, dst_identities=()),
+        replace(KEY, dst=("10.0.0.3", 15008)),
+        replace(KEY, dst=("10.0.0.2", 15009)),
+        replace(KEY, src_ip="10.0.0.9"),
+        replace(KEY, src_ip=None),
+    ],
+)
+async def test_keys_differing_in_any_field_do_not_share(pool_parts, other: PoolKey) -> None:
+    dial = Connector()
+    pool = pool_parts(dial)
+    a = await pool.checkout(KEY)
+    b = await pool.checkout(other)
+    assert a is not b
+    assert dial.dials == [KEY, other]
+
+
+async def test_storm_of_checkouts_dials_once(pool_parts) -> None:
+    dial = Connector(delay=0.01)
+    pool = pool_parts(dial)
+    conns = await asyncio.gather(*(pool.checkout(KEY) for _ in range(50)))
+    assert len(dial.dials) == 1
+    assert all(c is conns[0] for c in conns)
+
+
+async def test_stream_limit_takes_connection_out_of_the_pool(pool_parts) -> None:
+    dial = Connector()
+    pool = pool_parts(dial, max_streams=100)
+    first = [await pool.checkout(KEY) for _ in range(99)]
+    assert all(c is first[0] for c in first)
+    assert pool.pooled(KEY) is first[0]
+    hundredth = await pool.checkout(KEY)
+    assert hundredth is first[0]
+    assert pool.pooled(KEY) is None  # full: out of the pool
+    next_one = await pool.checkout(KEY)
+    assert next_one is not first[0]
+    assert len(dial.dials) == 2
+    # Never re-added, even after its streams end.
+    first[0].active_streams = 0
+    for _ in range(5):
+        assert await pool.checkout(KEY) is next_one
+
+
+async def test_stream_limit_is_the_smaller_of_pool_and_server(pool_parts) -> None:
+    dial = Connector(max_streams=3)  # the server advertised 3 concurrent streams
+    pool = pool_parts(dial, max_streams=100)
+    conns = [await pool.checkout(KEY) for _ in range(4)]
+    assert conns[0] is conns[1] is conns[2]
+    assert conns[3] is not conns[0]
+
+
+async def test_connect_closes_a_departed_connection_once_its_stream_is_open(pool_parts) -> None:
+    dial = Connector(max_streams=2)
+    pool = pool_parts(dial)
+    s1 = await pool.connect(KEY, "10.0.0.2:80", [("baggage", "x")])
+    conn = dial.made[0]
+    assert s1 == (conn, "10.0.0.2:80", (("baggage", "x"),))
+    assert not conn.closed
+    await pool.connect(KEY, "10.0.0.2:81")
+    assert conn.authorities == ["10.0.0.2:80", "10.0.0.2:81"]
+    assert conn.closed  # left the pool: it closes when its streams are done
+
+
+async def test_idle_connection_is_released_after_timeout(pool_parts) -> None:
+    clock = Clock()
+    dial = Connector()
+    pool = pool_parts(dial, idle_timeout=300.0, clock=clock)
+    conn = await pool.checkout(KEY)
+    clock.now += 299.0
+    assert pool.release_idle() == 0
+    assert await pool.checkout(KEY) is conn  # checkout refreshes the idle clock
+    clock.now += 299.0
+    assert pool.release_idle() == 0
+    clock.now += 1.0
+    assert pool.release_idle() == 1
+    assert conn.closed
+    assert pool.pooled(KEY) is None
+    assert await pool.checkout(KEY) is not conn
+    assert len(dial.dials) == 2
+
+
+async def test_idle_release_runs_periodically(pool_parts) -> None:
+    clock = Clock()
+    dial = Connector()
+    pool = pool_parts(dial, idle_timeout=0.1, clock=clock)
+    conn = await pool.checkout(KEY)
+    clock.now += 1.0
+    for _ in range(100):
+        if conn.closed:
+            break
+        await asyncio.sleep(0.02)
+    assert conn.closed
+    assert len(pool) == 0
+
+
+async def test_unusable_connection_is_replaced(pool_parts) -> None:
+    dial = Connector()
+    pool = pool_parts(dial)
+    conn = await pool.checkout(KEY)
+    conn.usable = False  # e.g. GOAWAY received
+    fresh = await pool.checkout(KEY)
+    assert fresh is not conn
+    assert conn.closed
+    assert len(dial.dials) == 2
+
+
+async def test_failed_dial_propagates_and_next_checkout_dials_again(pool_parts) -> None:
+    dial = Connector()
+    dial.fail_next = 1
+    pool = pool_parts(dial)
+    with pytest.raises(OSError):
+        await pool.checkout(KEY)
+    conn = await pool.checkout(KEY)
+    assert conn is dial.made[0]
+    assert len(dial.dials) == 2
+
+
+async def test_close_stops_everything(pool_parts) -> None:
+    dial = Connector(max_streams=2)
+    pool = pool_parts(dial)
+    departed = await pool.checkout(KEY)
+    assert await pool.checkout(KEY) is departed  # second stream: out of the pool
+    pooled = await pool.checkout(replace(KEY, src_ip=None))
+    assert pool.pooled(KEY) is None and pool.pooled(replace(KEY, src_ip=None)) is pooled
+    await pool.close()
+    assert departed.aborted and pooled.aborted
+    with pytest.raises(ConnectionClosed):
+        await pool.checkout(KEY)

@@ -1,0 +1,274 @@
+"""Our HBONE client against code we did not write: nghttpx as the HTTP/2 CONNECT proxy (mTLS with
+`--verify-client`, TLS 1.3, ALPN h2) in front of tinyproxy, which opens the TCP connection to an
+echo server. Bytes must round-trip through CONNECT, flow control and half-close of a foreign peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hbone.client import HboneConnection
+from hbone.errors import H2HandshakeError, HttpStatusError, IdentityMismatch, TlsHandshakeError
+from hbone.identity import Identity
+from hbone.settings import H2Settings
+from hbone.tls import WorkloadCertificate
+from tests.certs import CA, issue, make_ca, spiffe
+
+pytestmark = [pytest.mark.interop, pytest.mark.timeout(60)]
+
+PROXY_ID = spiffe(namespace="istio-system", sa="nghttpx")
+
+
+def _require(*programs: str) -> None:
+    missing = [p for p in programs if shutil.which(p) is None]
+    if missing:
+        reason = f"not installed: {', '.join(missing)} (Debian packages nghttp2-proxy, tinyproxy)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_listening(
+    name: str, port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 10.0
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{name} is not listening on {port}: {log.read_text()[-2000:]}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # its own session: nghttpx forks a worker
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+@dataclass
+class Proxy:
+    ca: CA
+    proxy_cert: WorkloadCertificate
+    port: int
+    echo_listeners: list[socket.socket]  # bound and listening; tinyproxy allows CONNECT to them
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    _require("nghttpx", "tinyproxy")
+    d = tmp_path_factory.mktemp("interop")
+    ca = make_ca()
+    cert = issue(ca, PROXY_ID)
+    (d / "key.pem").write_bytes(cert.key_pem)
+    (d / "cert.pem").write_bytes(b"".join(cert.chain_pem))
+    (d / "ca.pem").write_bytes(ca.root_pem)
+    os.chmod(d / "key.pem", 0o600)
+
+    tiny_port, ng_port = _free_port(), _free_port()
+    echo_listeners = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        s.setblocking(False)
+        echo_listeners.append(s)
+    echo_ports = [s.getsockname()[1] for s in echo_listeners]
+    (d / "tinyproxy.conf").write_text(
+        f"Port {tiny_port}\nListen 127.0.0.1\nTimeout 30\nAllow 127.0.0.1\nMaxClients 50\nLogLevel Info\n"
+        + "".join(f"ConnectPort {p}\n" for p in echo_ports)
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        tiny_log = d / "tinyproxy.log"
+        with tiny_log.open("wb") as out:
+            tiny = subprocess.Popen(
+                ["tinyproxy", "-d", "-c", str(d / "tinyproxy.conf")],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        procs.append(tiny)
+        _wait_listening("tinyproxy", tiny_port, tiny, tiny_log)
+        ng_log = d / "nghttpx.log"
+        ng = subprocess.Popen(
+            [
+                "nghttpx",
+                "--http2-proxy",
+                f"--frontend=127.0.0.1,{ng_port}",
+                f"--backend=127.0.0.1,{tiny_port}",
+                "--workers=1",
+                "--no-ocsp",
+                "--tls-min-proto-version=TLSv1.3",
+                "--verify-client",
+                f"--verify-client-cacert={d / 'ca.pem'}",
+                f"--errorlog-file={ng_log}",
+                "--accesslog-file=/dev/null",
+                str(d / "key.pem"),
+                str(d / "cert.pem"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        procs.append(ng)
+        _wait_listening("nghttpx", ng_port, ng, ng_log)
+        yield Proxy(ca, cert, ng_port, echo_listeners)
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+        for s in echo_listeners:
+            s.close()
+
+
+async def _echo_server(sock: socket.socket) -> asyncio.AbstractServer:
+    """Echoes the number of bytes announced in an 8-byte prefix, then closes.
+
+    nghttpx does not turn a client's END_STREAM on a CONNECT tunnel into a half-close towards an
+    HTTP/1 backend, so the end of the exchange comes from the server side.
+    """
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            remaining = int.from_bytes(await reader.readexactly(8), "big")
+            while remaining:
+                data = await reader.read(min(remaining, 256 * 1024))
+                if not data:
+                    break
+                remaining -= len(data)
+                writer.write(data)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, sock=sock)
+
+
+async def _open(proxy: Proxy, cert: WorkloadCertificate, expected: list[Identity]) -> HboneConnection:
+    sock = socket.socket()
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", proxy.port))
+    return await HboneConnection.open(sock, cert, expected, H2Settings(), handshake_timeout=5.0)
+
+
+class Sink(asyncio.Protocol):
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.hash = hashlib.sha256()
+        self.data = bytearray()
+        self.count = 0
+        self.eof = loop.create_future()
+        self.lost: asyncio.Future[Exception | None] = loop.create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.count += len(data)
+        self.hash.update(data)
+        if len(self.data) < 4096:
+            self.data += data
+
+    def eof_received(self) -> bool:
+        if not self.eof.done():
+            self.eof.set_result(None)
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+async def test_connect_through_nghttpx_and_tinyproxy_round_trips(proxy: Proxy) -> None:
+    listener = proxy.echo_listeners[0]
+    port = listener.getsockname()[1]
+    echo = await _echo_server(listener)
+    try:
+        client = issue(proxy.ca, spiffe(namespace="default", sa="client"))
+        conn = await _open(proxy, client, [Identity.parse(PROXY_ID)])
+        assert str(conn.peer_identity) == PROXY_ID
+        ssl_object = conn.get_extra_info("ssl_object")
+        assert ssl_object.version() == "TLSv1.3"  # type: ignore[attr-defined]
+        assert ssl_object.selected_alpn_protocol() == "h2"  # type: ignore[attr-defined]
+
+        stream = await conn.connect(f"127.0.0.1:{port}", [("baggage", "k8s.namespace.name=default")])
+        assert stream.status == 200
+        sink = Sink()
+        stream.set_protocol(sink)
+        # 2 MiB: nghttpx's 64 KiB windows make our sender wait for its WINDOW_UPDATEs
+        payload = b"hello through nghttpx" + os.urandom(2 * 1024 * 1024)
+        stream.write(len(payload).to_bytes(8, "big"))
+        stream.write(payload)
+        await asyncio.wait_for(sink.eof, 20)  # the echo server closed: END_STREAM from nghttpx
+        assert sink.count == len(payload)
+        assert bytes(sink.data[:21]) == b"hello through nghttpx"
+        assert sink.hash.hexdigest() == hashlib.sha256(payload).hexdigest()
+        stream.write_eof()
+        assert await asyncio.wait_for(sink.lost, 10) is None
+
+        # a second stream on the same connection
+        stream2 = await conn.connect(f"127.0.0.1:{port}")
+        sink2 = Sink()
+        stream2.set_protocol(sink2)
+        stream2.write((5).to_bytes(8, "big") + b"again")
+        await asyncio.wait_for(sink2.eof, 10)
+        assert bytes(sink2.data) == b"again"
+        stream2.close()
+        conn.close()
+        await asyncio.wait_for(conn.wait_closed(), 10)
+    finally:
+        echo.close()
+
+
+async def test_connect_refused_by_tinyproxy_is_an_http_status(proxy: Proxy) -> None:
+    client = issue(proxy.ca, spiffe(namespace="default", sa="client"))
+    conn = await _open(proxy, client, [Identity.parse(PROXY_ID)])
+    try:
+        # port 9 is not a ConnectPort: tinyproxy answers 403, nghttpx passes it on
+        with pytest.raises(HttpStatusError) as err:
+            await conn.connect("127.0.0.1:9")
+        assert str(err.value) == f"http status: {err.value.status}"
+        assert 400 <= err.value.status < 600
+        assert conn.is_usable()
+    finally:
+        conn.abort()
+
+
+async def test_proxy_identity_is_checked(proxy: Proxy) -> None:
+    client = issue(proxy.ca, spiffe(namespace="default", sa="client"))
+    with pytest.raises(IdentityMismatch):
+        await _open(proxy, client, [Identity.parse(spiffe(namespace="istio-system", sa="someone-else"))])
+
+
+async def test_nghttpx_requires_a_trusted_client_certificate(proxy: Proxy) -> None:
+    rogue = make_ca("rogue")
+    client = issue(rogue, spiffe(namespace="default", sa="client"), roots=[proxy.ca.root_pem])
+    with pytest.raises((TlsHandshakeError, H2HandshakeError)):
+        conn = await _open(proxy, client, [Identity.parse(PROXY_ID)])
+        await conn.connect(f"127.0.0.1:{proxy.echo_listeners[1].getsockname()[1]}")
