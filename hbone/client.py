@@ -116,10 +116,7 @@ class HboneConnection:
             stream.abort()  # cancelled: RST_STREAM(CANCEL); reset or connection lost: forget it
             raise
         if stream.status != 200:
-            if stream._remote_ended:
-                stream.close()
-            else:
-                stream.abort()
+            stream.refused()
             raise HttpStatusError(stream.status or 0, stream.response_headers)
         return stream
 

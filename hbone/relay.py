@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 # Accepted-but-not-yet-relayed connections hold at most this much before reading is paused.
 INBOX_LIMIT = 256 * 1024
@@ -32,8 +33,8 @@ class Inbox(asyncio.Protocol):
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports implement the interface without subclassing asyncio.Transport.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -179,15 +180,16 @@ async def relay(
     a: asyncio.Transport,
     b: asyncio.Transport,
     *,
-    a_pending: bytes = b"",
-    a_eof: bool = False,
+    a_inbox: Inbox | None = None,
+    b_inbox: Inbox | None = None,
     on_a_to_b: Callable[[int], None] | None = None,
     on_b_to_a: Callable[[int], None] | None = None,
 ) -> RelayResult:
     """Copy bytes between two transports until both directions end; returns the byte counts.
 
-    `a_pending` are bytes already read from `a` (e.g. by an `Inbox`) and `a_eof` whether `a` already
-    sent its EOF. Both transports are closed when this returns. Cancelling aborts both.
+    An `Inbox` given for a side is the protocol that side had until now: what it holds (bytes, an
+    EOF, the loss of the connection) is replayed first. Both transports are closed when this
+    returns. Cancelling aborts both.
     """
     r = _Relay()
     end_a = _End(r, a, on_a_to_b)
@@ -196,12 +198,18 @@ async def relay(
     r.a, r.b = end_a, end_b
     a.set_protocol(end_a)
     b.set_protocol(end_b)
-    if a_pending:
-        end_a.data_received(a_pending)
-    if a_eof:
-        end_a.eof_received()
-    a.resume_reading()
-    b.resume_reading()
+    for end, inbox in ((end_a, a_inbox), (end_b, b_inbox)):
+        if inbox is None:
+            continue
+        if inbox.buffer:
+            end.data_received(inbox.take())
+        if inbox.eof:
+            end.eof_received()
+        if inbox.lost:
+            end.connection_lost(inbox.error if isinstance(inbox.error, Exception) else None)
+    if not r.done.done():
+        a.resume_reading()
+        b.resume_reading()
     try:
         return await asyncio.shield(r.done)
     except asyncio.CancelledError:

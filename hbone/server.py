@@ -15,8 +15,6 @@ import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
-from h2.errors import ErrorCodes
-
 from hbone.errors import ConnectionClosed, HboneError, TlsHandshakeError
 from hbone.h2conn import H2Session, Headers
 from hbone.identity import Identity
@@ -71,24 +69,7 @@ class ConnectRequest:
 
         Responding to a stream the client already reset does nothing.
         """
-        stream = self.stream
-        if stream.responded:
-            raise RuntimeError("already responded")
-        stream.responded = True
-        if stream._finished:
-            return
-        session = stream._session
-        end = status != 200
-        if not session.send_headers(stream.stream_id, [(":status", str(status)), *headers], end_stream=end):
-            end = True  # the stream is gone (reset by the client): nothing more to send or read
-        if end:
-            stream._local_ended = True
-            if not stream._remote_ended:
-                # RFC 9113 §8.1: a complete response before the request ended; stop the request.
-                session.reset(stream.stream_id, ErrorCodes.NO_ERROR)
-            stream._remote_ended = True
-            stream._closing = True
-            stream._finish(None)
+        self.stream.respond(status, headers)
 
     def __repr__(self) -> str:
         return f"<ConnectRequest {self.method} {self.authority} from {self.peer_addr} ({self.peer_identity})>"

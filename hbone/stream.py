@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from h2.errors import ErrorCodes
 
-from hbone.errors import ConnectionClosed, HboneError, StreamReset
+from hbone.errors import HboneError, StreamReset
 
 if TYPE_CHECKING:
     from hbone.h2conn import H2Session
@@ -187,6 +188,28 @@ class HboneStream(asyncio.Transport):
         self._drop_outbox()
         self._finish(None)
 
+    # -- server side ---------------------------------------------------------------------------
+
+    def respond(self, status: int, headers: Sequence[tuple[str, str]] = ()) -> None:
+        """Send the response HEADERS; any status but 200 ends the stream (see `ConnectRequest`)."""
+        if self.responded:
+            raise RuntimeError("already responded")
+        self.responded = True
+        if self._finished:
+            return  # reset by the client meanwhile
+        end = status != 200
+        if not self._session.send_headers(
+            self.stream_id, [(":status", str(status)), *headers], end_stream=end
+        ):
+            end = True  # the stream is gone (reset by the client): nothing more to send or read
+        if end:
+            if not self._remote_ended:
+                # RFC 9113 §8.1: a complete response before the request ended; stop the request.
+                self._session.reset(self.stream_id, ErrorCodes.NO_ERROR)
+            self._local_ended = self._remote_ended = True
+            self._closing = True
+            self._finish(None)
+
     # -- client side ---------------------------------------------------------------------------
 
     def _expect_response(self) -> None:
@@ -195,6 +218,13 @@ class HboneStream(asyncio.Transport):
     async def wait_response(self) -> None:
         assert self._response is not None
         await self._response
+
+    def refused(self) -> None:
+        """After a non-200 response: end our side too (the server normally ended its side)."""
+        if self._remote_ended:
+            self.close()
+        else:
+            self.abort()
 
     def _on_response(self, headers: list[tuple[str, str]]) -> None:
         status = next((v for k, v in headers if k == ":status"), "")
@@ -385,6 +415,3 @@ class HboneStream(asyncio.Transport):
             self._protocol.connection_lost(exc)
         except Exception:
             log.exception("hbone: stream %d: protocol connection_lost failed", self.stream_id)
-
-
-__all__ = ["ConnectionClosed", "HboneStream"]

@@ -6,6 +6,7 @@ import io
 from collections.abc import Iterator
 
 import pytest
+import uvloop
 
 from ztunnel.logs import reset_logging, setup_logging
 
@@ -25,3 +26,8 @@ def proxy_logs() -> Iterator[LogLines]:
     finally:
         print(stream.getvalue())
         reset_logging()
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
+    """Tests run on uvloop, the loop the proxy runs on (its transports differ from asyncio's)."""
+    return {"uvloop": uvloop.new_event_loop}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import re
 from collections.abc import AsyncIterator
 
@@ -13,8 +14,9 @@ import pytest
 from tests.mesh import Echo, echo_roundtrip, proxy_env, sha, socks5_connect, start_echo, start_proxy
 from ztunnel.app import App
 
-SERVER, FRONTEND, INTRUDER, STRANGER = "127.0.0.3", "127.0.0.2", "127.0.0.4", "127.0.0.9"
-VIP = "127.0.10.1"
+# A random /24 of the loopback range per run, so that concurrent runs do not collide.
+NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+SERVER, FRONTEND, INTRUDER, STRANGER, VIP = (f"{NET}.{i}" for i in (3, 2, 4, 9, 100))
 
 CONFIG = f"""
 workloads:

@@ -6,10 +6,10 @@ import asyncio
 import hashlib
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 import pytest
-import uvloop
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 
@@ -660,7 +660,7 @@ async def test_received_frames_are_not_formatted(loopback, monkeypatch) -> None:
     await sink.wait_for(100_000)
 
 
-async def on_uvloop_body(handler: Handler, body: Callable[[Loopback], Awaitable[None]]) -> None:
+async def on_loop_body(handler: Handler, body: Callable[[Loopback], Awaitable[None]]) -> None:
     lb = Loopback(handler, H2Settings(), H2Settings())
     await lb.server.serve(lb.listener)
     try:
@@ -671,10 +671,15 @@ async def on_uvloop_body(handler: Handler, body: Callable[[Loopback], Awaitable[
         await lb.server.shutdown(graceful=False)
 
 
-# The same protocol code on uvloop, whose transports are not asyncio's classes.
+# The suite runs on uvloop (tests/conftest.py); these run the same code on asyncio's own loop.
 
 
-def test_uvloop_echo_half_close_and_status() -> None:
+def run_on_asyncio_loop(coro: Coroutine[Any, Any, None]) -> None:
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        runner.run(coro)
+
+
+def test_asyncio_loop_echo_half_close_and_status() -> None:
     async def handler(req: ConnectRequest) -> None:
         if req.authority == "deny:1":
             req.respond(401)
@@ -686,14 +691,14 @@ def test_uvloop_echo_half_close_and_status() -> None:
         with pytest.raises(HttpStatusError, match="http status: 401"):
             await conn.connect("deny:1")
         stream, sink = await open_stream(conn)
-        stream.write(b"uvloop")
+        stream.write(b"asyncio")
         stream.write_eof()
         await asyncio.wait_for(sink.eof, 5)
-        assert bytes(sink.data) == b"uvloop"
+        assert bytes(sink.data) == b"asyncio"
         assert await asyncio.wait_for(sink.lost, 5) is None
 
-    uvloop.run(on_uvloop_body(handler, body))
+    run_on_asyncio_loop(on_loop_body(handler, body))
 
 
-def test_uvloop_8mib_both_ways_with_slow_readers() -> None:
-    uvloop.run(on_uvloop_body(slow_echo_handler, transfer_8mib))
+def test_asyncio_loop_8mib_both_ways_with_slow_readers() -> None:
+    run_on_asyncio_loop(on_loop_body(slow_echo_handler, transfer_8mib))

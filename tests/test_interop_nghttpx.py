@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,19 +46,47 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+
+
 def _wait_listening(
     name: str, port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 10.0
 ) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}: {_tail(log)}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"{name} is not listening on {port}: {log.read_text()[-2000:]}")
+    raise RuntimeError(f"{name} is not listening on {port}: {_tail(log)}")
+
+
+def _spawn(
+    name: str, argv: Callable[[int], list[str]], log: Path, attempts: int = 3
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a server on a free port; if the port was taken meanwhile (it exits), try another."""
+    for attempt in range(attempts):
+        port = _free_port()
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                argv(port),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        try:
+            _wait_listening(name, port, proc, log)
+            return proc, port
+        except RuntimeError:
+            _stop(proc)
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -90,7 +118,6 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     (d / "ca.pem").write_bytes(ca.root_pem)
     os.chmod(d / "key.pem", 0o600)
 
-    tiny_port, ng_port = _free_port(), _free_port()
     echo_listeners = []
     for _ in range(2):
         s = socket.socket()
@@ -99,47 +126,38 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
         s.setblocking(False)
         echo_listeners.append(s)
     echo_ports = [s.getsockname()[1] for s in echo_listeners]
-    (d / "tinyproxy.conf").write_text(
-        f"Port {tiny_port}\nListen 127.0.0.1\nTimeout 30\nAllow 127.0.0.1\nMaxClients 50\nLogLevel Info\n"
-        + "".join(f"ConnectPort {p}\n" for p in echo_ports)
-    )
+
+    def tinyproxy(port: int) -> list[str]:
+        (d / "tinyproxy.conf").write_text(
+            f"Port {port}\nListen 127.0.0.1\nTimeout 30\nAllow 127.0.0.1\nMaxClients 50\nLogLevel Info\n"
+            + "".join(f"ConnectPort {p}\n" for p in echo_ports)
+        )
+        return ["tinyproxy", "-d", "-c", str(d / "tinyproxy.conf")]
+
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        tiny_log = d / "tinyproxy.log"
-        with tiny_log.open("wb") as out:
-            tiny = subprocess.Popen(
-                ["tinyproxy", "-d", "-c", str(d / "tinyproxy.conf")],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        tiny, tiny_port = _spawn("tinyproxy", tinyproxy, d / "tinyproxy.log")
         procs.append(tiny)
-        _wait_listening("tinyproxy", tiny_port, tiny, tiny_log)
-        ng_log = d / "nghttpx.log"
-        ng = subprocess.Popen(
-            [
+
+        def nghttpx(port: int) -> list[str]:
+            return [
                 "nghttpx",
+                "--conf=/dev/null",
                 "--http2-proxy",
-                f"--frontend=127.0.0.1,{ng_port}",
+                f"--frontend=127.0.0.1,{port}",
                 f"--backend=127.0.0.1,{tiny_port}",
                 "--workers=1",
                 "--no-ocsp",
                 "--tls-min-proto-version=TLSv1.3",
                 "--verify-client",
                 f"--verify-client-cacert={d / 'ca.pem'}",
-                f"--errorlog-file={ng_log}",
                 "--accesslog-file=/dev/null",
                 str(d / "key.pem"),
                 str(d / "cert.pem"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+            ]
+
+        ng, ng_port = _spawn("nghttpx", nghttpx, d / "nghttpx.log")
         procs.append(ng)
-        _wait_listening("nghttpx", ng_port, ng, ng_log)
         yield Proxy(ca, cert, ng_port, echo_listeners)
     finally:
         for p in reversed(procs):

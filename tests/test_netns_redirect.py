@@ -219,7 +219,8 @@ def test_redirected_connection_goes_over_hbone(hosts: tuple[Netns, Netns, Path])
     a, b, tmp = hosts
     out = a.exec(sys.executable, str(tmp / "client.py"), B_IP, "8080").stdout.decode().strip()
     # The echo reached B's app and came back through both proxies.
-    assert out.startswith("hello|peer=")
+    logs = "\n".join((tmp / f"{n}.log").read_text() for n in ("client", "server"))
+    assert out.startswith("hello|peer="), logs
     # The server proxy saw it as mTLS from the client's identity, for the original destination.
     metrics = b.exec("curl", "-s", f"http://{B_IP}:15020/metrics").stdout.decode()
     opened = [

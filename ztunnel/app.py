@@ -117,7 +117,9 @@ class App:
             try:
                 await server.start(host, port)
             except OSError as e:
-                raise StartupError(f"failed to bind {server.name} server on {host}:{port}: {e.strerror or e}") from None
+                raise StartupError(
+                    f"failed to bind {server.name} server on {host}:{port}: {e.strerror or e}"
+                ) from None
             self._servers.append(server)
 
         assert cfg.workload_info is not None

@@ -100,9 +100,16 @@ class _State:
     touched: set[str] = set()
 
 
+# Third-party libraries whose debug output is per frame; silent unless a filter names them (as the
+# reference prefixes its filter with `hickory_server::server=off`).
+QUIET_TARGETS = ("hpack", "h2", "grpc", "asyncio")
+
+
 def _apply(flt: LogFilter) -> None:
     logging.getLogger().setLevel(LEVELS[flt.default or "info"])
     wanted = dict(flt.targets)
+    for name in QUIET_TARGETS:
+        wanted.setdefault(name, "warn")
     for name in _State.touched - wanted.keys():
         logging.getLogger(name).setLevel(logging.NOTSET)
     for name, level in wanted.items():

@@ -17,6 +17,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import cast
 
 from hbone.client import HboneConnection
 from hbone.errors import HboneError, HttpStatusError
@@ -75,7 +76,7 @@ class _Accepted(Inbox):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         with contextlib.suppress(OSError):
             self._instance.sockets.tune_accepted(sock)
@@ -129,6 +130,7 @@ class ProxyInstance:
             on_tls_error=self._inbound_tls_error,
         )
         self._servers: list[asyncio.AbstractServer] = []
+        self._refresher: asyncio.Future[None] = asyncio.get_event_loop().create_future()
         self._tasks: set[asyncio.Task[None]] = set()
         self._state_waiters: set[asyncio.Future[None]] = set()
         self._server_cert: WorkloadCertificate | None = None
@@ -217,7 +219,7 @@ class ProxyInstance:
         # The inbound listener needs our certificate; fetch it before accepting.
         with contextlib.suppress(Exception):
             await self.certificate()
-        self.track(self._refresh_certificate())
+        self._refresher = asyncio.ensure_future(self._refresh_certificate())
         handlers = {
             "outbound": self._outbound,
             "inbound_plaintext": self._inbound_plaintext,
@@ -239,23 +241,23 @@ class ProxyInstance:
             await asyncio.sleep(5.0 if self._server_cert is None else 30.0)
 
     async def drain(self, deadline: float, *, graceful: bool = True) -> None:
-        """Stop accepting, let connections finish for up to `deadline` seconds, then cut the rest."""
+        """Stop accepting, let connections finish for up to `deadline` seconds, then cut the rest
+        (SPEC §12.1). HBONE peers get a GOAWAY; a non-graceful drain cuts everything at once."""
+        self._refresher.cancel()
         for server in self._servers:
             server.close()
-        await self.hbone_server.shutdown(graceful=graceful)
-        pending = [t for t in self._tasks if not t.done() and t is not asyncio.current_task()]
-        refresh = [t for t in pending if getattr(t.get_coro(), "__name__", "") == "_refresh_certificate"]
-        for t in refresh:
-            t.cancel()
-        pending = [t for t in pending if t not in refresh]
-        if pending and graceful:
-            await asyncio.wait(pending, timeout=deadline)
+        current = asyncio.current_task()
+        pending = [t for t in self._tasks if not t.done() and t is not current]
+        if graceful:
+            inbound = asyncio.ensure_future(self.hbone_server.shutdown(graceful=True))
+            await asyncio.wait([*pending, inbound], timeout=deadline)
+            inbound.cancel()
+        await self.hbone_server.shutdown(graceful=False)
         for t in pending:
             t.cancel()
         if pending:
             await asyncio.wait(pending, timeout=1.0)
         await self.pool.close()
-        await self.hbone_server.shutdown(graceful=False)
 
     # -- outbound -----------------------------------------------------------------------------
 
@@ -283,27 +285,26 @@ class ProxyInstance:
         if isinstance(up, UpstreamFailure):
             transport.close()
             return
-        upstream, record = up
-        await self._carry(transport, inbox, upstream, record)
+        (upstream, up_inbox), record = up
+        await self._carry(transport, upstream, record, down_inbox=inbox, up_inbox=up_inbox)
 
     async def _carry(
         self,
         downstream: asyncio.Transport,
-        inbox: Inbox,
         upstream: asyncio.Transport,
         record: ConnectionRecord,
+        *,
+        down_inbox: Inbox | None = None,
+        up_inbox: Inbox | None = None,
     ) -> None:
-        if inbox.lost:
-            upstream.close()
-            record.finish(received=0, sent=0)
-            return
+        """Relay until both directions end, then complete the record (metrics and access log)."""
         result: RelayResult | None = None
         try:
             result = await relay(
                 downstream,
                 upstream,
-                a_pending=inbox.take(),
-                a_eof=inbox.eof,
+                a_inbox=down_inbox,
+                b_inbox=up_inbox,
                 on_a_to_b=record.received,
                 on_b_to_a=record.sent,
             )
@@ -316,7 +317,7 @@ class ProxyInstance:
 
     async def open_upstream(
         self, src: tuple[str, int], dst: tuple[str, int]
-    ) -> tuple[asyncio.Transport, ConnectionRecord] | UpstreamFailure:
+    ) -> tuple[tuple[asyncio.Transport, Inbox | None], ConnectionRecord] | UpstreamFailure:
         """Resolve and establish the upstream of an outbound connection (SPEC §3.1 steps 3-6)."""
         src_s, dst_s = addr_str(src), addr_str(dst)
         local = await self.local_workload()
@@ -351,14 +352,10 @@ class ProxyInstance:
 
     async def _establish(
         self, r: Route, src: tuple[str, int], local: Workload, own: Identity
-    ) -> asyncio.Transport:
-        loop = asyncio.get_running_loop()
+    ) -> tuple[asyncio.Transport, Inbox | None]:
         next_hop = (str(r.next_hop[0]), r.next_hop[1])
         if r.protocol is Protocol.TCP:
-            sock = await self.sockets.connect(next_hop, source_ip=self.bind, timeout=CONNECT_TIMEOUT)
-            transport, _ = await loop.create_connection(Inbox, sock=sock)
-            transport.pause_reading()
-            return transport
+            return await self.connect_tcp(next_hop)
         assert r.authority is not None
         key = PoolKey(
             src_identity=own,
@@ -375,7 +372,15 @@ class ProxyInstance:
             headers.insert(0, ("baggage", bag))
         stream = await self.pool.connect(key, r.authority, headers)
         stream.pause_reading()
-        return stream
+        return stream, None
+
+    async def connect_tcp(self, addr: tuple[str, int]) -> tuple[asyncio.Transport, Inbox]:
+        """A TCP connection from this proxy (its bind address and socket options); what arrives
+        before it is relayed waits in its `Inbox`."""
+        sock = await self.sockets.connect(addr, source_ip=self.bind, timeout=CONNECT_TIMEOUT)
+        transport, inbox = await asyncio.get_running_loop().create_connection(Inbox, sock=sock)
+        transport.pause_reading()
+        return transport, inbox
 
     # -- SOCKS5 -------------------------------------------------------------------------------
 
@@ -414,12 +419,12 @@ class ProxyInstance:
             transport.write(encode_reply(up.reply))
             transport.close()
             return
-        upstream, record = up
+        (upstream, up_inbox), record = up
         # Ours (CONTRACT §4): success is only replied once the upstream is established.
         transport.write(encode_reply(Reply.SUCCEEDED))
         if leftover:
             inbox.buffer[:0] = leftover
-        await self._carry(transport, inbox, upstream, record)
+        await self._carry(transport, upstream, record, down_inbox=inbox, up_inbox=up_inbox)
 
     async def _resolve(self, host: IPAddress | str, family: int) -> str:
         if not isinstance(host, str):
@@ -516,12 +521,7 @@ class ProxyInstance:
             )
             return
         try:
-            sock = await self.sockets.connect(
-                (str(local_ip), port), source_ip=self.bind, timeout=CONNECT_TIMEOUT
-            )
-            loop = asyncio.get_running_loop()
-            app, _ = await loop.create_connection(Inbox, sock=sock)
-            app.pause_reading()
+            app, app_inbox = await self.connect_tcp((str(local_ip), port))
         except Exception as e:
             req.respond(503)
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
@@ -532,16 +532,7 @@ class ProxyInstance:
             if bag:
                 headers.append(("baggage", bag))
         req.respond(200, headers)
-        stream = req.stream
-        stream.pause_reading()
-        result: RelayResult | None = None
-        try:
-            result = await relay(stream, app, on_a_to_b=record.received, on_b_to_a=record.sent)
-        finally:
-            if result is None:
-                record.finish(received=0, sent=0, error="connection closed: drain deadline")
-            else:
-                record.finish(received=result.a_to_b, sent=result.b_to_a)
+        await self._carry(req.stream, app, record, up_inbox=app_inbox)
 
     def _peer_from_baggage(self, w: Workload | None, identity: Identity | None, header: str | None) -> Peer:
         ident = str(identity) if identity else None
@@ -614,14 +605,12 @@ class ProxyInstance:
             )
             return
         try:
-            sock = await self.sockets.connect(dst, source_ip=self.bind, timeout=CONNECT_TIMEOUT)
-            app, _ = await asyncio.get_running_loop().create_connection(Inbox, sock=sock)
-            app.pause_reading()
+            app, app_inbox = await self.connect_tcp(dst)
         except Exception as e:
             transport.close()
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
             return
-        await self._carry(transport, inbox, app, record)
+        await self._carry(transport, app, record, down_inbox=inbox, up_inbox=app_inbox)
 
 
 def _log_notes(notes: tuple[str, ...]) -> None:
