@@ -16,6 +16,8 @@ import resource
 import signal
 from typing import Any
 
+import uvloop
+
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
 from ztunnel.admin import HttpServer, Readiness, admin_server, readiness_server, stats_server
@@ -175,10 +177,4 @@ def run_proxy(environ: dict[str, str]) -> int:
         raise StartupError(str(e)) from None
     setup_logging(config.log_format, config.log_level)
     raise_fd_limit()
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        runner = asyncio.run
-    return runner(App(config).run())
+    return uvloop.run(App(config).run())

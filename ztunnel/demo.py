@@ -216,7 +216,7 @@ async def drive(server: DemoProxy, clients: list[DemoProxy]) -> tuple[list[list[
                 f"{server.ip}:{APP_PORT}",
                 "allow" if allowed else "deny",
                 outcome + ("" if behaved else "  <-- unexpected"),
-                f"{len(payload)}/{len(echoed)}",
+                f"{len(payload) if code == 0 else 0}/{len(echoed)}",
             ]
         )
     return rows, ok
@@ -262,8 +262,8 @@ def run_demo(*, keep: bool = False) -> int:
             print(table(metrics) if len(metrics) > 1 else "no traffic metrics on the server proxy")
             opened = sum(v for n, lb, v in scrape(server) if n == "istio_tcp_connections_opened_total")
             ok &= opened >= 2
-            print(f"\naccess logs and proxy output: {workdir}")
             if keep:
+                print(f"\naccess logs and proxy output: {workdir}")
                 print(
                     "\nThe demo keeps running. Try:\n"
                     f"  curl --socks5 127.0.0.2:15080 telnet://{server.ip}:{APP_PORT}   (frontend: allowed)\n"
@@ -298,6 +298,9 @@ def run_demo(*, keep: bool = False) -> int:
         return asyncio.run(main())
     except RuntimeError as e:
         print(f"ztunnel demo: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"ztunnel demo: {e.strerror or e} (is another demo running?)", file=sys.stderr)
         return 1
     finally:
         if not keep and os.environ.get("ZTUNNEL_DEMO_KEEP_LOGS") != "1":

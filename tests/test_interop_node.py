@@ -1,0 +1,170 @@
+"""Interoperability: Node.js's `http2` module as an HBONE client against our inbound listener (15008).
+
+Node makes the mTLS connection with a certificate from the fake CA and sends its own CONNECT
+requests; our server must answer with the statuses of SPEC §2.6: 200 (and carry bytes), 400 for a
+non-CONNECT method and for an authority that is not ours, 401 when policy denies the identity, 503 for
+an illegal port and for a port where nothing listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from hbone.identity import Identity
+from tests.mesh import proxy_env, start_echo, start_proxy
+from ztunnel.app import App
+from ztunnel.identity import FakeCA
+
+pytestmark = pytest.mark.interop
+
+NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+SERVER = f"{NET}.3"
+OTHER = f"{NET}.7"
+
+CONFIG = f"""
+workloads:
+  - uid: i//v1/Pod/demo/server
+    name: server
+    namespace: demo
+    serviceAccount: server
+    trustDomain: cluster.local
+    workloadIps: ["{SERVER}"]
+    protocol: HBONE
+  - uid: i//v1/Pod/demo/other
+    name: other
+    namespace: demo
+    serviceAccount: other
+    trustDomain: cluster.local
+    workloadIps: ["{OTHER}"]
+    protocol: HBONE
+policies:
+  - name: only-frontend
+    namespace: demo
+    scope: Namespace
+    action: Allow
+    dryRun: false
+    rules:
+      - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
+"""
+
+NODE_CLIENT = r"""
+const http2 = require('http2');
+const fs = require('fs');
+const [url, certDir, casesJson] = process.argv.slice(2);
+const cases = JSON.parse(casesJson);
+function tls(name) {
+  return {
+    key: fs.readFileSync(`${certDir}/${name}.key`),
+    cert: fs.readFileSync(`${certDir}/${name}.crt`),
+    ca: fs.readFileSync(`${certDir}/root.crt`),
+    checkServerIdentity: () => undefined,
+  };
+}
+function run(c) {
+  return new Promise((resolve) => {
+    const session = http2.connect(url, tls(c.identity));
+    session.on('error', (e) => resolve({ name: c.name, error: String(e) }));
+    const headers = { ':method': c.method, ':authority': c.authority };
+    if (c.method !== 'CONNECT') { headers[':path'] = '/'; headers[':scheme'] = 'https'; }
+    const req = session.request(headers, c.method === 'CONNECT' ? {} : { endStream: true });
+    let status = null, body = '';
+    req.on('response', (h) => {
+      status = h[':status'];
+      if (status === 200 && c.send) { req.end(c.send); }
+    });
+    req.setEncoding('utf8');
+    req.on('data', (d) => { body += d; });
+    req.on('end', () => { session.close(); resolve({ name: c.name, status, body }); });
+    req.on('error', (e) => { session.close(); resolve({ name: c.name, status, error: String(e) }); });
+  });
+}
+(async () => {
+  const results = [];
+  for (const c of cases) results.push(await run(c));
+  console.log(JSON.stringify(results));
+})();
+"""
+
+
+@pytest.fixture
+async def server(proxy_logs, tmp_path: Path) -> AsyncIterator[App]:  # type: ignore[no-untyped-def]
+    echo = await start_echo(SERVER, 8080)
+    app = await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG))
+    try:
+        yield app
+    finally:
+        await app.drain()
+        echo.server.close()
+
+
+def write_certs(directory: Path) -> None:
+    ca = FakeCA()
+    (directory / "root.crt").write_bytes(ca.root_pem)
+    for sa in ("frontend", "intruder"):
+        cert = ca.issue(Identity("cluster.local", "demo", sa))
+        (directory / f"{sa}.crt").write_bytes(b"".join(cert.chain_pem))
+        (directory / f"{sa}.key").write_bytes(cert.key_pem)
+
+
+async def test_node_http2_client_gets_the_reference_statuses(server: App, tmp_path: Path, proxy_logs) -> None:  # type: ignore[no-untyped-def]
+    node = shutil.which("node")
+    if node is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("CI=true but node is not installed")
+        pytest.skip("node is not installed")
+    write_certs(tmp_path)
+    script = tmp_path / "client.js"
+    script.write_text(NODE_CLIENT)
+    cases = [
+        {
+            "name": "allowed",
+            "identity": "frontend",
+            "method": "CONNECT",
+            "authority": f"{SERVER}:8080",
+            "send": "ping over node",
+        },
+        {"name": "not-connect", "identity": "frontend", "method": "GET", "authority": f"{SERVER}:8080"},
+        {"name": "ip-mismatch", "identity": "frontend", "method": "CONNECT", "authority": f"{OTHER}:8080"},
+        {"name": "denied", "identity": "intruder", "method": "CONNECT", "authority": f"{SERVER}:8080"},
+        {"name": "illegal-port", "identity": "frontend", "method": "CONNECT", "authority": f"{SERVER}:15001"},
+        {
+            "name": "nothing-listening",
+            "identity": "frontend",
+            "method": "CONNECT",
+            "authority": f"{SERVER}:8099",
+        },
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        node,
+        str(script),
+        f"https://{SERVER}:15008",
+        str(tmp_path),
+        json.dumps(cases),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    results = {r["name"]: r for r in json.loads(out)}
+    assert results["allowed"]["status"] == 200
+    assert results["allowed"]["body"] == "ping over node"
+    assert {name: results[name]["status"] for name in results if name != "allowed"} == {
+        "not-connect": 400,
+        "ip-mismatch": 400,
+        "denied": 401,
+        "illegal-port": 503,
+        "nothing-listening": 503,
+    }
+    await asyncio.sleep(0.1)
+    logs = proxy_logs.text()
+    assert f"ip mismatch: {SERVER} != {OTHER}" in logs
+    assert "connection closed due to policy rejection: allow policies exist, but none allowed" in logs
+    assert 'src.identity="spiffe://cluster.local/ns/demo/sa/intruder"' in logs
