@@ -79,21 +79,16 @@ Handler = Callable[[ConnectRequest], Awaitable[None]]
 TlsErrorHook = Callable[[Address, Address, Exception], None]
 
 
-class _Accepted(asyncio.Protocol):
-    """Protocol of a freshly accepted TCP connection until TLS takes over."""
+class _Listener:
+    """The accept loop on one listening socket; `close()` stops it and closes the socket."""
 
-    def __init__(self, server: HboneServer) -> None:
-        self._server = server
+    def __init__(self, task: asyncio.Task[None], sock: socket.socket) -> None:
+        self._task = task
+        self.sockets = (sock,)
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement the interface without subclassing asyncio.Transport.
-        transport = cast(asyncio.Transport, transport)
-        # Nothing may be read before start_tls installs the TLS protocol.
-        transport.pause_reading()
-        self._server._accepted(transport)
-
-    def data_received(self, data: bytes) -> None:  # pragma: no cover - reading is paused
-        pass
+    def close(self) -> None:
+        self._task.cancel()
+        self.sockets[0].close()
 
 
 class HboneServer:
@@ -113,29 +108,51 @@ class HboneServer:
         self._trust_domain = own_trust_domain
         self._on_tls_error = on_tls_error
         self._handshake_timeout = handshake_timeout
-        self._servers: list[asyncio.AbstractServer] = []
+        self._servers: list[_Listener] = []
         self._handshakes: set[asyncio.Task[None]] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self.sessions: set[H2Session] = set()
         self._shutting_down = False
 
-    async def serve(self, listen_sock: socket.socket) -> asyncio.AbstractServer:
-        """Accept HBONE connections on a bound, listening socket."""
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _Accepted(self), sock=listen_sock)
-        self._servers.append(server)
-        return server
+    async def serve(self, listen_sock: socket.socket) -> _Listener:
+        """Accept HBONE connections on a bound, listening socket.
+
+        Accepted sockets go straight into a TLS server handshake (`connect_accepted_socket` with
+        `ssl=`): under uvloop a transport reads once after `connection_made` even when paused
+        there, so accepting with a plain transport and calling `start_tls` later can lose the
+        ClientHello of a fast client.
+        """
+        listen_sock.setblocking(False)
+        task = asyncio.get_running_loop().create_task(self._accept_loop(listen_sock))
+        listener = _Listener(task, listen_sock)
+        self._servers.append(listener)
+        return listener
 
     async def serve_connection(self, sock: socket.socket) -> None:
-        """Serve one already accepted TCP socket; returns once it is handed to the TLS handshake."""
-        loop = asyncio.get_running_loop()
-        await loop.connect_accepted_socket(lambda: _Accepted(self), sock)
+        """Serve one already accepted TCP socket (returns at once; the handshake runs as a task)."""
+        self._accepted(sock)
 
-    def _accepted(self, transport: asyncio.Transport) -> None:
+    async def _accept_loop(self, listen_sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listen_sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as e:
+                if listen_sock.fileno() < 0:
+                    return
+                # Out of descriptors or a connection that died in the backlog: keep serving.
+                log.warning("hbone: accept failed: %s", e)
+                await asyncio.sleep(0.05)
+                continue
+            self._accepted(sock)
+
+    def _accepted(self, sock: socket.socket) -> None:
         if self._shutting_down:
-            transport.abort()
+            sock.close()
             return
-        task = asyncio.get_running_loop().create_task(self._handshake(transport))
+        task = asyncio.get_running_loop().create_task(self._handshake(sock))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
 
@@ -148,10 +165,15 @@ class HboneServer:
         else:
             log.warning("hbone: connection failed src=%s dst=%s: %s", peer, local, err)
 
-    async def _handshake(self, raw: asyncio.Transport) -> None:
+    async def _handshake(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        peer = canonical_addr(raw.get_extra_info("peername"))
-        local = canonical_addr(raw.get_extra_info("sockname"))
+        try:
+            peer = canonical_addr(sock.getpeername())
+            local = canonical_addr(sock.getsockname())
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            sock.close()  # the peer is already gone
+            return
         session = H2Session(
             client_side=False,
             settings=self.settings,
@@ -159,19 +181,21 @@ class HboneServer:
         )
         try:
             ctx = self._context() if callable(self._context) else self._context
-            tls = await loop.start_tls(
-                raw, session, ctx, server_side=True, ssl_handshake_timeout=self._handshake_timeout
-            )
-        except asyncio.CancelledError:
-            raw.abort()
-            raise
         except Exception as e:
-            raw.abort()
+            sock.close()
             self._tls_error(peer, local, TlsHandshakeError(f"tls handshake error: {e}"))
             return
-        if tls is None:  # pragma: no cover - start_tls returns None only for a closed transport
+        try:
+            # On failure or cancellation the loop closes the transport, and with it the socket.
+            tls, _ = await loop.connect_accepted_socket(
+                lambda: session, sock, ssl=ctx, ssl_handshake_timeout=self._handshake_timeout
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._tls_error(peer, local, TlsHandshakeError(f"tls handshake error: {e}"))
             return
-        session.connection_made(tls)  # start_tls does not call it
+        tls = cast(asyncio.Transport, tls)
         try:
             ssl_object = tls.get_extra_info("ssl_object")
             check_alpn(ssl_object)

@@ -7,6 +7,7 @@ import asyncio
 import os
 import random
 import re
+import shutil
 from collections.abc import AsyncIterator
 
 import pytest
@@ -228,7 +229,7 @@ async def test_large_transfers_arrive_intact(mesh: dict, size: int) -> None:
     assert ex.digest == sha(payload)
 
 
-async def test_200_concurrent_connections_over_the_pool(mesh: dict) -> None:
+async def test_200_concurrent_connections_over_the_pool(mesh: dict, proxy_logs) -> None:  # type: ignore[no-untyped-def]
     server: App = mesh["server"]
     payloads = [os.urandom(1000 + i) for i in range(200)]
     results = await asyncio.wait_for(
@@ -239,3 +240,57 @@ async def test_200_concurrent_connections_over_the_pool(mesh: dict) -> None:
         lambda: metric(server, "istio_tcp_connections_closed_total", reporter="destination") >= 200
     )
     assert metric(server, "istio_tcp_connections_opened_total", reporter="destination") == 200
+    # The server's access log names the client proxy's address of each HBONE connection: 200 streams
+    # at 100 per pooled connection make exactly two TLS connections.
+    inbound = [line for line in proxy_logs.text().splitlines() if 'direction="inbound"' in line]
+    ports = {re.search(rf"src.addr={re.escape(FRONTEND)}:(\d+)", line).group(1) for line in inbound}  # type: ignore[union-attr]
+    assert len(inbound) == 200
+    assert len(ports) == 2
+
+
+async def test_curl_through_socks5(mesh: dict) -> None:
+    """curl, a client we did not write, reaches an HTTP app through the proxy's SOCKS5 listener."""
+    curl = shutil.which("curl")
+    if curl is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but curl is not installed")
+        pytest.skip("curl is not installed")
+
+    async def http_app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nConnection: close\r\n\r\nhello, mesh\n")
+        await writer.drain()
+        writer.close()
+
+    app = await asyncio.start_server(http_app, SERVER, 8088)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            curl,
+            "-sS",
+            "--max-time",
+            "10",
+            "--socks5",
+            f"{FRONTEND}:15080",
+            f"http://{SERVER}:8088/",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        assert out == b"hello, mesh\n"
+        denied = await asyncio.create_subprocess_exec(
+            curl,
+            "-sS",
+            "--max-time",
+            "10",
+            "--socks5",
+            f"{INTRUDER}:15080",
+            f"http://{SERVER}:8088/",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await denied.communicate()
+        assert denied.returncode != 0
+        assert b"SOCKS5" in err  # curl reports the SOCKS5 failure reply
+    finally:
+        app.close()

@@ -227,7 +227,7 @@ class ProxyInstance:
         }
         for name, sock in socks.items():
             if name == "inbound":
-                self._servers.append(await self.hbone_server.serve(sock))
+                await self.hbone_server.serve(sock)  # closed by hbone_server.shutdown
             else:
                 handler = handlers[name]
                 self._servers.append(

@@ -1,9 +1,11 @@
-"""Interoperability: Node.js's `http2` module as an HBONE client against our inbound listener (15008).
+"""Interoperability of our inbound listener (15008) with clients we did not write.
 
-Node makes the mTLS connection with a certificate from the fake CA and sends its own CONNECT
+Node.js's `http2` module as an HBONE client:
+it makes the mTLS connection with a certificate from the fake CA and sends its own CONNECT
 requests; our server must answer with the statuses of SPEC §2.6: 200 (and carry bytes), 400 for a
 non-CONNECT method and for an authority that is not ours, 401 when policy denies the identity, 503 for
-an illegal port and for a port where nothing listens.
+an illegal port and for a port where nothing listens. `openssl s_client`: TLS 1.3 with ALPN h2, and
+the leaf the server presents carries exactly its workload's SPIFFE identity and chains to the root.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from hbone.identity import Identity
 from tests.mesh import proxy_env, start_echo, start_proxy
@@ -168,3 +171,55 @@ async def test_node_http2_client_gets_the_reference_statuses(server: App, tmp_pa
     assert f"ip mismatch: {SERVER} != {OTHER}" in logs
     assert "connection closed due to policy rejection: allow policies exist, but none allowed" in logs
     assert 'src.identity="spiffe://cluster.local/ns/demo/sa/intruder"' in logs
+
+
+def need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true but {tool} is not installed")
+        pytest.skip(f"{tool} is not installed")
+    return path
+
+
+async def test_openssl_s_client_sees_the_workload_identity(server: App, tmp_path: Path) -> None:
+    openssl = need("openssl")
+    write_certs(tmp_path)
+    proc = await asyncio.create_subprocess_exec(
+        openssl,
+        "s_client",
+        "-connect",
+        f"{SERVER}:15008",
+        "-alpn",
+        "h2",
+        "-showcerts",
+        "-cert",
+        str(tmp_path / "frontend.crt"),
+        "-key",
+        str(tmp_path / "frontend.key"),
+        "-CAfile",
+        str(tmp_path / "root.crt"),
+        "-verify_return_error",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    # Keep stdin open until the handshake summary is out: s_client quits at EOF on stdin.
+    assert proc.stdout is not None and proc.stdin is not None
+    lines: list[str] = []
+    async with asyncio.timeout(30):
+        while not any(line.startswith("Verify return code") for line in lines):
+            line = await proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.decode())
+    proc.stdin.close()
+    await proc.wait()
+    text = "".join(lines)
+    assert "Protocol  : TLSv1.3" in text or "New, TLSv1.3" in text, text
+    assert "ALPN protocol: h2" in text
+    assert "Verify return code: 0 (ok)" in text
+    leaf_pem = text[text.index("-----BEGIN CERTIFICATE-----") : text.index("-----END CERTIFICATE-----") + 25]
+    leaf = x509.load_pem_x509_certificate(leaf_pem.encode())
+    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(n.value) for n in san] == ["spiffe://cluster.local/ns/demo/sa/server"]
