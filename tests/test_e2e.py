@@ -4,10 +4,13 @@ with the fake CA and one local config; traffic enters through SOCKS5 like a user
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
 import shutil
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 
 import pytest
@@ -294,3 +297,32 @@ async def test_curl_through_socks5(mesh: dict) -> None:
         assert b"SOCKS5" in err  # curl reports the SOCKS5 failure reply
     finally:
         app.close()
+
+
+def http(method: str, url: str) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+async def test_operator_endpoints(mesh: dict) -> None:
+    """What an operator sees on the admin, metrics and readiness ports of a running proxy."""
+    status, body = await asyncio.to_thread(http, "GET", f"http://{FRONTEND}:15021/healthz/ready")
+    assert (status, body) == (200, b"ready\n")
+    status, body = await asyncio.to_thread(http, "GET", f"http://{FRONTEND}:15000/config_dump")
+    assert status == 200
+    dump = json.loads(body)
+    assert {"workloads", "services", "policies", "certificates", "config", "staticConfig"} <= dump.keys()
+    assert sorted(w["name"] for w in dump["workloads"]) == ["frontend", "intruder", "server"]
+    assert [p["name"] for p in dump["policies"]] == ["only-frontend"]
+    assert dump["config"]["proxyMode"] == "dedicated"
+    certs = {c["identity"]: c for c in dump["certificates"]}
+    assert certs["spiffe://cluster.local/ns/demo/sa/frontend"]["state"] == "Available"
+    assert dump["staticConfig"]["policies"][0]["name"] == "only-frontend"
+    status, body = await asyncio.to_thread(http, "GET", f"http://{FRONTEND}:15020/stats/prometheus")
+    assert status == 200 and b'istio_build{component="ztunnel"' in body
+    status, _ = await asyncio.to_thread(http, "GET", f"http://{FRONTEND}:15000/quitquitquit")
+    assert status == 405
