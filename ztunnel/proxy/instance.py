@@ -28,7 +28,7 @@ from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
 from hbone.tls import WorkloadCertificate, server_context
 from policy import Connection, Deny, authorize
-from xds.model import IPAddress, Workload
+from xds.model import IPAddress, Service, Workload
 from ztunnel import baggage
 from ztunnel.config import Config, WorkloadInfo, illegal_ports
 from ztunnel.identity import SecretManager
@@ -130,7 +130,7 @@ class ProxyInstance:
             on_tls_error=self._inbound_tls_error,
         )
         self._servers: list[asyncio.AbstractServer] = []
-        self._refresher: asyncio.Future[None] = asyncio.get_event_loop().create_future()
+        self._refresher: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._state_waiters: set[asyncio.Future[None]] = set()
         self._server_cert: WorkloadCertificate | None = None
@@ -219,7 +219,7 @@ class ProxyInstance:
         # The inbound listener needs our certificate; fetch it before accepting.
         with contextlib.suppress(Exception):
             await self.certificate()
-        self._refresher = asyncio.ensure_future(self._refresh_certificate())
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_certificate())
         handlers = {
             "outbound": self._outbound,
             "inbound_plaintext": self._inbound_plaintext,
@@ -243,7 +243,8 @@ class ProxyInstance:
     async def drain(self, deadline: float, *, graceful: bool = True) -> None:
         """Stop accepting, let connections finish for up to `deadline` seconds, then cut the rest
         (SPEC §12.1). HBONE peers get a GOAWAY; a non-graceful drain cuts everything at once."""
-        self._refresher.cancel()
+        if self._refresher is not None:
+            self._refresher.cancel()
         for server in self._servers:
             server.close()
         current = asyncio.current_task()
@@ -549,7 +550,8 @@ class ProxyInstance:
             canonical_revision=b.service_version,
         )
 
-    def _inbound_service(self, local: Workload, port: int, forwarded: str | None):  # type: ignore[no-untyped-def]
+    def _inbound_service(self, local: Workload, port: int, forwarded: str | None) -> Service | None:
+        """The service a connection was meant for: `forwarded` host= among ours, else by target port."""
         services = self.state.services_of_workload(local)
         host = None
         for part in (forwarded or "").split(";"):
