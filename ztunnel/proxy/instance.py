@@ -33,6 +33,7 @@ from ztunnel import baggage
 from ztunnel.config import Config, WorkloadInfo, illegal_ports
 from ztunnel.identity import SecretManager
 from ztunnel.metrics import Metrics
+from ztunnel.proxy.connections import ConnectionTracker
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
 from ztunnel.route import NoRoute, Protocol, Route, format_addr, route
 from ztunnel.sockets import SocketFactory, canonical_addr, canonical_ip, original_dst
@@ -136,6 +137,7 @@ class ProxyInstance:
         self._server_cert: WorkloadCertificate | None = None
         self._server_ctx: ssl.SSLContext | None = None
         self.addresses: dict[str, tuple[str, int]] = {}
+        self.tracker = ConnectionTracker(state)
         state.subscribe(self._state_changed)
 
     # -- identity ----------------------------------------------------------------------------
@@ -259,6 +261,7 @@ class ProxyInstance:
         if pending:
             await asyncio.wait(pending, timeout=1.0)
         await self.pool.close()
+        self.tracker.close()
 
     # -- outbound -----------------------------------------------------------------------------
 
@@ -297,9 +300,22 @@ class ProxyInstance:
         *,
         down_inbox: Inbox | None = None,
         up_inbox: Inbox | None = None,
+        authorized: tuple[Connection, str] | None = None,
     ) -> None:
-        """Relay until both directions end, then complete the record (metrics and access log)."""
+        """Relay until both directions end, then complete the record (metrics and access log).
+
+        `authorized` (what authorization saw, and the local workload's uid) keeps an inbound
+        connection under the policy tracker, which cuts it if a policy change now denies it.
+        """
         result: RelayResult | None = None
+        rejected: list[str] = []
+
+        def reject(error: str) -> None:
+            rejected.append(error)
+            downstream.abort()
+            upstream.abort()
+
+        tracked = self.tracker.register(*authorized, reject) if authorized else None
         try:
             result = await relay(
                 downstream,
@@ -310,8 +326,12 @@ class ProxyInstance:
                 on_b_to_a=record.sent,
             )
         finally:
+            if tracked is not None:
+                self.tracker.unregister(tracked)
             if result is None:  # cancelled (drain deadline) or crashed
                 record.finish(received=0, sent=0, error="connection closed: drain deadline")
+            elif rejected:
+                record.finish(received=result.a_to_b, sent=result.b_to_a, error=rejected[0], flags="DENY")
             else:
                 # Resets and broken pipes during the copy are normal TCP endings (SPEC §2.7).
                 record.finish(received=result.a_to_b, sent=result.b_to_a)
@@ -533,7 +553,7 @@ class ProxyInstance:
             if bag:
                 headers.append(("baggage", bag))
         req.respond(200, headers)
-        await self._carry(req.stream, app, record, up_inbox=app_inbox)
+        await self._carry(req.stream, app, record, up_inbox=app_inbox, authorized=(conn, local.uid))
 
     def _peer_from_baggage(self, w: Workload | None, identity: Identity | None, header: str | None) -> Peer:
         ident = str(identity) if identity else None
@@ -612,7 +632,9 @@ class ProxyInstance:
             transport.close()
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
             return
-        await self._carry(transport, app, record, down_inbox=inbox, up_inbox=app_inbox)
+        await self._carry(
+            transport, app, record, down_inbox=inbox, up_inbox=app_inbox, authorized=(conn, local.uid)
+        )
 
 
 def _log_notes(notes: tuple[str, ...]) -> None:
