@@ -32,6 +32,7 @@ from policy.model import (
     StringMatch,
     StringMatchKind,
 )
+from xds.convert import ConversionError, app_tunnel_port, check_service_key
 from xds.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
@@ -419,10 +420,10 @@ def _port_map(value: object, path: str) -> tuple[tuple[int, int], ...]:
 
 
 def _namespaced_key(value: object, path: str) -> str:
-    key = _string(value, path)
-    if "/" not in key:
-        _fail(path, f"invalid service key {key!r} (expected '<namespace>/<hostname>')")
-    return key
+    try:
+        return check_service_key(_string(value, path))
+    except ConversionError as e:
+        _fail(path, e.reason)
 
 
 def _network_address(value: object, path: str) -> NetworkAddress:
@@ -465,8 +466,7 @@ def _application_tunnel(value: object, path: str) -> ApplicationTunnel:
     port = obj.get("port", _port, 0)
     return ApplicationTunnel(
         protocol=obj.get("protocol", _one_of(APP_TUNNEL_PROTOCOLS), AppTunnelProtocol.NONE),
-        # Nothing listens on port 0: as over xDS, it means "keep the resolved port".
-        port=port or None,
+        port=app_tunnel_port(port),
     )
 
 

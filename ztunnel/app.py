@@ -14,13 +14,16 @@ import logging
 import os
 import resource
 import signal
+import socket
 from typing import Any
 
 import uvloop
 
+from xds.client import AuthToken, XdsClient, node_from
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
-from ztunnel.admin import HttpServer, Readiness, admin_server, readiness_server, stats_server
+from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
+from ztunnel.caclient import GrpcCaClient
 from ztunnel.config import Config, ConfigError
 from ztunnel.identity import FakeCA, SecretManager
 from ztunnel.logs import setup_logging
@@ -79,6 +82,10 @@ class App:
         self.proxies: list[ProxyInstance] = []
         self._stop = asyncio.Event()
         self._servers: list[HttpServer] = []
+        self._ca: GrpcCaClient | None = None
+        self.xds: XdsClient | None = None
+        self._xds_task: asyncio.Task[None] | None = None
+        self._serving: asyncio.Task[None] | None = None
 
     def config_dump(self) -> dict[str, Any]:
         dump: dict[str, Any] = dict(self.state.dump())
@@ -97,19 +104,52 @@ class App:
             raise StartupError(
                 "PROXY_MODE=shared (in-pod mode) is not available yet: run with PROXY_MODE=dedicated"
             )
+        token = AuthToken.from_setting(cfg.auth_token)
         if self.secrets is None:
-            raise StartupError("CA_ADDRESS: the gRPC CA client is not available yet: set FAKE_CA=true")
-        self.static = load_static_config(cfg)
-        if cfg.xds_address and self.static is None:
-            raise StartupError(
-                f"XDS_ADDRESS={cfg.xds_address}: the xDS client is not available yet: "
-                "set XDS_ADDRESS= and LOCAL_XDS_PATH"
+            if not cfg.ca_address:
+                raise StartupError("CA_ADDRESS is empty and FAKE_CA is not set: no way to get certificates")
+            self._ca = GrpcCaClient(
+                cfg.ca_address,
+                root_ca=cfg.ca_root_ca,
+                alt_hostname=cfg.alt_ca_hostname,
+                token=token,
+                cluster_id=cfg.cluster_id,
+                headers=cfg.ca_headers,
+                secret_ttl=cfg.secret_ttl,
+                impersonate=cfg.proxy_mode == "shared",
             )
+            self.secrets = SecretManager(self._ca)
+        self.static = load_static_config(cfg)
         state_task = self.readiness.register("state manager")
         proxy_task = self.readiness.register("proxy")
+        # The local file is applied first; xDS (if any) then builds on it (SPEC §7.1).
         if self.static is not None:
             self.state.apply_local_config(self.static)
-        state_task.release()
+        if cfg.xds_address:
+            self.xds = XdsClient(
+                cfg.xds_address,
+                self.state,
+                node_from(
+                    instance_ip=cfg.instance_ip,
+                    pod_name=cfg.pod_name,
+                    pod_namespace=cfg.pod_namespace,
+                    node_name=cfg.node_name,
+                    istio_meta=cfg.istio_meta,
+                    istio_meta_json=cfg.istio_meta_json,
+                    cluster_id=cfg.cluster_id,
+                ),
+                root_ca=cfg.xds_root_ca,
+                alt_hostname=cfg.alt_xds_hostname,
+                token=token,
+                cluster_id=cfg.cluster_id,
+                headers=cfg.xds_headers,
+                on_demand=cfg.xds_on_demand,
+                metrics=self.metrics.xds,
+                on_synced=state_task.release,
+            )
+            self._xds_task = asyncio.get_running_loop().create_task(self.xds.run())
+        else:
+            state_task.release()
 
         for server, (host, port) in (
             (readiness_server(self.readiness), cfg.readiness_address),
@@ -142,8 +182,20 @@ class App:
         self.proxies.append(proxy)
         # The workload's certificate is requested at start-up, without gating readiness.
         self.secrets.prefetch(proxy.identity(proxy.find_local_workload()))
+        if self.xds is None:
+            await self._serve(proxy, socks, proxy_task)
+        else:
+            # Listeners are bound now; they accept once the first xDS state is in (SPEC §1.3):
+            # connections arriving earlier wait in the kernel backlog.
+            self._serving = asyncio.get_running_loop().create_task(self._serve(proxy, socks, proxy_task))
+
+    async def _serve(
+        self, proxy: ProxyInstance, socks: dict[str, socket.socket], ready: ReadinessHandle
+    ) -> None:
+        if self.xds is not None:
+            await self.xds.wait_synced()
         await proxy.serve(socks)
-        proxy_task.release()
+        ready.release()
         log.info(
             "proxy ready: %s",
             ", ".join(f"{name} {h}:{p}" for name, (h, p) in sorted(proxy.addresses.items())),
@@ -162,12 +214,21 @@ class App:
 
     async def drain(self) -> None:
         deadline = self.config.connection_termination_deadline
+        if self._serving is not None:
+            self._serving.cancel()
+        if self.xds is not None:
+            await self.xds.close()
+        if self._xds_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self._xds_task, 2.0)
         await asyncio.gather(*(p.drain(deadline) for p in self.proxies), return_exceptions=True)
         for server in self._servers:
             with contextlib.suppress(Exception):
                 await server.close()
         if self.secrets is not None:
             await self.secrets.close()
+        if self._ca is not None:
+            await self._ca.close()
 
 
 def run_proxy(environ: dict[str, str]) -> int:

@@ -1,4 +1,4 @@
-"""The one front door: `ztunnel [proxy|version|demo]` (CONTRACT §2).
+"""The one front door: `ztunnel [proxy|version|demo|control-plane]` (CONTRACT §2).
 
 Bad input ends with a single line naming what is wrong and a non-zero exit, never a traceback.
 """
@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from controlplane import add_arguments as add_control_plane_arguments
 from ztunnel import __version__
 
 
@@ -24,12 +25,30 @@ def _version() -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ztunnel", description="Istio ambient-mesh node proxy, in Python")
-    sub = parser.add_subparsers(dest="command", metavar="{proxy,version,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{proxy,version,demo,control-plane}")
     sub.add_parser("proxy", help="run the node proxy, configured by environment variables (default)")
     sub.add_parser("version", help="print version information")
     demo = sub.add_parser("demo", help="end-to-end demo on loopback")
     demo.add_argument("--keep", action="store_true", help="leave the demo running and print how to use it")
+    control_plane = sub.add_parser("control-plane", help="development xDS and CA fed by a file")
+    add_control_plane_arguments(control_plane)
     return parser
+
+
+def _control_plane(args: argparse.Namespace) -> int:
+    from controlplane.server import ControlPlaneError, run
+    from ztunnel.logs import setup_logging
+
+    try:
+        setup_logging(os.environ.get("LOG_FORMAT", "plain"), os.environ.get("LOG_LEVEL", "info"))
+    except ValueError as e:
+        print(f"ztunnel: control-plane: LOG_FORMAT or LOG_LEVEL: {e}", file=sys.stderr)
+        return 1
+    try:
+        return run(args.config, args.listen, args.tls, args.ca_dir)
+    except ControlPlaneError as e:
+        print(f"ztunnel: control-plane: {e}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             from ztunnel.demo import run_demo
 
             return run_demo(keep=args.keep)
+        if args.command == "control-plane":
+            return _control_plane(args)
         from ztunnel.app import run_proxy
 
         return run_proxy(dict(os.environ))

@@ -1,11 +1,15 @@
 """`ztunnel demo`: the whole path on loopback, with real processes (CONTRACT §2).
 
-Three dedicated proxies run as `ztunnel proxy` processes, each bound to its workload's loopback
-address, fed by one local config file and issued certificates by the fake CA: a server workload
-(`demo/server`, 127.0.0.3) in front of an echo app, and two clients with different identities
-(`demo/frontend` on 127.0.0.2, `demo/intruder` on 127.0.0.4). A namespace policy allows only the
-frontend's identity. The demo drives one connection from each client through its proxy's SOCKS5
-listener, over HBONE to the server's proxy, and prints what happened.
+A development control plane (`ztunnel control-plane`) serves one YAML file over Delta ADS and signs
+certificates over gRPC. Three dedicated proxies run as `ztunnel proxy` processes fed by it, each
+bound to its workload's loopback address: a server workload (`demo/server`, 127.0.0.3) in front of
+an echo app, and two clients with different identities (`demo/frontend` on 127.0.0.2,
+`demo/intruder` on 127.0.0.4). A namespace policy allows only the frontend's identity.
+
+The demo drives connections through each client's SOCKS5 listener, over HBONE to the server's
+proxy. Then it edits the control plane's file to deny the frontend as well: the control plane
+pushes the change, the server's proxy closes the frontend's open connection, and the next attempt
+is denied.
 """
 
 from __future__ import annotations
@@ -74,6 +78,17 @@ policies:
 """
 
 
+DENY_FRONTEND = """\
+  - name: deny-frontend
+    namespace: demo
+    scope: Namespace
+    action: Deny
+    dryRun: false
+    rules:
+      - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
+"""
+
+
 @dataclass
 class DemoProxy:
     name: str
@@ -85,16 +100,17 @@ class DemoProxy:
     def identity(self) -> str:
         return f"spiffe://{TRUST_DOMAIN}/ns/demo/sa/{self.name}"
 
-    def env(self, config_path: Path) -> dict[str, str]:
+    def env(self, control_plane: str) -> dict[str, str]:
         env = {
-            k: v for k, v in os.environ.items() if not k.startswith(("XDS_", "CA_", "PROXY_", "LOCAL_XDS"))
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("XDS_", "CA_", "PROXY_", "LOCAL_XDS", "FAKE_CA"))
         }
         env.update(
             PROXY_MODE="dedicated",
             PROXY_WORKLOAD_INFO=f"demo/{self.name}/{self.name}",
-            XDS_ADDRESS="",
-            FAKE_CA="true",
-            LOCAL_XDS_PATH=str(config_path),
+            XDS_ADDRESS=control_plane,
+            CA_ADDRESS=control_plane,
             PROXY_BIND_ADDRESS=self.ip,
             UNSTABLE_ENABLE_SOCKS5="true",
             SOCKS5_ADDRESS=f"{self.ip}:15080",
@@ -222,52 +238,123 @@ async def drive(server: DemoProxy, clients: list[DemoProxy]) -> tuple[list[list[
     return rows, ok
 
 
+CONTROL_PLANE = "127.0.0.1:15012"
+
+
+async def live_policy_change(
+    server: DemoProxy, frontend: DemoProxy, config_path: Path
+) -> tuple[list[list[str]], bool]:
+    """Hold a connection open, deny its client in the control plane's file, watch it close."""
+    rows = [["step", "outcome"]]
+    reader, writer = await asyncio.open_connection(frontend.ip, 15080)
+    writer.write(b"\x05\x01\x00")
+    await reader.readexactly(2)
+    writer.write(
+        b"\x05\x01\x00\x01" + bytes(int(x) for x in server.ip.split(".")) + APP_PORT.to_bytes(2, "big")
+    )
+    head = await reader.readexactly(4)
+    await reader.readexactly(6)
+    writer.write(b"still here?")
+    open_ok = head[1] == 0 and await asyncio.wait_for(reader.readexactly(11), 5) == b"still here?"
+    rows.append(["frontend opens a long-lived connection", "echoing" if open_ok else "FAILED"])
+
+    config_path.write_text(LOCAL_CONFIG + DENY_FRONTEND)
+    rows.append(["control plane file edited: deny frontend", "pushed over Delta ADS"])
+    try:
+        closed = await asyncio.wait_for(reader.read(), 10) == b""
+    except (TimeoutError, ConnectionError):
+        closed = False
+    writer.close()
+    rows.append(["the open connection", "closed by the server's proxy" if closed else "STILL OPEN"])
+    code, _ = await socks5_exchange(frontend.ip, (server.ip, APP_PORT), b"again")
+    rows.append(
+        ["frontend tries again", f"denied (SOCKS5 reply {code})" if code == 2 else f"UNEXPECTED ({code})"]
+    )
+    return rows, open_ok and closed and code == 2
+
+
+def wait_control_plane(process: subprocess.Popen[bytes], log_path: Path, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"control plane exited with {process.returncode}: {log_path.read_text().strip()}"
+            )
+        if "listening on" in log_path.read_text():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"control plane not up after {timeout}s: see {log_path}")
+
+
 def run_demo(*, keep: bool = False) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ztunnel-demo-"))
-    config_path = workdir / "local.yaml"
+    config_path = workdir / "mesh.yaml"
     config_path.write_text(LOCAL_CONFIG)
     server = DemoProxy("server", "127.0.0.3")
-    clients = [DemoProxy("frontend", "127.0.0.2"), DemoProxy("intruder", "127.0.0.4")]
-    proxies = [server, *clients]
+    frontend, intruder = DemoProxy("frontend", "127.0.0.2"), DemoProxy("intruder", "127.0.0.4")
+    proxies = [server, frontend, intruder]
+    cp_log = workdir / "control-plane.log"
+    control_plane: subprocess.Popen[bytes] | None = None
 
     async def main() -> int:
+        nonlocal control_plane
         echo = await echo_server(server.ip, APP_PORT)
         try:
+            control_plane = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ztunnel",
+                    "control-plane",
+                    "--config",
+                    str(config_path),
+                    "--listen",
+                    CONTROL_PLANE,
+                    "--ca-dir",
+                    str(workdir / "ca"),
+                ],
+                stdout=cp_log.open("wb"),
+                stderr=subprocess.STDOUT,
+            )
+            await asyncio.to_thread(wait_control_plane, control_plane, cp_log)
             for p in proxies:
                 p.log_path = workdir / f"{p.name}.log"
                 p.process = subprocess.Popen(
                     [sys.executable, "-m", "ztunnel", "proxy"],
-                    env=p.env(config_path),
+                    env=p.env(f"http://{CONTROL_PLANE}"),
                     stdout=p.log_path.open("wb"),
                     stderr=subprocess.STDOUT,
                 )
             for p in proxies:
                 await asyncio.to_thread(wait_ready, p)
-            print("ztunnel demo: three dedicated proxies on loopback, certificates from the fake CA\n")
-            rows, ok = await drive(server, clients)
+            print(
+                f"ztunnel demo: a control plane on {CONTROL_PLANE} (xDS and CA) and three dedicated proxies"
+                " on loopback\n"
+            )
+            rows, ok = await drive(server, [frontend, intruder])
             print(table(rows))
+            print()
+            change, changed_ok = await live_policy_change(server, frontend, config_path)
+            ok &= changed_ok
+            print(table(change))
             await asyncio.sleep(0.3)  # let the server proxy finish its records
             metrics = [["metric (server proxy, reporter=destination)", "source_principal", "flags", "value"]]
-            for name, labels, value in scrape(server):
+            samples = scrape(server)
+            for name, labels, value in samples:
                 if labels.get("reporter") == "destination":
-                    metrics.append(
-                        [
-                            name,
-                            labels.get("source_principal", ""),
-                            labels.get("response_flags", ""),
-                            f"{value:g}",
-                        ]
-                    )
+                    principal = labels.get("source_principal", "")
+                    metrics.append([name, principal, labels.get("response_flags", ""), f"{value:g}"])
             print()
             print(table(metrics) if len(metrics) > 1 else "no traffic metrics on the server proxy")
-            opened = sum(v for n, lb, v in scrape(server) if n == "istio_tcp_connections_opened_total")
-            ok &= opened >= 2
+            opened = sum(v for n, _, v in samples if n == "istio_tcp_connections_opened_total")
+            ok &= opened >= 3
             if keep:
-                print(f"\naccess logs and proxy output: {workdir}")
+                print(f"\ncontrol plane file, logs and proxy output: {workdir}")
                 print(
                     "\nThe demo keeps running. Try:\n"
-                    f"  curl --socks5 127.0.0.2:15080 telnet://{server.ip}:{APP_PORT}   (frontend: allowed)\n"
+                    f"  curl --socks5 127.0.0.2:15080 telnet://{server.ip}:{APP_PORT}   (frontend)\n"
                     f"  curl --socks5 127.0.0.4:15080 telnet://{server.ip}:{APP_PORT}   (intruder: denied)\n"
+                    f"  $EDITOR {config_path}   (the control plane pushes every change)\n"
                     "  curl -s 127.0.0.3:15000/config_dump | less\n"
                     "  curl -s 127.0.0.3:15020/metrics | grep istio_tcp\n"
                     "Press Ctrl-C to stop."
@@ -292,6 +379,12 @@ def run_demo(*, keep: bool = False) -> int:
                         p.process.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         p.process.kill()
+            if control_plane is not None and control_plane.poll() is None:
+                control_plane.terminate()
+                try:
+                    control_plane.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    control_plane.kill()
             echo.close()
 
     try:

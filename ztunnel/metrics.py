@@ -168,6 +168,30 @@ class ConnectionMetrics:
             self._metrics._failed.cell(values).inc()
 
 
+class XdsCounters:
+    """The `istio_xds_*` families; the xDS client's metrics hook (`xds.client.XdsMetrics`)."""
+
+    def __init__(self) -> None:
+        self.terminations = _CounterFamily(
+            "istio_xds_connection_terminations",
+            "The total number of completed connections to xds server (unstable)",
+            ("reason",),
+        )
+        self.messages = _CounterFamily(
+            "istio_xds_message", "Total number of messages received (unstable)", ("url",)
+        )
+        self.message_bytes = _CounterFamily(
+            "istio_xds_message_bytes", "Total number of bytes received (unstable)", ("url",)
+        )
+
+    def message(self, type_url: str, n_bytes: int) -> None:
+        self.messages.cell((type_url,)).inc()
+        self.message_bytes.cell((type_url,)).inc(n_bytes)
+
+    def termination(self, reason: str) -> None:
+        self.terminations.cell((reason,)).inc()
+
+
 class Metrics:
     """The proxy's metrics registry."""
 
@@ -196,6 +220,10 @@ class Metrics:
         )
         self.registry.register(
             _TrafficCollector((self._opened, self._closed, self._received, self._sent, self._failed))
+        )
+        self.xds = XdsCounters()
+        self.registry.register(
+            _TrafficCollector((self.xds.terminations, self.xds.messages, self.xds.message_bytes))
         )
         self._sockets_open = Gauge(
             "istio_tcp_sockets_open",

@@ -24,6 +24,7 @@ from xds.model import (
     Endpoint,
     HealthPolicy,
     IPAddress,
+    NamespacedHostname,
     NetworkAddress,
     NetworkMode,
     Service,
@@ -42,6 +43,7 @@ class ProxyState:
     def __init__(self) -> None:
         self._workloads: dict[str, Workload] = {}  # by uid, in first-seen order
         self._workloads_by_addr: dict[NetworkAddress, list[str]] = {}
+        self._workloads_by_hostname: dict[NamespacedHostname, list[str]] = {}
         self._services: dict[str, Service] = {}  # by namespace/hostname, in first-seen order
         self._services_by_vip: dict[NetworkAddress, list[str]] = {}
         self._services_by_hostname: dict[str, list[str]] = {}
@@ -108,6 +110,10 @@ class ProxyState:
                     uids = self._workloads_by_addr.setdefault(NetworkAddress(w.network, ip), [])
                     if w.uid not in uids:
                         uids.append(w.uid)
+            if w.hostname:
+                uids = self._workloads_by_hostname.setdefault(NamespacedHostname(w.namespace, w.hostname), [])
+                if w.uid not in uids:
+                    uids.append(w.uid)
             for service_key, ports in w.services:
                 self._memberships.setdefault(service_key, {})[w.uid] = Endpoint(w.uid, ports, w.status)
             self._changed = True
@@ -130,6 +136,8 @@ class ProxyState:
         for ip in w.addresses:
             addr = NetworkAddress(w.network, ip)
             _unlist(self._workloads_by_addr, addr, w.uid)
+        if w.hostname:
+            _unlist(self._workloads_by_hostname, NamespacedHostname(w.namespace, w.hostname), w.uid)
         for service_key, _ in w.services:
             endpoints = self._memberships.get(service_key)
             if endpoints is not None:
@@ -214,6 +222,7 @@ class ProxyState:
         with self.batch():
             self._workloads.clear()
             self._workloads_by_addr.clear()
+            self._workloads_by_hostname.clear()
             self._memberships.clear()
             self._services.clear()
             self._services_by_vip.clear()
@@ -253,6 +262,11 @@ class ProxyState:
             (self._workloads[uid] for uid in uids),
             key=lambda w: ("//Pod/" in w.uid, w.tunnel_protocol is TunnelProtocol.HBONE),
         )
+
+    def workload_by_hostname(self, namespace: str, hostname: str) -> Workload | None:
+        """A workload named by `namespace/hostname` (a waypoint or gateway given by hostname, SPEC §3.4)."""
+        uids = self._workloads_by_hostname.get(NamespacedHostname(namespace, hostname))
+        return self._workloads[uids[0]] if uids else None
 
     def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
         """Every service with this exact VIP, whatever its visibility, in first-seen order."""

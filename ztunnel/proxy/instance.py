@@ -1,9 +1,12 @@
 """One proxy instance: the listeners of one workload and the flows behind them (SPEC §3, §4).
 
-Outbound (15001) and SOCKS5 (15080) resolve a route and carry the app's bytes by TCP or inside an
-HBONE stream from the pool; inbound HBONE (15008) validates each CONNECT, authorizes it and delivers
-it to the app; inbound plaintext (15006) authorizes by address only. Every carried connection gets a
-`ConnectionRecord` (metrics and the access log) and is tracked so that a drain can wait for it.
+Outbound (15001) and SOCKS5 (15080) resolve a route and carry the app's bytes by TCP, inside an
+HBONE stream from the pool (to the workload or its waypoint), or by double HBONE through a network
+gateway (a TLS + HTTP/2 session inside a pooled stream); inbound HBONE (15008) validates each
+CONNECT (our address, an address we are the waypoint of, or a service hostname), authorizes it and
+delivers it to the app, through a PROXY v2 application tunnel where the workload has one; inbound
+plaintext (15006) authorizes by address only. Every carried connection gets a `ConnectionRecord`
+(metrics and the access log) and is tracked so that a drain can wait for it.
 """
 
 from __future__ import annotations
@@ -22,20 +25,32 @@ from typing import cast
 from hbone.client import HboneConnection
 from hbone.errors import HboneError, HttpStatusError
 from hbone.identity import Identity
+from hbone.inner import open_inner
 from hbone.pool import Pool, PoolKey
 from hbone.relay import Inbox, RelayResult, relay
 from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
+from hbone.stream import HboneStream
 from hbone.tls import WorkloadCertificate, server_context
 from policy import Connection, Deny, authorize
-from xds.model import IPAddress, Service, Workload
+from xds.model import AppTunnelProtocol, IPAddress, Service, Workload
 from ztunnel import baggage
 from ztunnel.config import Config, WorkloadInfo, illegal_ports
 from ztunnel.identity import SecretManager
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.connections import ConnectionTracker
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
-from ztunnel.route import NoRoute, Protocol, Route, format_addr, route
+from ztunnel.proxyprotocol import encode_tunnel_header
+from ztunnel.route import (
+    NoRoute,
+    Protocol,
+    Route,
+    format_addr,
+    hostname_target,
+    is_waypoint_for,
+    pick_resolved,
+    route,
+)
 from ztunnel.sockets import SocketFactory, canonical_addr, canonical_ip, original_dst
 from ztunnel.socks5 import ConnectRequest as SocksConnect
 from ztunnel.socks5 import HandshakeFailed, Reply, Socks5Handshake, encode_reply
@@ -346,11 +361,27 @@ class ProxyInstance:
             err = f"unknown source workload: {self.info.namespace}/{self.info.name}"
             connection_failed(src_s, dst_s, "outbound", err)
             return UpstreamFailure(err, "-", Reply.GENERAL_FAILURE)
-        r = route(self.state, local, (ipaddress.ip_address(dst[0]), dst[1]), network=self.config.network)
+        dst_ip = ipaddress.ip_address(dst[0])
+        r = route(
+            self.state,
+            local,
+            (dst_ip, dst[1]),
+            network=self.config.network,
+            source_ip=ipaddress.ip_address(src[0]),
+        )
         if isinstance(r, NoRoute):
             connection_failed(src_s, dst_s, "outbound", r.reason)
             return UpstreamFailure(r.reason, "-", Reply.HOST_UNREACHABLE)
-        mtls = r.protocol is Protocol.HBONE
+        if r.needs_dns:
+            # A workload known by hostname only (SPEC §3.2 B).
+            hostname = str(r.next_hop[0])
+            try:
+                r = r.resolved(await self._resolve_workload(hostname, dst_ip.version))
+            except OSError as e:
+                err = f"dns: failed to resolve {hostname}: {describe(e)}"
+                connection_failed(src_s, dst_s, "outbound", err)
+                return UpstreamFailure(err, "-", Reply.HOST_UNREACHABLE)
+        mtls = r.protocol is not Protocol.TCP
         own = self.identity(local)
         record = ConnectionRecord(
             self.metrics,
@@ -374,13 +405,14 @@ class ProxyInstance:
     async def _establish(
         self, r: Route, src: tuple[str, int], local: Workload, own: Identity
     ) -> tuple[asyncio.Transport, Inbox | None]:
+        """Connect by the route's protocol: TCP, HBONE (pooled), or double HBONE (SPEC §3.1 step 6)."""
         next_hop = (str(r.next_hop[0]), r.next_hop[1])
         if r.protocol is Protocol.TCP:
             return await self.connect_tcp(next_hop)
         assert r.authority is not None
         key = PoolKey(
             src_identity=own,
-            dst_identities=tuple(i for i in map(Identity.try_parse, r.expected_identities) if i is not None),
+            dst_identities=_identities(r.expected_identities),
             dst=next_hop,
             src_ip=self.bind,
         )
@@ -392,13 +424,45 @@ class ProxyInstance:
         if bag:
             headers.insert(0, ("baggage", bag))
         stream = await self.pool.connect(key, r.authority, headers)
+        if r.protocol is Protocol.DOUBLE_HBONE:
+            stream = await self._inner_tunnel(stream, r, own, headers)
         stream.pause_reading()
         return stream, None
 
-    async def connect_tcp(self, addr: tuple[str, int]) -> tuple[asyncio.Transport, Inbox]:
-        """A TCP connection from this proxy (its bind address and socket options); what arrives
-        before it is relayed waits in its `Inbox`."""
-        sock = await self.sockets.connect(addr, source_ip=self.bind, timeout=CONNECT_TIMEOUT)
+    async def _inner_tunnel(
+        self, outer: HboneStream, r: Route, own: Identity, headers: list[tuple[str, str]]
+    ) -> HboneStream:
+        """Inside the gateway's stream: TLS to the final SANs, HTTP/2, and the inner CONNECT with
+        `x-forwarded-network` (SPEC §2.9). The inner connection carries this one stream only."""
+        assert r.inner_authority is not None
+        try:
+            cert = await self.secrets.get(own)
+        except BaseException:
+            outer.abort()
+            raise
+        inner = await open_inner(
+            outer,
+            cert,
+            _identities(r.final_identities),
+            self.settings,
+            max_streams=self.config.pool_max_streams_per_connection,
+        )
+        try:
+            stream = await inner.connect(
+                r.inner_authority, [*headers, ("x-forwarded-network", self.config.network)]
+            )
+        except BaseException:
+            inner.abort()
+            raise
+        inner.close()  # closes (GOAWAY, TLS close_notify, outer END_STREAM) once the stream ends
+        return stream
+
+    async def connect_tcp(
+        self, addr: tuple[str, int], *, source_ip: str | None = None
+    ) -> tuple[asyncio.Transport, Inbox]:
+        """A TCP connection from this proxy (from `source_ip`, else its bind address, with its socket
+        options); what arrives before it is relayed waits in its `Inbox`."""
+        sock = await self.sockets.connect(addr, source_ip=source_ip or self.bind, timeout=CONNECT_TIMEOUT)
         transport, inbox = await asyncio.get_running_loop().create_connection(Inbox, sock=sock)
         transport.pause_reading()
         return transport, inbox
@@ -447,6 +511,19 @@ class ProxyInstance:
             inbox.buffer[:0] = leftover
         await self._carry(transport, upstream, record, down_inbox=inbox, up_inbox=up_inbox)
 
+    async def _resolve_workload(self, hostname: str, version: int) -> IPAddress:
+        """A workload's hostname by the system resolver: A and AAAA (A only without IPv6), one
+        answer at random, of the dialled family when there is one (SPEC §3.2 B)."""
+        family = socket.AF_UNSPEC if self.config.ipv6_enabled else socket.AF_INET
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            hostname, None, family=family, type=socket.SOCK_STREAM
+        )
+        addresses = [ipaddress.ip_address(canonical_ip(str(info[4][0]))) for info in infos]
+        chosen = pick_resolved(addresses, version)
+        if chosen is None:
+            raise OSError(f"no addresses for {hostname}")
+        return chosen
+
     async def _resolve(self, host: IPAddress | str, family: int) -> str:
         if not isinstance(host, str):
             return canonical_ip(str(host))
@@ -483,24 +560,37 @@ class ProxyInstance:
             return
         local_ip = ipaddress.ip_address(req.local_addr[0])
         host, port = target
+        tunnel = local.application_tunnel
+        service: Service | None = None
+        tunnel_target: tuple[IPAddress, int]
         if isinstance(host, str):
-            # A hostname authority (from a network gateway): the service's target port on our IP.
-            svc = self.state.service_by_hostname(host, local.namespace)
-            tp = svc.target_port(port) if svc else None
-            if not tp:
+            # A hostname authority (inner tunnel through a network gateway, SPEC §4.3): always valid,
+            # delivered to our IP on the service's target port.
+            found = hostname_target(self.state, local, host, port)
+            if found is None:
                 connection_failed(src_s, local_s, "inbound", f"unknown service or port: {req.authority}")
                 req.respond(503)
                 return
-            port = tp
-        elif host != local_ip and local.application_tunnel is None:
+            service, resolved_port = found
+            tunnel_target = (_service_vip(service, self.config.network) or local_ip, port)
+            port = resolved_port
+        elif (
+            host != local_ip
+            and tunnel is None
+            and not is_waypoint_for(self.state, local, local_ip, host, self.config.network)
+        ):
             err = f"ip mismatch: {local_ip} != {host}"
             connection_failed(src_s, local_s, "inbound", err)
             req.respond(400)
             return
+        else:
+            tunnel_target = (host, port)
         if port in self.illegal:
             connection_failed(src_s, local_s, "inbound", f"illegal port: {port}")
             req.respond(503)
             return
+        # A sandwiched waypoint's app listens on its tunnel port whatever the destination was.
+        forward_port = tunnel.port if tunnel is not None and tunnel.port else port
         peer_ip = ipaddress.ip_address(req.peer_addr[0])
         via_gateway = (req.headers.get("x-forwarded-network") or "").lower() not in (
             "",
@@ -516,7 +606,7 @@ class ProxyInstance:
             dst_addr=local_s,
             src=src_peer,
             dst=Peer(local, str(self.identity(local))),
-            service=self._inbound_service(local, port, req.headers.get("forwarded")),
+            service=service or self._inbound_service(local, port, req.headers.get("forwarded")),
             hbone_addr=req.authority,
             mtls=True,
         )
@@ -524,7 +614,7 @@ class ProxyInstance:
             src_ip=peer_ip,
             src_port=req.peer_addr[1],
             dst_ip=local_ip,
-            dst_port=port,
+            dst_port=forward_port,
             src_principal=str(identity) if identity else None,
             src_namespace=identity.namespace if identity else None,
             src_service_account=identity.service_account if identity else None,
@@ -541,8 +631,13 @@ class ProxyInstance:
                 flags="DENY",
             )
             return
+        proxy_tunnel = tunnel is not None and tunnel.protocol is AppTunnelProtocol.PROXY
+        app_addr, app_source = (str(local_ip), None)
+        if proxy_tunnel and self.config.localhost_app_tunnel:
+            loopback = "::1" if local_ip.version == 6 else "127.0.0.1"
+            app_addr, app_source = loopback, loopback
         try:
-            app, app_inbox = await self.connect_tcp((str(local_ip), port))
+            app, app_inbox = await self.connect_tcp((app_addr, forward_port), source_ip=app_source)
         except Exception as e:
             req.respond(503)
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
@@ -553,6 +648,10 @@ class ProxyInstance:
             if bag:
                 headers.append(("baggage", bag))
         req.respond(200, headers)
+        if proxy_tunnel:
+            # The app learns who connected, to what, and the client's identity (SPEC §4.1 step 8).
+            client = (peer_ip, req.peer_addr[1])
+            app.write(encode_tunnel_header(client, tunnel_target, str(identity) if identity else None))
         await self._carry(req.stream, app, record, up_inbox=app_inbox, authorized=(conn, local.uid))
 
     def _peer_from_baggage(self, w: Workload | None, identity: Identity | None, header: str | None) -> Peer:
@@ -635,6 +734,16 @@ class ProxyInstance:
         await self._carry(
             transport, app, record, down_inbox=inbox, up_inbox=app_inbox, authorized=(conn, local.uid)
         )
+
+
+def _service_vip(service: Service, network: str) -> IPAddress | None:
+    """The service's VIP in our network, IPv4 first: the target a hostname authority stands for."""
+    vips = sorted((v.address for v in service.vips if v.network == network), key=lambda ip: ip.version)
+    return vips[0] if vips else None
+
+
+def _identities(uris: tuple[str, ...]) -> tuple[Identity, ...]:
+    return tuple(i for i in map(Identity.try_parse, uris) if i is not None)
 
 
 def _log_notes(notes: tuple[str, ...]) -> None:

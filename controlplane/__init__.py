@@ -1,0 +1,32 @@
+"""The development control plane (CONTRACT §6): Delta ADS and a CA over gRPC, fed from a YAML file.
+
+It talks to proxies only over the wire and never imports `ztunnel`, which is what makes it a fair test
+of wire compatibility. `ads` serves the resources, `snapshot` names and versions them, `source`
+loads and watches the file, `ca` signs certificates, `server` runs them on one port.
+
+This module stays light (argparse only), so the `ztunnel` CLI can describe the command without
+importing gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_LISTEN = "127.0.0.1:15012"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `ztunnel control-plane` (and `python -m controlplane`)."""
+    parser.add_argument(
+        "--config", required=True, metavar="FILE", help="local-config YAML to serve (watched)"
+    )
+    parser.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help=f"gRPC address (default {DEFAULT_LISTEN})",
+    )
+    parser.add_argument("--tls", action="store_true", help="serve TLS with a certificate signed by the CA")
+    parser.add_argument(
+        "--ca-dir", metavar="DIR", help="where the CA root is kept (default: under $XDG_STATE_HOME)"
+    )

@@ -1,0 +1,166 @@
+"""The Delta ADS server: `envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources`.
+
+Each stream subscribes per type URL (wildcard, SPEC §6.3). The first request of a type gets that
+type's full state, less the resources the client already holds at the same version
+(`initial_resource_versions`), plus the names it holds that no longer exist. After that the stream
+gets only differences, pushed when the served snapshot changes. Every response carries a fresh
+nonce; the client's ACK or NACK (SPEC §6.4) names it.
+
+All of this runs on the event loop, and a snapshot swap enqueues its pushes to every stream before
+returning, so a stream always sees its full state and then each difference, in order, exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from controlplane.snapshot import TYPE_URLS, Delta, Snapshot
+from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+Request = discovery_pb2.DeltaDiscoveryRequest
+Response = discovery_pb2.DeltaDiscoveryResponse
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One connected client: its subscriptions, the responses it has not answered, and its outbox."""
+
+    peer: str
+    node_id: str = ""
+    subscribed: set[str] = field(default_factory=set)
+    unanswered: dict[str, Delta] = field(default_factory=dict)  # nonce -> what that response carried
+    # None ends the stream (the client went away).
+    outbox: asyncio.Queue[Response | None] = field(default_factory=asyncio.Queue)
+
+    @property
+    def who(self) -> str:
+        return self.node_id or self.peer
+
+
+class AggregatedDiscoveryService(discovery_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    """Serves one snapshot at a time to every stream; `publish` swaps it and pushes the difference."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self._streams: set[_Stream] = set()
+        self._nonces = itertools.count(1)
+
+    @property
+    def stream_count(self) -> int:
+        return len(self._streams)
+
+    def publish(self, snapshot: Snapshot) -> None:
+        deltas = [snapshot.delta_since(t, self.snapshot.versions(t)) for t in TYPE_URLS]
+        self.snapshot = snapshot
+        changed = [d for d in deltas if d]
+        if not changed:
+            log.info("configuration reloaded: nothing changed")
+            return
+        log.info(
+            "configuration reloaded: %s; pushing to %d stream(s)",
+            "; ".join(
+                f"{_short(d.type_url)} {len(d.updated)} updated, {len(d.removed)} removed" for d in changed
+            ),
+            len(self._streams),
+        )
+        for stream in self._streams:
+            for delta in changed:
+                if delta.type_url in stream.subscribed:
+                    self._send(stream, delta)
+
+    async def DeltaAggregatedResources(
+        self, request_iterator: AsyncIterator[Request], context: grpc.aio.ServicerContext
+    ) -> None:
+        stream = _Stream(peer=context.peer())
+        self._streams.add(stream)
+        reader = asyncio.create_task(self._read(stream, request_iterator))
+        try:
+            while (response := await stream.outbox.get()) is not None:
+                await context.write(response)
+        finally:
+            self._streams.discard(stream)
+            reader.cancel()
+            log.info("stream from %s closed", stream.who)
+
+    async def _read(self, stream: _Stream, requests: AsyncIterator[Request]) -> None:
+        try:
+            async for request in requests:
+                self._on_request(stream, request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the RPC broke: the writer must stop too
+            log.debug("stream from %s: read failed: %s", stream.who, e)
+        stream.outbox.put_nowait(None)
+
+    def _on_request(self, stream: _Stream, request: Request) -> None:
+        if request.node.id and not stream.node_id:
+            stream.node_id = request.node.id
+            log.info("stream from %s (peer %s) opened", stream.node_id, stream.peer)
+        if request.response_nonce:
+            self._on_answer(stream, request)
+            return
+        type_url = request.type_url
+        if type_url not in TYPE_URLS:
+            log.warning("%s subscribed to %s, which this control plane does not serve", stream.who, type_url)
+            return
+        if type_url in stream.subscribed:
+            # Every resource of the type is sent anyway (wildcard); a change of names changes nothing.
+            log.debug(
+                "%s changed its %s subscription; still sending everything", stream.who, _short(type_url)
+            )
+            return
+        stream.subscribed.add(type_url)
+        known = dict(request.initial_resource_versions)
+        delta = self.snapshot.delta_since(type_url, known)
+        current = self.snapshot.versions(type_url)
+        log.info(
+            "%s subscribed to %s: sending %d resource(s), %d removal(s), %d unchanged",
+            stream.who,
+            _short(type_url),
+            len(delta.updated),
+            len(delta.removed),
+            sum(1 for name, version in known.items() if current.get(name) == version),
+        )
+        # Sent even when empty: the client's readiness waits for a first response of each type.
+        self._send(stream, delta)
+
+    def _on_answer(self, stream: _Stream, request: Request) -> None:
+        nonce = request.response_nonce
+        delta = stream.unanswered.pop(nonce, None)
+        if delta is None:
+            log.debug("%s answered unknown nonce %s", stream.who, nonce)
+            return
+        if request.HasField("error_detail"):
+            log.warning(
+                "%s NACKed %s (nonce %s): %s",
+                stream.who,
+                _short(delta.type_url),
+                nonce,
+                request.error_detail.message,
+            )
+        else:
+            log.debug("%s ACKed %s (nonce %s)", stream.who, _short(delta.type_url), nonce)
+
+    def _send(self, stream: _Stream, delta: Delta) -> None:
+        nonce = str(next(self._nonces))
+        stream.unanswered[nonce] = delta
+        stream.outbox.put_nowait(
+            Response(
+                type_url=delta.type_url,
+                nonce=nonce,
+                resources=[r.to_wire() for r in delta.updated],
+                removed_resources=delta.removed,
+            )
+        )
+
+
+def _short(type_url: str) -> str:
+    return type_url.rsplit(".", 1)[-1]

@@ -1,0 +1,166 @@
+"""The control-plane process: one grpc.aio server on one port with the ADS and CA services, the file
+watch feeding it, and `run` (start-up lines, signals, shutdown) for `ztunnel control-plane` (CONTRACT §6).
+
+Plaintext by default, since proxies in development reach it as `http://…`; with `tls` it serves a
+certificate signed by its own CA for the listen host, so a proxy verifies it with the printed root
+(`https://…` plus `XDS_ROOT_CA`/`CA_ROOT_CA`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+import uvloop
+
+from controlplane import DEFAULT_LISTEN
+from controlplane.ads import AggregatedDiscoveryService
+from controlplane.ca import CaError, CertificateAuthority, CertificateService, default_ca_dir
+from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
+from xds.gen.envoy.service.discovery.v3 import discovery_pb2_grpc
+from xds.gen.istio.v1.auth import ca_pb2_grpc
+from xds.localconfig import LocalConfigError
+
+log = logging.getLogger(__name__)
+
+# The client accepts messages up to 200 MiB (SPEC §6.1); a large file should not fail on our side first.
+MAX_MESSAGE_BYTES = 200 * 1024 * 1024
+SHUTDOWN_GRACE = 1.0
+
+
+class ControlPlaneError(Exception):
+    """The control plane cannot start; the message is one line naming what is wrong."""
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` into (host, port); raise ControlPlaneError when it is neither."""
+    host, sep, port_text = listen.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        if not sep or not host:
+            raise ValueError
+        port = int(port_text)
+        if not 0 <= port <= 65535:
+            raise ValueError
+    except ValueError:
+        raise ControlPlaneError(f"invalid --listen {listen!r} (expected host:port)") from None
+    return host, port
+
+
+def _host_port(host: str, port: int) -> str:
+    try:
+        if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
+            return f"[{host}]:{port}"
+    except ValueError:
+        pass
+    return f"{host}:{port}"
+
+
+class ControlPlane:
+    """The running control plane: `await start()`, then `address` and `root_cert_path`; `await stop()`."""
+
+    def __init__(
+        self,
+        config_path: Path,
+        *,
+        listen: str = DEFAULT_LISTEN,
+        tls: bool = False,
+        ca_dir: Path | None = None,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+    ) -> None:
+        self.source = ConfigSource(config_path, poll_interval)
+        self.host, self._port = parse_listen(listen)
+        self.tls = tls
+        # Absolute, so the printed root path works from any directory.
+        self.ca_dir = (ca_dir if ca_dir is not None else default_ca_dir()).absolute()
+        self._server: grpc.aio.Server | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self.ads: AggregatedDiscoveryService | None = None
+        self.ca: CertificateAuthority | None = None
+
+    @property
+    def address(self) -> str:
+        """The URL a proxy puts in `XDS_ADDRESS` and `CA_ADDRESS` (the bound port, not the asked one)."""
+        return f"{'https' if self.tls else 'http'}://{_host_port(self.host, self._port)}"
+
+    @property
+    def root_cert_path(self) -> Path:
+        if self.ca is None:
+            raise RuntimeError("the control plane has not started")
+        return self.ca.root_path
+
+    async def start(self) -> None:
+        try:
+            snapshot = self.source.load()
+        except LocalConfigError as e:
+            raise ControlPlaneError(e.message) from None
+        try:
+            self.ca = CertificateAuthority.load_or_create(self.ca_dir)
+        except CaError as e:
+            raise ControlPlaneError(str(e)) from None
+        self.ads = AggregatedDiscoveryService(snapshot)
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # gRPC sets SO_REUSEPORT by default: a second control plane would share the port silently.
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        discovery_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.ads, server)
+        ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(CertificateService(self.ca), server)
+        target = _host_port(self.host, self._port)
+        try:
+            if self.tls:
+                cert_pem, key_pem = self.ca.serving_certificate(self.host)
+                port = server.add_secure_port(target, grpc.ssl_server_credentials([(key_pem, cert_pem)]))
+            else:
+                port = server.add_insecure_port(target)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise ControlPlaneError(f"cannot listen on {target} (address in use or not local)")
+        self._port = port
+        await server.start()
+        self._server = server
+        self._watch = asyncio.create_task(self.source.watch(self.ads.publish))
+        log.info("serving %s from %s", self.address, self.source.path)
+
+    async def stop(self, grace: float = SHUTDOWN_GRACE) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+
+
+async def _serve(control_plane: ControlPlane) -> int:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Before the start-up lines: whoever reads them may signal at once.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopping.set)
+    await control_plane.start()
+    print(f"control plane listening on {control_plane.address}", flush=True)
+    print(f"root certificate: {control_plane.root_cert_path}", flush=True)
+    try:
+        await stopping.wait()
+        log.info("shutting down")
+    finally:
+        await control_plane.stop()
+    return 0
+
+
+def run(config: str, listen: str = DEFAULT_LISTEN, tls: bool = False, ca_dir: str | None = None) -> int:
+    """Serve until SIGINT or SIGTERM, then exit 0; raise ControlPlaneError if it cannot start."""
+    control_plane = ControlPlane(
+        Path(config), listen=listen, tls=tls, ca_dir=Path(ca_dir) if ca_dir is not None else None
+    )
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_serve(control_plane))

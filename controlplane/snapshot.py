@@ -1,0 +1,143 @@
+"""What the control plane serves: a snapshot of named, versioned xDS resources, and deltas between them.
+
+A snapshot is built from a local config (the reference's YAML) by converting each workload, service
+and policy to its wire message. Names are the ones the client keys its state by (SPEC §6.2): a
+workload's uid, a service's `namespace/hostname`, a policy's `namespace/name`. A version is a hash
+of the resource's deterministic encoding, so an unchanged resource keeps its version across reloads
+and across control-plane restarts, and a reconnecting client is sent only what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from google.protobuf import any_pb2
+from google.protobuf.message import Message
+
+from policy.model import Authorization
+from xds.convert import address_resource_name, address_to_wire, authorization_to_wire
+from xds.gen.envoy.service.discovery.v3 import discovery_pb2
+from xds.localconfig import LocalConfig, LocalConfigError
+from xds.model import Service, Workload
+
+log = logging.getLogger(__name__)
+
+ADDRESS_TYPE = "type.googleapis.com/istio.workload.Address"
+AUTHORIZATION_TYPE = "type.googleapis.com/istio.security.Authorization"
+# The order a new stream's full state and every push go out in: addresses before the policies
+# that name them, as the client subscribes.
+TYPE_URLS = (ADDRESS_TYPE, AUTHORIZATION_TYPE)
+
+
+@dataclass(frozen=True, slots=True)
+class VersionedResource:
+    name: str
+    version: str
+    resource: any_pb2.Any
+
+    def to_wire(self) -> discovery_pb2.Resource:
+        return discovery_pb2.Resource(name=self.name, version=self.version, resource=self.resource)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one type's client must be told: resources to add or replace, and names to forget."""
+
+    type_url: str
+    updated: tuple[VersionedResource, ...] = ()
+    removed: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.updated or self.removed)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Resources by type URL, then by name."""
+
+    resources: Mapping[str, Mapping[str, VersionedResource]] = field(
+        default_factory=lambda: {type_url: {} for type_url in TYPE_URLS}
+    )
+
+    def versions(self, type_url: str) -> dict[str, str]:
+        return {name: r.version for name, r in self.resources.get(type_url, {}).items()}
+
+    def delta_since(self, type_url: str, known: Mapping[str, str]) -> Delta:
+        """What a holder of `known` (name -> version) lacks: changed or new resources, and names gone.
+
+        It serves both a new stream (`known` = the client's `initial_resource_versions`) and a reload
+        (`known` = the previous snapshot's versions).
+        """
+        current = self.resources.get(type_url, {})
+        return Delta(
+            type_url=type_url,
+            updated=tuple(r for name, r in sorted(current.items()) if known.get(name) != r.version),
+            removed=tuple(sorted(name for name in known if name not in current)),
+        )
+
+
+def snapshot_from_config(config: LocalConfig, source: str = "<inline>") -> Snapshot:
+    """Convert a parsed local config; a resource the wire cannot name or carry is a `LocalConfigError`."""
+    addresses: dict[str, VersionedResource] = {}
+    policies: dict[str, VersionedResource] = {}
+    items: list[tuple[str, Workload | Service | Authorization]] = [
+        *(
+            (f"workloads[{i}]", w)
+            for i, w in enumerate(_with_service_endpoints(config.workloads, config.services))
+        ),
+        *((f"services[{i}]", s) for i, s in enumerate(config.services)),
+        *((f"policies[{i}]", p) for i, p in enumerate(config.policies)),
+    ]
+    for path, item in items:
+        if isinstance(item, Workload) and not item.uid:
+            raise LocalConfigError(
+                f"{source}: {path}.uid: required by the control plane (resources are named by uid)"
+            )
+        try:
+            if isinstance(item, Authorization):
+                table, name, message = policies, item.key, authorization_to_wire(item)
+            else:
+                table, name, message = addresses, address_resource_name(item), address_to_wire(item)
+        except ValueError as e:  # ConversionError: a value the wire cannot carry
+            raise LocalConfigError(f"{source}: {path}: cannot be sent over xDS: {e}") from None
+        if name in table:
+            raise LocalConfigError(f"{source}: {path}: duplicate resource name {name!r}")
+        table[name] = _versioned(name, message)
+    return Snapshot({ADDRESS_TYPE: addresses, AUTHORIZATION_TYPE: policies})
+
+
+def _versioned(name: str, message: Message) -> VersionedResource:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    # Deterministic: map fields (a workload's `services`) would otherwise encode in any order.
+    digest = hashlib.sha256(message.SerializeToString(deterministic=True)).hexdigest()
+    return VersionedResource(name=name, version=digest[:16], resource=packed)
+
+
+def _with_service_endpoints(workloads: Sequence[Workload], services: Iterable[Service]) -> list[Workload]:
+    """Fold the services' `endpoints` into the workloads' `services` memberships.
+
+    The wire Service has no endpoints: a client learns membership only from each workload's `services`
+    map, so an endpoint written under a service in the file is sent as its workload's membership.
+    """
+    uids = {w.uid for w in workloads}
+    extra: dict[str, dict[str, tuple[tuple[int, int], ...]]] = {}
+    for service in services:
+        for endpoint in service.endpoints:
+            if endpoint.workload_uid not in uids:
+                log.warning(
+                    "service %s lists endpoint %r, which is no workload in the file; not sent",
+                    service.key,
+                    endpoint.workload_uid,
+                )
+                continue
+            extra.setdefault(endpoint.workload_uid, {})[service.key] = endpoint.port
+    folded = []
+    for w in workloads:
+        memberships = dict(w.services)
+        added = {key: ports for key, ports in extra.get(w.uid, {}).items() if key not in memberships}
+        folded.append(replace(w, services=(*w.services, *added.items())) if added else w)
+    return folded

@@ -1,0 +1,588 @@
+"""The Delta ADS client (SPEC §6): the proxy's xDS stream to a control plane, and the gRPC channel,
+credentials and node identity it shares with the CA client (SPEC §8.2).
+
+`XdsClient.run()` keeps one `DeltaAggregatedResources` stream open, reconnecting with the backoff of
+SPEC §6.6, until `close()`. On every (re)connect it subscribes, wildcard, to Address then
+Authorization, listing the resources it holds in `initial_resource_versions`. Each response is decoded
+and converted (`xds.convert`), applied to the store as one batch (the resources that fail are left out
+and named in the NACK, the rest are applied), and answered with an ACK or a NACK carrying only the type
+URL and nonce. Readiness: once the first response of each watched type has been answered,
+`wait_synced()` returns and `on_synced` is called.
+
+The store is anything with the `XdsStore` methods (`ztunnel.state.ProxyState`); metrics go to an
+optional `XdsMetrics` hook. The clock's only use, the backoff sleep, is injectable.
+
+Where grpcio differs from the reference's channel: `ALT_*_HOSTNAME` replaces the checked server name
+(grpcio has no "either name"), and TCP keepalive is left to the OS; the HTTP/2 keepalive (30 s ping,
+10 s timeout), the 5 s connect timeout and the 200 MiB message limit are as the reference's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import grpc
+import grpc.aio
+from google.protobuf.message import DecodeError
+
+from policy.model import Authorization
+from xds.convert import (
+    ADDRESS_TYPE_URL,
+    AUTHORIZATION_TYPE_URL,
+    ConversionError,
+    address_from_wire,
+    authorization_from_wire,
+)
+from xds.gen.envoy.config.core.v3 import base_pb2
+from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
+from xds.gen.google.rpc import status_pb2
+from xds.gen.istio.security import authorization_pb2
+from xds.gen.istio.workload import workload_pb2
+from xds.model import Service, Workload
+
+log = logging.getLogger(__name__)
+
+INITIAL_BACKOFF = 0.010
+MAX_BACKOFF = 15.0
+CONNECT_TIMEOUT = 5.0
+MAX_MESSAGE_BYTES = 200 * 1024 * 1024
+
+# Metric label values of `istio_xds_connection_terminations_total{reason}`.
+CONNECTION_ERROR = "ConnectionError"
+ERROR = "Error"
+RECONNECT = "Reconnect"
+COMPLETE = "Complete"
+
+_RECONNECT_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+_RECONNECT_MESSAGES = ("transport is closing", "received prior goaway")
+
+
+# --- what the client needs from the proxy -------------------------------------------------------
+
+
+class XdsStore(Protocol):
+    """The store the client applies responses to (`ztunnel.state.ProxyState`)."""
+
+    def batch(self) -> contextlib.AbstractContextManager[None]: ...
+    def upsert_workload(self, w: Workload) -> None: ...
+    def upsert_service(self, s: Service) -> None: ...
+    def remove(self, name: str) -> bool: ...
+    def upsert_policy(self, p: Authorization) -> None: ...
+    def remove_policy(self, key: str) -> bool: ...
+
+
+class XdsMetrics(Protocol):
+    """Hook for `istio_xds_message_total`, `istio_xds_message_bytes_total` and
+    `istio_xds_connection_terminations_total`."""
+
+    def message(self, type_url: str, n_bytes: int) -> None: ...
+    def termination(self, reason: str) -> None: ...
+
+
+# --- channel, credentials and node, shared with the CA client -----------------------------------
+
+
+class ControlPlaneError(Exception):
+    """The channel to a control plane cannot be set up (bad address, unreadable root CA or token)."""
+
+
+class AuthToken:
+    """The bearer token of `AUTH_TOKEN`: a file re-read on every request, or a static value."""
+
+    def __init__(self, *, value: str | None = None, path: str | None = None) -> None:
+        if (value is None) == (path is None):
+            raise ValueError("exactly one of value and path")
+        self.value = value
+        self.path = path
+
+    @classmethod
+    def from_setting(cls, setting: str | None) -> AuthToken | None:
+        """`AUTH_TOKEN` as the reference reads it: an existing file's path, else the token itself."""
+        if not setting:
+            return None
+        return cls(path=setting) if os.path.isfile(setting) else cls(value=setting)
+
+    def read(self) -> str:
+        if self.value is not None:
+            return self.value
+        assert self.path is not None
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ControlPlaneError(f"cannot read token file {self.path}: {e}") from None
+        if not token:
+            raise ControlPlaneError(f"token file {self.path} is empty")
+        return token
+
+
+def call_metadata(
+    token: AuthToken | None, cluster_id: str, headers: Iterable[tuple[str, str]] = ()
+) -> tuple[tuple[str, str], ...]:
+    """Per-RPC metadata: `authorization: Bearer …` (token read now), `clusterid`, then extra headers."""
+    metadata: list[tuple[str, str]] = []
+    if token is not None:
+        metadata.append(("authorization", f"Bearer {token.read()}"))
+    metadata.append(("clusterid", cluster_id))
+    metadata.extend((key.lower(), value) for key, value in headers)
+    return tuple(metadata)
+
+
+def read_root_ca(setting: str) -> bytes | None:
+    """`XDS_ROOT_CA` / `CA_ROOT_CA`: a file path, `SYSTEM` (None: the default roots) or inline PEM."""
+    if setting == "SYSTEM":
+        return None
+    if os.path.exists(setting):
+        try:
+            with open(setting, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise ControlPlaneError(f"cannot read root certificate {setting}: {e.strerror or e}") from None
+    if "-----BEGIN" in setting:
+        return setting.encode()
+    raise ControlPlaneError(f"root certificate {setting}: no such file")
+
+
+@dataclass(frozen=True)
+class ControlPlaneAddress:
+    """`http://host:port` (plaintext gRPC, ours) or `https://host:port` (TLS)."""
+
+    tls: bool
+    target: str  # host:port as gRPC takes it
+    host: str
+
+    @classmethod
+    def parse(cls, uri: str) -> ControlPlaneAddress:
+        parts = urlsplit(uri if "://" in uri else "https://" + uri)
+        if parts.scheme not in ("http", "https"):
+            raise ControlPlaneError(f"invalid control plane address {uri!r}: expected http:// or https://")
+        try:
+            host, port = parts.hostname, parts.port
+        except ValueError:
+            raise ControlPlaneError(f"invalid control plane address {uri!r}: invalid port") from None
+        if not host:
+            raise ControlPlaneError(f"invalid control plane address {uri!r}: missing host")
+        tls = parts.scheme == "https"
+        port = port or (443 if tls else 80)
+        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return cls(tls, target, host)
+
+
+def open_channel(
+    address: ControlPlaneAddress, root_ca: str | None = None, alt_hostname: str | None = None
+) -> grpc.aio.Channel:
+    """A new channel with the reference's settings; for TLS the roots are read now (a rotated file
+    is picked up by the next channel)."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # Our own backoff decides when to reconnect: each attempt gets a fresh channel.
+        ("grpc.enable_retries", 0),
+    ]
+    if not address.tls:
+        return grpc.aio.insecure_channel(address.target, options=options)
+    roots = read_root_ca(root_ca) if root_ca is not None else None
+    if alt_hostname:
+        options.append(("grpc.ssl_target_name_override", alt_hostname))
+    return grpc.aio.secure_channel(
+        address.target, grpc.ssl_channel_credentials(root_certificates=roots), options=options
+    )
+
+
+async def wait_connected(channel: grpc.aio.Channel, timeout: float = CONNECT_TIMEOUT) -> bool:
+    """Wait for the first connection attempt: True once READY, False on failure (the next call then
+    fails fast with gRPC's reason); raise TimeoutError after `timeout`."""
+    async with asyncio.timeout(timeout):
+        state = channel.get_state(try_to_connect=True)
+        while state is not grpc.ChannelConnectivity.READY:
+            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                return False
+            await channel.wait_for_state_change(state)
+            state = channel.get_state(try_to_connect=True)
+        return True
+
+
+def node_from(
+    *,
+    instance_ip: str | None = None,
+    pod_name: str | None = None,
+    pod_namespace: str | None = None,
+    node_name: str | None = None,
+    istio_meta: Mapping[str, str] | None = None,
+    istio_meta_json: Mapping[str, Any] | None = None,
+    cluster_id: str | None = None,
+) -> base_pb2.Node:
+    """The xDS node (SPEC §6.3): `ztunnel~<ip>~<pod>.<ns>~<ns>.svc.cluster.local` and the metadata
+    istiod reads (NAME, NAMESPACE, INSTANCE_IPS, NODE_NAME, every `ISTIO_META_*` without the prefix,
+    every `ISTIO_METAJSON_*` as typed JSON, and CLUSTER_ID)."""
+    ip = instance_ip or "1.1.1.1"
+    name, namespace = pod_name or "", pod_namespace or ""
+    node = base_pb2.Node(id=f"ztunnel~{ip}~{name}.{namespace}~{namespace}.svc.cluster.local")
+    metadata: dict[str, Any] = dict(istio_meta or {})
+    if cluster_id and "CLUSTER_ID" not in metadata:
+        metadata["CLUSTER_ID"] = cluster_id
+    for key, value in (istio_meta_json or {}).items():
+        # Struct holds JSON values only; a round trip through json makes tuples lists and so on.
+        metadata[key] = json.loads(json.dumps(value))
+    metadata.update(NAME=name, NAMESPACE=namespace, INSTANCE_IPS=ip, NODE_NAME=node_name or "")
+    node.metadata.update(metadata)
+    return node
+
+
+# --- the stream ---------------------------------------------------------------------------------
+
+
+class ConnectionFailed(Exception):
+    """The channel did not connect (or its credentials could not be read): back off."""
+
+
+class StreamStatus(Exception):
+    """The stream ended with a non-OK gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+def reconnect_delay(end: BaseException | None, backoff: float) -> tuple[str, float]:
+    """How a stream ended -> (termination reason, delay before the next attempt) (SPEC §6.6).
+
+    `end` is None for a clean end; the next backoff is `max(delay, INITIAL_BACKOFF)`.
+    """
+    if end is None:
+        return COMPLETE, 0.0
+    if isinstance(end, ConnectionFailed):
+        return CONNECTION_ERROR, min(MAX_BACKOFF, backoff * 2)
+    if isinstance(end, StreamStatus):
+        if end.code in _RECONNECT_CODES or (
+            end.code is grpc.StatusCode.UNAVAILABLE and any(m in end.details for m in _RECONNECT_MESSAGES)
+        ):
+            return RECONNECT, INITIAL_BACKOFF
+        return ERROR, min(MAX_BACKOFF, backoff * 2)
+    return ERROR, 0.0
+
+
+@dataclass(frozen=True)
+class _Rejection:
+    name: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.reason}"
+
+
+class XdsClient:
+    """One proxy's Delta ADS stream, applied to one store (see the module docstring)."""
+
+    def __init__(
+        self,
+        address: str,
+        state: XdsStore,
+        node: base_pb2.Node,
+        *,
+        root_ca: str | None = None,
+        alt_hostname: str | None = None,
+        token: AuthToken | None = None,
+        cluster_id: str = "Kubernetes",
+        headers: Sequence[tuple[str, str]] = (),
+        on_demand: bool = False,
+        metrics: XdsMetrics | None = None,
+        on_synced: Callable[[], None] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
+        """`address`: `http://host:port` or `https://host:port` (raises ControlPlaneError when
+        invalid); `root_ca`: the `XDS_ROOT_CA` setting (path, `SYSTEM` or PEM) for https."""
+        self.address = ControlPlaneAddress.parse(address)
+        self._state = state
+        self._node = node
+        self._root_ca = root_ca
+        self._alt_hostname = alt_hostname
+        self._token = token
+        self._cluster_id = cluster_id
+        self._headers = tuple(headers)
+        self._on_demand = on_demand
+        self._metrics = metrics
+        self._on_synced = on_synced
+        self._sleep = sleep
+        self._connect_timeout = connect_timeout
+        # name -> version of the resources applied, by type: sent on reconnect.
+        self._versions: dict[str, dict[str, str]] = {ADDRESS_TYPE_URL: {}, AUTHORIZATION_TYPE_URL: {}}
+        self._awaiting_first = (
+            {AUTHORIZATION_TYPE_URL} if on_demand else {ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL}
+        )
+        self._synced = asyncio.Event()
+        self._demanded: dict[tuple[str, str], list[asyncio.Future[None]]] = {}
+        self._call: grpc.aio.StreamStreamCall[Any, Any] | None = None
+        self._write_lock = asyncio.Lock()
+        self._run_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.connections = 0  # streams opened so far (for logs and tests)
+
+    # --- public ---
+
+    @property
+    def synced(self) -> bool:
+        return self._synced.is_set()
+
+    async def wait_synced(self) -> None:
+        """Return once the first response of every watched type has been ACKed or NACKed."""
+        await self._synced.wait()
+
+    def resource_versions(self, type_url: str) -> dict[str, str]:
+        """The name -> version of the resources of `type_url` applied so far."""
+        return dict(self._versions.get(type_url, {}))
+
+    async def run(self) -> None:
+        """Keep the stream up until `close()` (or cancellation)."""
+        self._run_task = asyncio.current_task()
+        backoff = INITIAL_BACKOFF
+        try:
+            while not self._closed:
+                end: BaseException | None = None
+                try:
+                    await self._stream_once()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    end = e
+                reason, delay = reconnect_delay(end, backoff)
+                backoff = max(delay, INITIAL_BACKOFF)
+                self._log_end(reason, end, delay)
+                if self._metrics is not None:
+                    self._metrics.termination(reason)
+                if delay > 0:
+                    await self._sleep(delay)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self._closed or task is None:
+                raise
+            task.uncancel()  # our own close(): a normal end
+
+    async def close(self) -> None:
+        """Stop `run()` and wait for it to end; pending `demand()` calls are cancelled."""
+        self._closed = True
+        task = self._run_task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+        for waiters in self._demanded.values():
+            for fut in waiters:
+                fut.cancel()
+        self._demanded.clear()
+
+    async def demand(self, name: str, type_url: str = ADDRESS_TYPE_URL) -> None:
+        """On-demand mode (SPEC §6.7): subscribe to `name` and return once a resource or a removal
+        of exactly that name has been applied."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._demanded.setdefault((type_url, name), []).append(fut)
+        # Also listed on reconnect, so the subscription survives a new stream.
+        self._versions.setdefault(type_url, {}).setdefault(name, "")
+        call = self._call
+        if call is not None:
+            request = discovery_pb2.DeltaDiscoveryRequest(type_url=type_url, resource_names_subscribe=[name])
+            with contextlib.suppress(Exception):  # a broken stream resubscribes on reconnect
+                await self._write(call, request)
+        await fut
+
+    # --- one stream ---
+
+    def initial_requests(self) -> list[discovery_pb2.DeltaDiscoveryRequest]:
+        """What a new stream starts with: Address, then Authorization (SPEC §6.3)."""
+        requests = []
+        for type_url in (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL):
+            request = discovery_pb2.DeltaDiscoveryRequest(
+                node=self._node,
+                type_url=type_url,
+                initial_resource_versions=self._versions.get(type_url, {}),
+            )
+            if self._on_demand and type_url == ADDRESS_TYPE_URL:
+                request.resource_names_subscribe.append("*")
+                request.resource_names_unsubscribe.append("*")
+            requests.append(request)
+        return requests
+
+    async def _stream_once(self) -> None:
+        try:
+            channel = open_channel(self.address, self._root_ca, self._alt_hostname)
+        except ControlPlaneError as e:
+            raise ConnectionFailed(str(e)) from None
+        try:
+            try:
+                connected = await wait_connected(channel, self._connect_timeout)
+                metadata = call_metadata(self._token, self._cluster_id, self._headers)
+            except TimeoutError:
+                raise ConnectionFailed(f"timed out connecting to {self.address.target}") from None
+            except ControlPlaneError as e:
+                raise ConnectionFailed(str(e)) from None
+            stub = discovery_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+            call = stub.DeltaAggregatedResources(metadata=metadata)
+            try:
+                await self._converse(call)
+            except grpc.aio.AioRpcError as e:
+                if not connected:
+                    raise ConnectionFailed(e.details() or e.code().name) from None
+                raise StreamStatus(e.code(), e.details() or "") from None
+            finally:
+                self._call = None
+                call.cancel()
+        finally:
+            await channel.close(grace=None)
+
+    async def _converse(self, call: grpc.aio.StreamStreamCall[Any, Any]) -> None:
+        self.connections += 1
+        self._call = call
+        for request in self.initial_requests():
+            log.debug(
+                "sending initial request",
+                extra={
+                    "fields": {
+                        "type_url": request.type_url,
+                        "resources": len(request.initial_resource_versions),
+                    }
+                },
+            )
+            await self._write(call, request)
+        log.info("Stream established", extra={"fields": {"address": self.address.target}})
+        while True:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                break
+            reply = self.handle_response(response)
+            await self._write(call, reply)
+            self._answered(response.type_url)
+        code = await call.code()
+        if code is not grpc.StatusCode.OK:
+            raise StreamStatus(code, await call.details() or "")
+
+    async def _write(
+        self, call: grpc.aio.StreamStreamCall[Any, Any], request: discovery_pb2.DeltaDiscoveryRequest
+    ) -> None:
+        async with self._write_lock:
+            try:
+                await call.write(request)
+            except asyncio.InvalidStateError:
+                # The call ended under us; its status says how.
+                code = await call.code()
+                if code is not grpc.StatusCode.OK:
+                    raise StreamStatus(code, await call.details() or "") from None
+                raise
+
+    def _answered(self, type_url: str) -> None:
+        if type_url not in self._awaiting_first:
+            return
+        self._awaiting_first.discard(type_url)
+        if not self._awaiting_first and not self._synced.is_set():
+            log.info("initial xDS state applied")
+            self._synced.set()
+            if self._on_synced is not None:
+                self._on_synced()
+
+    # --- one response ---
+
+    def handle_response(
+        self, response: discovery_pb2.DeltaDiscoveryResponse
+    ) -> discovery_pb2.DeltaDiscoveryRequest:
+        """Apply a response to the store and return its ACK or NACK (SPEC §6.4)."""
+        type_url = response.type_url
+        if self._metrics is not None:
+            n_bytes = sum(len(r.resource.value) for r in response.resources)
+            self._metrics.message(type_url, n_bytes)
+        log.info(
+            "received response",
+            extra={
+                "fields": {
+                    "type_url": type_url,
+                    "size": len(response.resources),
+                    "removes": len(response.removed_resources),
+                }
+            },
+        )
+        if type_url == ADDRESS_TYPE_URL:
+            rejections = self._apply(response, self._address_update, self._state.remove)
+        elif type_url == AUTHORIZATION_TYPE_URL:
+            rejections = self._apply(response, self._authorization_update, self._state.remove_policy)
+        else:
+            log.error("unknown type", extra={"fields": {"type_url": type_url}})
+            rejections = []
+        reply = discovery_pb2.DeltaDiscoveryRequest(type_url=type_url, response_nonce=response.nonce)
+        if rejections:
+            message = "; ".join(str(r) for r in rejections)
+            reply.error_detail.CopyFrom(status_pb2.Status(message=message))
+            log.warning(
+                "rejected configuration (NACK)",
+                extra={"fields": {"type_url": type_url, "nonce": response.nonce, "error": message}},
+            )
+        else:
+            log.debug("sending ACK", extra={"fields": {"type_url": type_url, "nonce": response.nonce}})
+        return reply
+
+    def _apply(
+        self,
+        response: discovery_pb2.DeltaDiscoveryResponse,
+        update: Callable[[bytes], None],
+        remove: Callable[[str], bool],
+    ) -> list[_Rejection]:
+        versions = self._versions.setdefault(response.type_url, {})
+        rejections: list[_Rejection] = []
+        arrived: list[str] = []
+        with self._state.batch():
+            for name in response.removed_resources:
+                remove(name)
+                versions.pop(name, None)
+                arrived.append(name)
+            for resource in response.resources:
+                arrived.append(resource.name)
+                if not resource.HasField("resource"):
+                    rejections.append(_Rejection(resource.name, "XDS payload without resource"))
+                    continue
+                try:
+                    update(resource.resource.value)
+                except (DecodeError, ConversionError) as e:
+                    reason = f"decode: {e}" if isinstance(e, DecodeError) else str(e)
+                    rejections.append(_Rejection(resource.name, reason))
+                    continue
+                versions[resource.name] = resource.version
+        self._wake_demanded(response.type_url, arrived)
+        return rejections
+
+    def _address_update(self, payload: bytes) -> None:
+        item = address_from_wire(workload_pb2.Address.FromString(payload))
+        if isinstance(item, Workload):
+            self._state.upsert_workload(item)
+        else:
+            self._state.upsert_service(item)
+
+    def _authorization_update(self, payload: bytes) -> None:
+        self._state.upsert_policy(
+            authorization_from_wire(authorization_pb2.Authorization.FromString(payload))
+        )
+
+    def _wake_demanded(self, type_url: str, names: Iterable[str]) -> None:
+        if not self._demanded:
+            return
+        for name in names:
+            for fut in self._demanded.pop((type_url, name), []):
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _log_end(self, reason: str, end: BaseException | None, delay: float) -> None:
+        fields = {"reason": reason, "retry_in": f"{delay * 1000:.0f}ms"}
+        if reason == COMPLETE:
+            log.warning("XDS client complete", extra={"fields": fields})
+        elif reason == RECONNECT:
+            log.debug(f"XDS client terminated: {end}", extra={"fields": fields})
+        elif reason == CONNECTION_ERROR:
+            log.warning(f"XDS client connection error: {end}", extra={"fields": fields})
+        else:
+            log.warning(f"XDS client error: {end}", extra={"fields": fields})

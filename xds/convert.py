@@ -1,0 +1,482 @@
+"""Conversion between the wire messages of a control plane and the in-memory model (SPEC §5.1, §6.5, §6.8).
+
+Wire to model: `address_from_wire` (an `istio.workload.Address`), `workload_from_wire`,
+`service_from_wire` and `authorization_from_wire`. They apply the defaults of SPEC §6.5 (empty trust
+domain `cluster.local`, empty service account `default`, empty cluster id `Kubernetes`, absent capacity
+1, application tunnel port 0 as "keep the port", workload type as its lowercased name) and raise
+`ConversionError(reason)` for what the reference rejects: an unknown enum number, an IP that is not
+4 or 16 bytes, a `services` key without `/`, `LEGACY_ISTIO_MTLS`, a gateway without destination,
+`UNSPECIFIED_SCOPE` among the routing preferences. The xDS client turns that into a NACK of the one
+resource.
+
+Model to wire: `workload_to_wire`, `service_to_wire`, `address_to_wire`, `authorization_to_wire`, for
+the development control plane that serves a local-config file over xDS.
+
+The few rules both this module and the local-config loader (`xds.localconfig`) enforce live here once:
+`ip_from_bytes`, `cidr`, `check_service_key`, `app_tunnel_port`. The model's enums carry the proto
+numbers, so an enum converts with `Enum(number)` and nothing else.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from enum import IntEnum
+from typing import TypeVar
+
+from google.protobuf import empty_pb2, wrappers_pb2
+
+from policy.model import (
+    Action,
+    Authorization,
+    Match,
+    Scope,
+    ServiceAccountMatch,
+    StringMatch,
+    StringMatchKind,
+)
+from xds.gen.istio.security import authorization_pb2
+from xds.gen.istio.workload import workload_pb2
+from xds.model import (
+    ApplicationTunnel,
+    AppTunnelProtocol,
+    CidrVip,
+    GatewayAddress,
+    HealthPolicy,
+    IPAddress,
+    IPFamilies,
+    IPNetwork,
+    LoadBalancer,
+    LoadBalancingMode,
+    LoadBalancingScope,
+    Locality,
+    NamespacedHostname,
+    NetworkAddress,
+    NetworkMode,
+    Service,
+    TunnelProtocol,
+    Visibility,
+    WeightedWaypoint,
+    Workload,
+    WorkloadStatus,
+)
+
+ADDRESS_TYPE_URL = "type.googleapis.com/istio.workload.Address"
+AUTHORIZATION_TYPE_URL = "type.googleapis.com/istio.security.Authorization"
+
+DEFAULT_TRUST_DOMAIN = "cluster.local"
+DEFAULT_SERVICE_ACCOUNT = "default"
+DEFAULT_CLUSTER_ID = "Kubernetes"
+DEFAULT_CAPACITY = 1
+
+_U16 = 0xFFFF
+
+E = TypeVar("E", bound=IntEnum)
+
+
+class ConversionError(ValueError):
+    """A wire message the model cannot hold; `reason` says why (it goes into the NACK)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# --- rules shared with the local-config loader -------------------------------------------------
+
+
+def ip_from_bytes(raw: bytes) -> IPAddress:
+    """An IP from its 4 or 16 network-order bytes (an IPv4-mapped IPv6 address stays IPv6)."""
+    if len(raw) == 4:
+        return ipaddress.IPv4Address(raw)
+    if len(raw) == 16:
+        return ipaddress.IPv6Address(raw)
+    raise ConversionError(f"invalid IP address: {len(raw)} bytes (expected 4 or 16)")
+
+
+def cidr(ip: IPAddress, length: int) -> IPNetwork:
+    """The network of `ip/length`, host bits allowed; the length is taken literally (0 is /0)."""
+    if not 0 <= length <= ip.max_prefixlen:
+        raise ConversionError(f"invalid prefix length {length} for {ip} (expected 0..{ip.max_prefixlen})")
+    return ipaddress.ip_network((ip, length), strict=False)
+
+
+def check_service_key(key: str) -> str:
+    """A workload's `services` key must read `<namespace>/<hostname>`."""
+    if "/" not in key:
+        raise ConversionError(f"invalid service key {key!r} (expected '<namespace>/<hostname>')")
+    return key
+
+
+def app_tunnel_port(port: int) -> int | None:
+    """Nothing listens on port 0: an application tunnel's port 0 means "keep the resolved port"."""
+    return port or None
+
+
+# --- wire to model ------------------------------------------------------------------------------
+
+
+def _enum(kind: type[E], value: int, field: str) -> E:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConversionError(f"unknown {field} value {value}") from None
+
+
+def address_from_wire(pb: workload_pb2.Address) -> Workload | Service:
+    which = pb.WhichOneof("type")
+    if which == "workload":
+        return workload_from_wire(pb.workload)
+    if which == "service":
+        return service_from_wire(pb.service)
+    raise ConversionError("address has neither workload nor service")
+
+
+def _network_address(pb: workload_pb2.NetworkAddress) -> NetworkAddress:
+    return NetworkAddress(pb.network, ip_from_bytes(pb.address))
+
+
+def _gateway(pb: workload_pb2.GatewayAddress) -> GatewayAddress:
+    which = pb.WhichOneof("destination")
+    destination: NetworkAddress | NamespacedHostname
+    if which == "hostname":
+        destination = NamespacedHostname(pb.hostname.namespace, pb.hostname.hostname)
+    elif which == "address":
+        destination = _network_address(pb.address)
+    else:
+        raise ConversionError("gateway address has no destination")
+    return GatewayAddress(destination=destination, hbone_mtls_port=pb.hbone_mtls_port & _U16)
+
+
+def _optional_gateway(holder: object, field: str) -> GatewayAddress | None:
+    # HasField: an absent waypoint is no waypoint; a present one without destination is an error.
+    if not holder.HasField(field):  # type: ignore[attr-defined]
+        return None
+    return _gateway(getattr(holder, field))
+
+
+def _ports(ports: object) -> tuple[tuple[int, int], ...]:
+    return tuple((p.service_port & _U16, p.target_port & _U16) for p in ports)  # type: ignore[attr-defined]
+
+
+def workload_from_wire(pb: workload_pb2.Workload) -> Workload:
+    tunnel_protocol = _enum(TunnelProtocol, pb.tunnel_protocol, "tunnel_protocol")
+    if tunnel_protocol is TunnelProtocol.LEGACY_ISTIO_MTLS:
+        raise ConversionError("unsupported tunnel protocol LEGACY_ISTIO_MTLS")
+    try:
+        workload_type = workload_pb2.WorkloadType.Name(pb.workload_type).lower()
+    except ValueError:
+        raise ConversionError(f"unknown workload_type value {pb.workload_type}") from None
+    application_tunnel = None
+    if pb.HasField("application_tunnel"):
+        tunnel = pb.application_tunnel
+        application_tunnel = ApplicationTunnel(
+            protocol=_enum(AppTunnelProtocol, tunnel.protocol, "application_tunnel.protocol"),
+            port=app_tunnel_port(tunnel.port & _U16),
+        )
+    return Workload(
+        uid=pb.uid,
+        name=pb.name,
+        namespace=pb.namespace,
+        addresses=tuple(ip_from_bytes(ip) for ip in pb.addresses),
+        hostname=pb.hostname,
+        network=pb.network,
+        tunnel_protocol=tunnel_protocol,
+        trust_domain=pb.trust_domain or DEFAULT_TRUST_DOMAIN,
+        service_account=pb.service_account or DEFAULT_SERVICE_ACCOUNT,
+        waypoint=_optional_gateway(pb, "waypoint"),
+        network_gateway=_optional_gateway(pb, "network_gateway"),
+        node=pb.node,
+        canonical_name=pb.canonical_name,
+        canonical_revision=pb.canonical_revision,
+        workload_type=workload_type,
+        workload_name=pb.workload_name,
+        native_tunnel=pb.native_tunnel,
+        application_tunnel=application_tunnel,
+        # A protobuf map has no order; sorted, the same message always gives an equal Workload.
+        services=tuple(
+            (check_service_key(key), _ports(pb.services[key].ports)) for key in sorted(pb.services)
+        ),
+        authorization_policies=tuple(pb.authorization_policies),
+        status=_enum(WorkloadStatus, pb.status, "status"),
+        cluster_id=pb.cluster_id or DEFAULT_CLUSTER_ID,
+        locality=Locality(pb.locality.region, pb.locality.zone, pb.locality.subzone),
+        network_mode=_enum(NetworkMode, pb.network_mode, "network_mode"),
+        capacity=pb.capacity.value if pb.HasField("capacity") else DEFAULT_CAPACITY,
+    )
+
+
+def _load_balancer(pb: workload_pb2.LoadBalancing) -> LoadBalancer:
+    preferences = []
+    for number in pb.routing_preference:
+        scope = _enum(LoadBalancingScope, number, "load_balancing.routing_preference")
+        if scope is LoadBalancingScope.UNSPECIFIED_SCOPE:
+            raise ConversionError("load_balancing.routing_preference contains UNSPECIFIED_SCOPE")
+        preferences.append(scope)
+    return LoadBalancer(
+        routing_preferences=tuple(preferences),
+        mode=_enum(LoadBalancingMode, pb.mode, "load_balancing.mode"),
+        health_policy=_enum(HealthPolicy, pb.health_policy, "load_balancing.health_policy"),
+    )
+
+
+def _weighted_waypoint(pb: workload_pb2.WeightedWaypoint) -> WeightedWaypoint:
+    if not pb.HasField("destination"):
+        raise ConversionError("weighted waypoint has no destination")
+    return WeightedWaypoint(destination=_gateway(pb.destination), weight=pb.weight)
+
+
+def service_from_wire(pb: workload_pb2.Service) -> Service:
+    vips: list[NetworkAddress] = []
+    cidr_vips: list[CidrVip] = []
+    for addr in pb.addresses:
+        ip = ip_from_bytes(addr.address)
+        # A VIP with a prefix shorter than the full address is a CIDR range of VIPs.
+        if addr.HasField("length") and addr.length < ip.max_prefixlen:
+            cidr_vips.append(CidrVip(addr.network, cidr(ip, addr.length)))
+        else:
+            vips.append(NetworkAddress(addr.network, ip))
+    try:
+        visibility = Visibility(pb.visibility)
+    except ValueError:
+        visibility = Visibility.PUBLIC  # as the reference: an unknown visibility is public
+    return Service(
+        name=pb.name,
+        namespace=pb.namespace,
+        hostname=pb.hostname,
+        vips=tuple(vips),
+        cidr_vips=tuple(cidr_vips),
+        ports=_ports(pb.ports),
+        subject_alt_names=tuple(pb.subject_alt_names),
+        waypoint=_optional_gateway(pb, "waypoint"),
+        weighted_waypoints=tuple(_weighted_waypoint(w) for w in pb.weighted_waypoints),
+        load_balancer=_load_balancer(pb.load_balancing) if pb.HasField("load_balancing") else None,
+        ip_families=_enum(IPFamilies, pb.ip_families, "ip_families"),
+        canonical=pb.canonical,
+        visibility=visibility,
+    )
+
+
+_STRING_MATCH_KINDS = {
+    "exact": StringMatchKind.EXACT,
+    "prefix": StringMatchKind.PREFIX,
+    "suffix": StringMatchKind.SUFFIX,
+    "presence": StringMatchKind.PRESENCE,
+}
+
+
+def _string_matches(items: object) -> tuple[StringMatch, ...]:
+    out = []
+    for m in items:  # type: ignore[attr-defined]
+        which = m.WhichOneof("match_type")
+        if which is None:
+            continue  # as the reference: a match with nothing set is dropped
+        kind = _STRING_MATCH_KINDS[which]
+        out.append(
+            StringMatch(kind) if kind is StringMatchKind.PRESENCE else StringMatch(kind, getattr(m, which))
+        )
+    return tuple(out)
+
+
+def _cidrs(items: object) -> tuple[IPNetwork, ...]:
+    return tuple(cidr(ip_from_bytes(a.address), a.length) for a in items)  # type: ignore[attr-defined]
+
+
+def _service_accounts(items: object) -> tuple[ServiceAccountMatch, ...]:
+    return tuple(ServiceAccountMatch(sa.namespace, sa.serviceAccount) for sa in items)  # type: ignore[attr-defined]
+
+
+def _match(pb: authorization_pb2.Match) -> Match:
+    return Match(
+        namespaces=_string_matches(pb.namespaces),
+        not_namespaces=_string_matches(pb.not_namespaces),
+        principals=_string_matches(pb.principals),
+        not_principals=_string_matches(pb.not_principals),
+        source_ips=_cidrs(pb.source_ips),
+        not_source_ips=_cidrs(pb.not_source_ips),
+        destination_ips=_cidrs(pb.destination_ips),
+        not_destination_ips=_cidrs(pb.not_destination_ips),
+        destination_ports=tuple(p & _U16 for p in pb.destination_ports),
+        not_destination_ports=tuple(p & _U16 for p in pb.not_destination_ports),
+        service_accounts=_service_accounts(pb.service_accounts),
+        not_service_accounts=_service_accounts(pb.not_service_accounts),
+    )
+
+
+def authorization_from_wire(pb: authorization_pb2.Authorization) -> Authorization:
+    return Authorization(
+        name=pb.name,
+        namespace=pb.namespace,
+        scope=_enum(Scope, pb.scope, "scope"),
+        action=_enum(Action, pb.action, "action"),
+        rules=tuple(
+            tuple(tuple(_match(m) for m in clause.matches) for clause in rule.clauses) for rule in pb.rules
+        ),
+        dry_run=pb.dry_run,
+    )
+
+
+# --- model to wire ------------------------------------------------------------------------------
+
+
+def _network_address_to_wire(addr: NetworkAddress) -> workload_pb2.NetworkAddress:
+    return workload_pb2.NetworkAddress(network=addr.network, address=addr.address.packed)
+
+
+def _gateway_to_wire(gateway: GatewayAddress) -> workload_pb2.GatewayAddress:
+    pb = workload_pb2.GatewayAddress(hbone_mtls_port=gateway.hbone_mtls_port)
+    destination = gateway.destination
+    if isinstance(destination, NamespacedHostname):
+        pb.hostname.namespace = destination.namespace
+        pb.hostname.hostname = destination.hostname
+    else:
+        pb.address.CopyFrom(_network_address_to_wire(destination))
+    return pb
+
+
+def _ports_to_wire(ports: tuple[tuple[int, int], ...]) -> list[workload_pb2.Port]:
+    return [workload_pb2.Port(service_port=svc, target_port=target) for svc, target in ports]
+
+
+_WORKLOAD_TYPES = {name.lower(): number for name, number in workload_pb2.WorkloadType.items()}
+
+
+def workload_to_wire(w: Workload) -> workload_pb2.Workload:
+    """The wire form of a workload. A workload type the proto has no name for (the local config
+    takes any string) goes out as DEPLOYMENT, the proto's default."""
+    pb = workload_pb2.Workload(
+        uid=w.uid,
+        name=w.name,
+        namespace=w.namespace,
+        addresses=[ip.packed for ip in w.addresses],
+        hostname=w.hostname,
+        network=w.network,
+        tunnel_protocol=w.tunnel_protocol.name,
+        trust_domain=w.trust_domain,
+        service_account=w.service_account,
+        node=w.node,
+        canonical_name=w.canonical_name,
+        canonical_revision=w.canonical_revision,
+        workload_type=_WORKLOAD_TYPES.get(w.workload_type.lower(), workload_pb2.DEPLOYMENT),
+        workload_name=w.workload_name,
+        native_tunnel=w.native_tunnel,
+        authorization_policies=list(w.authorization_policies),
+        status=w.status.name,
+        cluster_id=w.cluster_id,
+        network_mode=w.network_mode.name,
+        capacity=wrappers_pb2.UInt32Value(value=w.capacity),
+    )
+    if w.waypoint is not None:
+        pb.waypoint.CopyFrom(_gateway_to_wire(w.waypoint))
+    if w.network_gateway is not None:
+        pb.network_gateway.CopyFrom(_gateway_to_wire(w.network_gateway))
+    if w.application_tunnel is not None:
+        pb.application_tunnel.CopyFrom(
+            workload_pb2.ApplicationTunnel(
+                protocol=w.application_tunnel.protocol.name, port=w.application_tunnel.port or 0
+            )
+        )
+    for key, ports in w.services:
+        pb.services[key].ports.extend(_ports_to_wire(ports))
+    if w.locality != Locality():
+        pb.locality.region = w.locality.region
+        pb.locality.zone = w.locality.zone
+        pb.locality.subzone = w.locality.subzone
+    return pb
+
+
+def service_to_wire(s: Service) -> workload_pb2.Service:
+    """The wire form of a service. The wire has no endpoint list: a service's `endpoints` (local
+    config) are not sent; over xDS a workload names its services in its own `services` map."""
+    pb = workload_pb2.Service(
+        name=s.name,
+        namespace=s.namespace,
+        hostname=s.hostname,
+        addresses=[_network_address_to_wire(vip) for vip in s.vips]
+        + [
+            workload_pb2.NetworkAddress(
+                network=vip.network, address=vip.cidr.network_address.packed, length=vip.cidr.prefixlen
+            )
+            for vip in s.cidr_vips
+        ],
+        ports=_ports_to_wire(s.ports),
+        subject_alt_names=list(s.subject_alt_names),
+        ip_families=s.ip_families.name,
+        canonical=s.canonical,
+        weighted_waypoints=[
+            workload_pb2.WeightedWaypoint(destination=_gateway_to_wire(w.destination), weight=w.weight)
+            for w in s.weighted_waypoints
+        ],
+        visibility=s.visibility.name,
+    )
+    if s.waypoint is not None:
+        pb.waypoint.CopyFrom(_gateway_to_wire(s.waypoint))
+    lb = s.load_balancer
+    if lb is not None:
+        pb.load_balancing.CopyFrom(
+            workload_pb2.LoadBalancing(
+                routing_preference=[scope.name for scope in lb.routing_preferences],
+                mode=lb.mode.name,
+                health_policy=lb.health_policy.name,
+            )
+        )
+    return pb
+
+
+def address_to_wire(item: Workload | Service) -> workload_pb2.Address:
+    if isinstance(item, Workload):
+        return workload_pb2.Address(workload=workload_to_wire(item))
+    return workload_pb2.Address(service=service_to_wire(item))
+
+
+def address_resource_name(item: Workload | Service) -> str:
+    """The xDS resource name of an Address: a workload's uid, a service's `namespace/hostname`."""
+    return item.uid if isinstance(item, Workload) else item.key
+
+
+def _string_match_to_wire(m: StringMatch) -> authorization_pb2.StringMatch:
+    if m.kind is StringMatchKind.PRESENCE:
+        return authorization_pb2.StringMatch(presence=empty_pb2.Empty())
+    return authorization_pb2.StringMatch(**{m.kind.value.lower(): m.value})
+
+
+def _cidr_to_wire(net: IPNetwork) -> authorization_pb2.Address:
+    return authorization_pb2.Address(address=net.network_address.packed, length=net.prefixlen)
+
+
+def _service_account_to_wire(sa: ServiceAccountMatch) -> authorization_pb2.ServiceAccountMatch:
+    return authorization_pb2.ServiceAccountMatch(namespace=sa.namespace, serviceAccount=sa.service_account)
+
+
+def _match_to_wire(m: Match) -> authorization_pb2.Match:
+    return authorization_pb2.Match(
+        namespaces=[_string_match_to_wire(x) for x in m.namespaces],
+        not_namespaces=[_string_match_to_wire(x) for x in m.not_namespaces],
+        principals=[_string_match_to_wire(x) for x in m.principals],
+        not_principals=[_string_match_to_wire(x) for x in m.not_principals],
+        source_ips=[_cidr_to_wire(n) for n in m.source_ips],
+        not_source_ips=[_cidr_to_wire(n) for n in m.not_source_ips],
+        destination_ips=[_cidr_to_wire(n) for n in m.destination_ips],
+        not_destination_ips=[_cidr_to_wire(n) for n in m.not_destination_ips],
+        destination_ports=list(m.destination_ports),
+        not_destination_ports=list(m.not_destination_ports),
+        service_accounts=[_service_account_to_wire(sa) for sa in m.service_accounts],
+        not_service_accounts=[_service_account_to_wire(sa) for sa in m.not_service_accounts],
+    )
+
+
+def authorization_to_wire(p: Authorization) -> authorization_pb2.Authorization:
+    return authorization_pb2.Authorization(
+        name=p.name,
+        namespace=p.namespace,
+        scope=p.scope.name,
+        action=p.action.name,
+        rules=[
+            authorization_pb2.Rule(
+                clauses=[
+                    authorization_pb2.Clause(matches=[_match_to_wire(m) for m in clause]) for clause in rule
+                ]
+            )
+            for rule in p.rules
+        ],
+        dry_run=p.dry_run,
+    )

@@ -1,0 +1,176 @@
+"""The gRPC CA client (SPEC §8.2): workload certificates from `IstioCertificateService/CreateCertificate`.
+
+For each fetch: a fresh ECDSA P-256 key (it never leaves the process), a PEM PKCS#10 request with an
+empty subject and one critical SubjectAltName holding the SPIFFE URI, signed with SHA-256, asking for
+`SECRET_TTL` of validity. In shared mode the proxy signs in for other identities with its own token,
+so the request carries `ImpersonatedIdentity` in its metadata and the returned leaf must name the
+identity asked for. The response chain is leaf, intermediates, and last the trust bundle (which may
+hold several roots). Every failure raises `CaError` with a message naming the CA and the reason.
+
+The channel, TLS roots and per-call headers are those of the xDS client (`xds.client`); with https the
+root certificate is read again before each request and the channel rebuilt when it changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import grpc
+import grpc.aio
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from hbone.identity import Identity
+from hbone.tls import WorkloadCertificate
+from xds.client import (
+    AuthToken,
+    ControlPlaneAddress,
+    ControlPlaneError,
+    call_metadata,
+    open_channel,
+    read_root_ca,
+)
+from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
+from ztunnel.identity import CaError
+
+log = logging.getLogger(__name__)
+
+IMPERSONATED_IDENTITY = "ImpersonatedIdentity"
+DEFAULT_CALL_TIMEOUT = 60.0
+
+
+def certificate_request(identity: Identity, key: ec.EllipticCurvePrivateKey) -> bytes:
+    """The PEM CSR istiod expects: empty subject, one critical URI SAN, SHA-256."""
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([]))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]), critical=True
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return csr.public_bytes(serialization.Encoding.PEM)
+
+
+class GrpcCaClient:
+    """`ztunnel.identity.CaClient` over gRPC."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        root_ca: str | None = None,
+        alt_hostname: str | None = None,
+        token: AuthToken | None = None,
+        cluster_id: str = "Kubernetes",
+        headers: Sequence[tuple[str, str]] = (),
+        secret_ttl: float = 86400.0,
+        impersonate: bool = False,
+        call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
+    ) -> None:
+        """`address`: `http://host:port` or `https://host:port` (raises CaError when invalid);
+        `root_ca`: the `CA_ROOT_CA` setting; `impersonate`: shared mode (SPEC §8.2)."""
+        try:
+            self.address = ControlPlaneAddress.parse(address)
+        except ControlPlaneError as e:
+            raise CaError(str(e)) from None
+        self._root_ca = root_ca
+        self._alt_hostname = alt_hostname
+        self._token = token
+        self._cluster_id = cluster_id
+        self._headers = tuple(headers)
+        self._secret_ttl = secret_ttl
+        self._impersonate = impersonate
+        self._call_timeout = call_timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._channel_roots: bytes | None = None
+
+    async def fetch(self, identity: Identity) -> WorkloadCertificate:
+        key = ec.generate_private_key(ec.SECP256R1())
+        request = ca_pb2.IstioCertificateRequest(
+            csr=certificate_request(identity, key).decode("ascii"),
+            validity_duration=int(self._secret_ttl),
+        )
+        if self._impersonate:
+            request.metadata.update({IMPERSONATED_IDENTITY: str(identity)})
+        try:
+            channel = await self._current_channel()
+            metadata = call_metadata(self._token, self._cluster_id, self._headers)
+        except ControlPlaneError as e:
+            raise CaError(f"CA {self.address.target}: {e}") from None
+        stub = ca_pb2_grpc.IstioCertificateServiceStub(channel)
+        try:
+            response = await stub.CreateCertificate(request, metadata=metadata, timeout=self._call_timeout)
+        except grpc.aio.AioRpcError as e:
+            what = "unreachable" if e.code() is grpc.StatusCode.UNAVAILABLE else "refused the request"
+            raise CaError(
+                f"CA {self.address.target} {what}: {e.code().name}: {e.details() or 'no details'}"
+            ) from None
+        cert = self._certificate(identity, key, list(response.cert_chain))
+        log.debug(
+            "received certificate",
+            extra={"fields": {"identity": str(identity), "expiry": cert.not_after.isoformat()}},
+        )
+        return cert
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+            self._channel = None
+
+    async def _current_channel(self) -> grpc.aio.Channel:
+        # A changed root file (a ConfigMap swap) takes a new channel; reading it costs little next
+        # to a CSR signature.
+        roots = read_root_ca(self._root_ca) if self.address.tls and self._root_ca is not None else None
+        if self._channel is not None and roots != self._channel_roots:
+            log.info("CA root certificate changed, reconnecting")
+            await self.close()
+        if self._channel is None:
+            self._channel = open_channel(self.address, self._root_ca, self._alt_hostname)
+            self._channel_roots = roots
+        return self._channel
+
+    def _certificate(
+        self, identity: Identity, key: ec.EllipticCurvePrivateKey, chain: list[str]
+    ) -> WorkloadCertificate:
+        if not chain:
+            raise CaError(f"CA {self.address.target} returned an empty certificate chain for {identity}")
+        if len(chain) < 2:
+            raise CaError(f"CA {self.address.target} returned no root certificate for {identity}")
+        try:
+            leaf = x509.load_pem_x509_certificates(chain[0].encode())[0]
+            for pem in chain[1:]:
+                x509.load_pem_x509_certificates(pem.encode())
+        except ValueError as e:
+            raise CaError(f"CA {self.address.target} returned an invalid certificate: {e}") from None
+        if leaf.public_key() != key.public_key():
+            raise CaError(f"CA {self.address.target} returned a certificate for another key")
+        if self._impersonate and str(identity) not in _uri_sans(leaf):
+            raise CaError(
+                f"did not find expected SAN {identity} in the certificate from {self.address.target}"
+            )
+        return WorkloadCertificate(
+            identity=identity,
+            chain_pem=tuple(_pem_bytes(pem) for pem in chain[:-1]),
+            key_pem=key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+            roots_pem=(_pem_bytes(chain[-1]),),
+            not_before=leaf.not_valid_before_utc,
+            not_after=leaf.not_valid_after_utc,
+        )
+
+
+def _uri_sans(cert: x509.Certificate) -> list[str]:
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return san.get_values_for_type(x509.UniformResourceIdentifier)
+
+
+def _pem_bytes(pem: str) -> bytes:
+    data = pem.encode()
+    return data if data.endswith(b"\n") else data + b"\n"
