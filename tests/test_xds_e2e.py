@@ -73,6 +73,7 @@ class ControlPlane:
     address: str
     process: subprocess.Popen[str] | None = None
     root: Path | None = None
+    tls: bool = False
 
     async def start(self) -> None:
         self.process = subprocess.Popen(
@@ -87,6 +88,7 @@ class ControlPlane:
                 self.address,
                 "--ca-dir",
                 str(self.ca_dir),
+                *(["--tls"] if self.tls else []),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -241,3 +243,38 @@ async def test_control_plane_restart_while_proxies_serve(mesh: Mesh) -> None:
     assert mesh.server.state.policy("demo/deny-client") is not None
     body, _ = mesh.server.metrics.render(None)
     assert "istio_xds_connection_terminations_total" in body.decode()
+
+
+async def test_proxy_over_tls_to_the_control_plane(tmp_path: Path, proxy_logs) -> None:  # type: ignore[no-untyped-def]
+    """`https://` addresses: the proxy verifies the control plane with XDS_ROOT_CA / CA_ROOT_CA."""
+    config = tmp_path / "mesh.yaml"
+    config.write_text(MESH)
+    cp = ControlPlane(config, tmp_path / "ca", f"{CP_HOST}:{free_port(CP_HOST)}")
+    cp.tls = True
+    await cp.start()
+    app: App | None = None
+    try:
+        assert cp.root is not None
+        env = proxy_env(
+            "demo",
+            "client",
+            "client",
+            CLIENT,
+            "",
+            XDS_ADDRESS=f"https://{cp.address}",
+            XDS_ROOT_CA=str(cp.root),
+            CA_ADDRESS=f"https://{cp.address}",
+            CA_ROOT_CA=str(cp.root),
+        )
+        del env["FAKE_CA"], env["LOCAL_XDS"]
+        app = await start_proxy(env)
+        assert app.xds is not None
+        await asyncio.wait_for(app.xds.wait_synced(), 10)
+        assert app.state.workload_by_uid("x//v1/Pod/demo/server") is not None
+        assert app.secrets is not None
+        cert = await asyncio.wait_for(app.secrets.get(app.proxies[0].identity()), 10)
+        assert str(cert.identity) == "spiffe://cluster.local/ns/demo/sa/client"
+    finally:
+        if app is not None:
+            await app.drain()
+        cp.stop()
