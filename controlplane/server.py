@@ -12,6 +12,7 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import socket
 from pathlib import Path
 
 import grpc
@@ -61,6 +62,18 @@ def _host_port(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def _check_bindable(host: str, port: int) -> None:
+    """Fail with the OS's reason before gRPC tries: its own bind failure is a multi-line core log."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            probe.bind(address)
+    except OSError as e:
+        raise ControlPlaneError(f"cannot listen on {_host_port(host, port)}: {e.strerror or e}") from None
+
+
 class ControlPlane:
     """The running control plane: `await start()`, then `address` and `root_cert_path`; `await stop()`."""
 
@@ -99,6 +112,7 @@ class ControlPlane:
             snapshot = self.source.load()
         except LocalConfigError as e:
             raise ControlPlaneError(e.message) from None
+        _check_bindable(self.host, self._port)
         try:
             self.ca = CertificateAuthority.load_or_create(self.ca_dir)
         except CaError as e:

@@ -18,15 +18,21 @@ from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
 from policy.model import Authorization
-from xds.convert import address_resource_name, address_to_wire, authorization_to_wire
+from xds.convert import (
+    ADDRESS_TYPE_URL,
+    AUTHORIZATION_TYPE_URL,
+    address_resource_name,
+    address_to_wire,
+    authorization_to_wire,
+)
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
 from xds.localconfig import LocalConfig, LocalConfigError
 from xds.model import Service, Workload
 
 log = logging.getLogger(__name__)
 
-ADDRESS_TYPE = "type.googleapis.com/istio.workload.Address"
-AUTHORIZATION_TYPE = "type.googleapis.com/istio.security.Authorization"
+ADDRESS_TYPE = ADDRESS_TYPE_URL
+AUTHORIZATION_TYPE = AUTHORIZATION_TYPE_URL
 # The order a new stream's full state and every push go out in: addresses before the policies
 # that name them, as the client subscribes.
 TYPE_URLS = (ADDRESS_TYPE, AUTHORIZATION_TYPE)

@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -26,13 +27,16 @@ from OpenSSL import crypto
 
 from controlplane.ca import CertificateAuthority
 from controlplane.server import ControlPlane
-from controlplane.snapshot import ADDRESS_TYPE, AUTHORIZATION_TYPE, snapshot_from_config
+from controlplane.snapshot import snapshot_from_config
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
 from xds.gen.istio.security import authorization_pb2
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
 from xds.gen.istio.workload import workload_pb2
 from xds.localconfig import LocalConfigError, parse_local_config
 
+# The wire names, spelled out: the test checks them rather than trusting our constants.
+ADDRESS_TYPE = "type.googleapis.com/istio.workload.Address"
+AUTHORIZATION_TYPE = "type.googleapis.com/istio.security.Authorization"
 CLIENT_UID = "lab//v1/Pod/demo/client"
 SERVER_UID = "lab//v1/Pod/demo/server"
 SERVICE = "demo/server.demo.svc.cluster.local"
@@ -549,6 +553,8 @@ def test_the_command_prints_where_it_listens_and_its_root_and_stops_on_sigterm(
         (["--config", "missing.yaml"], "missing.yaml: cannot read"),
         (["--config", "{broken}"], "workloads[1].workloadIps"),
         (["--config", "{good}", "--listen", "nowhere"], "invalid --listen 'nowhere'"),
+        (["--config", "{good}", "--listen", "{busy}"], "Address already in use"),
+        (["--config", "{good}", "--ca-dir", "{good}/ca"], "good.yaml/ca: Not a directory"),
     ],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path: Path, args: list[str], expected: str) -> None:
@@ -556,14 +562,18 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path: Path, args: list[str
     write_config(broken, BROKEN)
     good = tmp_path / "good.yaml"
     write_config(good, CONFIG)
-    args = [a.format(broken=broken, good=good) for a in args]
-    r = subprocess.run(
-        [*CONTROL_PLANE, *args, "--ca-dir", str(tmp_path / "ca")],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=tmp_path,
-    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        args = [a.format(broken=broken, good=good, busy=busy) for a in args]
+        r = subprocess.run(
+            [*CONTROL_PLANE, "--ca-dir", str(tmp_path / "ca"), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=tmp_path,
+        )
     assert r.returncode != 0
     assert r.stderr.count("\n") == 1, r.stderr
     assert expected in r.stderr
