@@ -6,13 +6,28 @@ outgoing frames (one transport write per received batch), send scheduling of the
 for flow-control window or for the TLS transport to drain, GOAWAY, the PING keepalive and tearing
 everything down. Per-stream behaviour lives in `hbone.stream.HboneStream`.
 
-`_H2Connection` adapts h2 4.x in two places (private API, pinned by `h2<5`):
+DATA frames, the bulk of the traffic, take a direct path; everything else goes through `h2`:
+
+* receiving: the session is a `BufferedProtocol`, so the TLS layer decrypts straight into a buffer
+  of ours (one per thread and nesting level, reused: no allocation per read). `_split` walks the
+  frame headers itself and hands the payload of a DATA frame on an open stream to that stream as
+  it arrives, piece by piece, after charging both receive windows in h2's own window managers; h2
+  would first reassemble each frame (up to 1 MiB) and copy it three times. Every other frame, and
+  any DATA frame h2 must judge (END_STREAM, padding, unknown or closing stream, flow-control or
+  size violation, inside a header block), is handed to h2 unchanged and in order.
+* sending: `send_data` charges h2's send windows and queues the 9-byte frame header and the
+  payload itself (large payloads are not copied: the transport gets them in a `writelines`).
+* window updates: what the streams consumed is acknowledged once per received batch (or per
+  flush), summed per stream, through h2's window managers; one connection WINDOW_UPDATE at most.
+
+`_H2Connection` adapts h2 4.x in a few places (private API, pinned by `h2<5`):
 * h2 formats `repr(frame)` for a trace log on every received frame even when logging is off; that
   costs more than the rest of frame handling for small frames, so `_receive_frame` is re-stated
   without it.
 * h2 moves its connection state machine to CLOSED on any GOAWAY, sent or received, after which every
   frame is a protocol error; HTTP/2 lets the streams below the GOAWAY's last stream id finish, so
   GOAWAY is sent and received here without that transition, and the session refuses new streams.
+* output is a list of buffers (see `take_output`), and `queue_data` writes a DATA frame into it.
 """
 
 from __future__ import annotations
@@ -20,15 +35,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any, cast
 
 import h2.events as ev
 from h2.config import H2Configuration
-from h2.connection import H2Connection
+from h2.connection import ConnectionState, H2Connection
 from h2.errors import ErrorCodes
 from h2.exceptions import H2Error, StreamClosedError, StreamIDTooLowError
 from h2.settings import SettingCodes, Settings
+from h2.stream import StreamState
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, RstStreamFrame
 
 from hbone.errors import ConnectionClosed, HboneError
@@ -44,13 +61,54 @@ DEFAULT_CONNECTION_WINDOW = 65535
 FLUSH_THRESHOLD = 256 * 1024
 # Write-buffer marks of the TLS transport under the session: large, since each write is big.
 TRANSPORT_HIGH_WATER = 1024 * 1024
+# What the TLS layer may decrypt into our buffer per read.
+READ_BUFFER_SIZE = 256 * 1024
 
 Headers = list[tuple[str, str]]
 
 # DATA payloads from this size on are written as separate buffers instead of being copied.
 LARGE_DATA = 16 * 1024
 _FRAME_HEADER = struct.Struct(">HBBBL")  # length (24 bits as 16+8), type, flags, stream id
+_WINDOW_UPDATE = struct.Struct(">HBBBLL")  # a frame header, then the increment
 _END_STREAM = 0x1
+_PADDED = 0x8
+_TYPE_DATA = 0
+_TYPE_WINDOW_UPDATE = 8
+_PREFACE_LEN = 24  # "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", sent by the client first
+
+# States are compared by identity: `in` on a set of enum members calls the Python-level
+# Enum.__hash__, which costs more per frame than the rest of the check.
+_CLIENT_OPEN = ConnectionState.CLIENT_OPEN
+_SERVER_OPEN = ConnectionState.SERVER_OPEN
+_OPEN = StreamState.OPEN
+_HALF_CLOSED_LOCAL = StreamState.HALF_CLOSED_LOCAL
+_HALF_CLOSED_REMOTE = StreamState.HALF_CLOSED_REMOTE
+
+
+class _ReadBuffers(threading.local):
+    """The buffers the TLS layer decrypts into, one per nesting level of `buffer_updated`.
+
+    A session only reads its buffer inside `buffer_updated` and copies out what it keeps, so one
+    buffer serves every session of a thread. Levels exist because delivering a payload can feed
+    another session synchronously (double HBONE: the inner TLS session is fed from an outer
+    stream), which must not decrypt into the buffer being walked.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.views: list[memoryview] = []
+
+    def current(self) -> memoryview:
+        views = self.views
+        depth = self.depth
+        if depth < len(views):
+            return views[depth]
+        while len(views) <= depth:
+            views.append(memoryview(bytearray(READ_BUFFER_SIZE)))
+        return views[depth]
+
+
+_READ = _ReadBuffers()
 
 
 class _H2Connection(H2Connection):
@@ -58,7 +116,7 @@ class _H2Connection(H2Connection):
         super().__init__(config)
         # Output is a list of buffers: small frames accumulate in `_data_to_send` (as in h2), large
         # DATA payloads are queued as they are, sparing the three copies of h2's serialisation.
-        self._chunks: list[bytes | bytearray] = []
+        self._chunks: list[bytes | bytearray | memoryview] = []
 
     def _prepare_for_sending(self, frames: list[Frame]) -> None:
         out = self._data_to_send
@@ -73,13 +131,28 @@ class _H2Connection(H2Connection):
             else:
                 out += f.serialize()
 
-    def take_output(self) -> list[bytes | bytearray]:
+    def take_output(self) -> list[bytes | bytearray | memoryview]:
         chunks = self._chunks
         if self._data_to_send:
             chunks.append(self._data_to_send)
             self._data_to_send = bytearray()
         self._chunks = []
         return chunks
+
+    def queue_data(self, stream_id: int, data: bytes | memoryview) -> None:
+        """Queue one DATA frame (no flags); the caller has checked the stream and charged the windows."""
+        n = len(data)
+        out = self._data_to_send
+        out += _FRAME_HEADER.pack(n >> 8, n & 0xFF, _TYPE_DATA, 0, stream_id)
+        if n >= LARGE_DATA:
+            self._chunks.append(out)
+            self._chunks.append(data)
+            self._data_to_send = bytearray()
+        else:
+            out += data
+
+    def queue_window_update(self, stream_id: int, increment: int) -> None:
+        self._data_to_send += _WINDOW_UPDATE.pack(0, 4, _TYPE_WINDOW_UPDATE, 0, stream_id, increment)
 
     def data_to_send(self, amount: int | None = None) -> bytes:
         data = b"".join(self.take_output())
@@ -149,7 +222,7 @@ def decode_headers(raw: list[tuple[bytes, bytes]]) -> Headers:
     return [(k.decode("ascii", "replace").lower(), v.decode("utf-8", "replace")) for k, v in raw]
 
 
-class H2Session(asyncio.Protocol):
+class H2Session(asyncio.BufferedProtocol):
     """The protocol of one HBONE connection's TLS transport.
 
     Received bytes before `start()` (the TLS peer check happens in between) are held and processed
@@ -191,6 +264,16 @@ class H2Session(asyncio.Protocol):
         self._ping_handle: asyncio.TimerHandle | None = None
         self._pong_handle: asyncio.TimerHandle | None = None
         self._ping_count = 0
+        # The frame splitter (see `_split`): where the received byte stream is.
+        self._preface_left = 0 if client_side else _PREFACE_LEN
+        self._header = bytearray()  # a frame header split across reads
+        self._to_h2 = bytearray()  # bytes of frames for h2, fed at the next boundary that needs it
+        self._h2_left = 0  # bytes of the current frame still to go to h2
+        self._data_left = 0  # payload bytes of the current direct DATA frame still to come
+        self._data_stream: HboneStream | None = None
+        # Flow-controlled bytes consumed per stream, acknowledged to h2 at the next flush.
+        self._acks: dict[int, int] = {}
+        self._ack_flush_scheduled = False
         self._dispatch: dict[type[ev.Event], Callable[[Any], None]] = {
             ev.DataReceived: self._on_data,
             ev.WindowUpdated: self._on_window_updated,
@@ -217,12 +300,30 @@ class H2Session(asyncio.Protocol):
         if self._dead:
             transport.abort()
 
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return _READ.current()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        reads = _READ
+        depth = reads.depth
+        view = reads.views[depth][:nbytes]  # the buffer `get_buffer` returned at this depth
+        if not self._started:
+            if self._early is not None:
+                self._early.append(view.tobytes())
+            return
+        reads.depth = depth + 1
+        try:
+            self._receive(view)
+        finally:
+            reads.depth = depth
+
     def data_received(self, data: bytes) -> None:
+        """For transports that do not use `get_buffer` (the bytes are ours to keep)."""
         if not self._started:
             if self._early is not None:
                 self._early.append(bytes(data))
             return
-        self._receive(data)
+        self._receive(memoryview(data))
 
     def eof_received(self) -> bool:
         return False  # the TLS transport closes; connection_lost follows
@@ -264,7 +365,7 @@ class H2Session(asyncio.Protocol):
         for data in early or ():
             if self._dead:
                 break
-            self._receive(data)
+            self._receive(memoryview(data))
 
     def is_usable(self) -> bool:
         return self._started and not (
@@ -308,6 +409,7 @@ class H2Session(asyncio.Protocol):
         self._dead = True
         self.close_reason = reason
         self._early = None
+        self._data_stream = None
         for handle in (self._ping_handle, self._pong_handle):
             if handle is not None:
                 handle.cancel()
@@ -332,25 +434,115 @@ class H2Session(asyncio.Protocol):
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def _receive(self, data: bytes) -> None:
+    def _receive(self, data: memoryview) -> None:
         self._in_batch = True
         try:
-            try:
-                events = self._h2.receive_data(data)
-            except H2Error as e:
-                self._flush_always()  # h2 queued a GOAWAY naming the error
-                self._teardown(ConnectionClosed(f"http2 protocol error: {e}"))
-                return
-            dispatch = self._dispatch
-            for event in events:
-                handler = dispatch.get(type(event))
-                if handler is not None:
-                    handler(event)
-                if self._dead:
-                    return
+            self._split(data)
+        except H2Error as e:
+            self._in_batch = False
+            self._flush_always()  # h2 queued a GOAWAY naming the error
+            self._teardown(ConnectionClosed(f"http2 protocol error: {e}"))
+            return
         finally:
             self._in_batch = False
-        self._flush()
+        if not self._dead:
+            self._flush_always()
+
+    def _split(self, data: memoryview) -> None:
+        """Walk the frames in `data`: DATA payloads straight to their streams, the rest to h2."""
+        n = len(data)
+        pos = 0
+        to_h2 = self._to_h2
+        while pos < n:
+            if self._data_left:
+                take = min(self._data_left, n - pos)
+                piece = data[pos : pos + take].tobytes()  # out of the shared read buffer
+                pos += take
+                self._data_left -= take
+                stream = self._data_stream
+                assert stream is not None
+                stream._on_data(piece, take)
+                if self._dead:
+                    return
+                continue
+            if self._h2_left or self._preface_left:
+                take = min(self._h2_left or self._preface_left, n - pos)
+                to_h2 += data[pos : pos + take]
+                pos += take
+                if self._h2_left:
+                    self._h2_left -= take
+                else:
+                    self._preface_left -= take
+                continue
+            header = self._header
+            if header or n - pos < 9:
+                take = min(9 - len(header), n - pos)
+                header += data[pos : pos + take]
+                pos += take
+                if len(header) < 9:
+                    break
+                head: bytes | memoryview = bytes(header)
+                header.clear()
+            else:
+                head = data[pos : pos + 9]
+                pos += 9
+            hi, lo, ftype, flags, sid = _FRAME_HEADER.unpack(head)
+            length = (hi << 8) | lo
+            if ftype == _TYPE_DATA and length and not flags & (_END_STREAM | _PADDED):
+                if to_h2:
+                    self._feed_h2()  # the frames before this one may open, end or reset its stream
+                    if self._dead:
+                        return
+                stream = self._direct_data_stream(sid & 0x7FFFFFFF, length)
+                if stream is not None:
+                    self._data_left = length
+                    self._data_stream = stream
+                    continue
+            to_h2 += head
+            self._h2_left = length
+        if to_h2 and not self._dead:
+            self._feed_h2()
+
+    def _direct_data_stream(self, sid: int, length: int) -> HboneStream | None:
+        """The stream a DATA frame's payload can go to directly, its windows charged; else None."""
+        stream = self.streams.get(sid)
+        if stream is None:
+            return None
+        h2c = self._h2
+        h2s = h2c.streams.get(sid)
+        if h2s is None:
+            return None
+        state = h2s.state_machine.state
+        conn_state = h2c.state_machine.state
+        if (
+            not (state is _OPEN or state is _HALF_CLOSED_LOCAL)
+            or not (conn_state is _CLIENT_OPEN or conn_state is _SERVER_OPEN)
+            or not h2s.state_machine.headers_received
+            or h2s._expected_content_length is not None
+            or length > h2c.max_inbound_frame_size
+            or h2c.incoming_buffer._headers_buffer
+        ):
+            return None
+        conn_window = h2c._inbound_flow_control_window_manager
+        stream_window = h2s._inbound_window_manager
+        if length > conn_window.current_window_size or length > stream_window.current_window_size:
+            return None  # a flow-control violation: h2 says so
+        conn_window.current_window_size -= length
+        stream_window.current_window_size -= length
+        h2s._actual_content_length += length
+        return stream
+
+    def _feed_h2(self) -> None:
+        data = bytes(self._to_h2)
+        self._to_h2.clear()
+        events = self._h2.receive_data(data)
+        dispatch = self._dispatch
+        for event in events:
+            handler = dispatch.get(type(event))
+            if handler is not None:
+                handler(event)
+            if self._dead:
+                return
 
     def _on_data(self, event: ev.DataReceived) -> None:
         stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
@@ -463,12 +655,19 @@ class H2Session(asyncio.Protocol):
 
     def _flush_always(self) -> None:
         self._unflushed = 0
-        chunks = self._h2.take_output()
-        if chunks and self.transport is not None and not self._transport_gone:
-            if len(chunks) == 1:
-                self.transport.write(chunks[0])
-            else:
-                self.transport.writelines(chunks)
+        if self._acks:
+            self._apply_acks()
+        h2c = self._h2
+        transport = self.transport
+        if h2c._chunks:
+            chunks = h2c.take_output()
+            if transport is not None and not self._transport_gone:
+                transport.writelines(chunks)
+        elif h2c._data_to_send:
+            out = h2c._data_to_send
+            h2c._data_to_send = bytearray()
+            if transport is not None and not self._transport_gone:
+                transport.write(out)
 
     def kick(self) -> None:
         """Stream operations call this: flush now unless a received batch is being handled."""
@@ -500,39 +699,47 @@ class H2Session(asyncio.Protocol):
         return True
 
     def send_data(self, stream_id: int, data: bytes | memoryview) -> int:
-        """Frame as much of `data` as the windows allow; returns how many bytes were taken."""
+        """Frame as much of `data` as the windows allow; returns how many bytes were taken.
+
+        `data` must not change afterwards: large payloads are queued by reference.
+        """
         if self._write_paused or self._dead:
             return 0
         h2c = self._h2
-        total = len(data)
-        try:
-            n = min(h2c.local_flow_control_window(stream_id), total)
-        except H2Error:
+        h2s = h2c.streams.get(stream_id)
+        if h2s is None:
             return 0
+        state = h2s.state_machine.state
+        conn_state = h2c.state_machine.state
+        if not (state is _OPEN or state is _HALF_CLOSED_REMOTE) or not (
+            conn_state is _CLIENT_OPEN or conn_state is _SERVER_OPEN
+        ):
+            return 0  # ending or ended: its end (or reset) event drops the rest
+        total = len(data)
+        n = min(h2c.outbound_flow_control_window, h2s.outbound_flow_control_window, total)
         if n <= 0:
             return 0
         max_frame = h2c.max_outbound_frame_size
-        sent = 0
-        try:
-            if n == total and n <= max_frame:
-                h2c.send_data(stream_id, data)
-                sent = n
-                self._unflushed += n
-            else:
-                view = memoryview(data)
-                while sent < n:
-                    end = min(sent + max_frame, n)
-                    h2c.send_data(stream_id, view[sent:end])
-                    self._unflushed += end - sent
-                    sent = end
-                    if self._unflushed >= FLUSH_THRESHOLD and not self._in_batch:
-                        self._flush_always()
-                        if self._write_paused:
-                            return sent
-        except H2Error:
-            # The stream closed under us (a reset in the batch being handled); its reset event
-            # follows and drops the rest.
-            return sent
+        if n == total and n <= max_frame:
+            h2c.queue_data(stream_id, data)
+            h2c.outbound_flow_control_window -= n
+            h2s.outbound_flow_control_window -= n
+            self._unflushed += n
+            sent = n
+        else:
+            view = memoryview(data)
+            sent = 0
+            while sent < n:
+                size = min(max_frame, n - sent)
+                h2c.queue_data(stream_id, view[sent : sent + size])
+                h2c.outbound_flow_control_window -= size
+                h2s.outbound_flow_control_window -= size
+                self._unflushed += size
+                sent += size
+                if self._unflushed >= FLUSH_THRESHOLD and not self._in_batch:
+                    self._flush_always()
+                    if self._write_paused:
+                        return sent
         if self._unflushed >= FLUSH_THRESHOLD and not self._in_batch:
             self._flush_always()
         return sent
@@ -556,11 +763,57 @@ class H2Session(asyncio.Protocol):
         self.kick()
 
     def ack(self, stream_id: int, n: int) -> None:
+        """`n` flow-controlled bytes of the stream were consumed: give them back to the peer.
+
+        Summed per stream and handed to h2 at the next flush: the end of the received batch, or
+        soon after when this happens outside one.
+        """
         if n and not self._dead:
-            try:
-                self._h2.acknowledge_received_data(n, stream_id)
-            except H2Error:
-                pass  # the stream is gone; h2 still credited the connection window
+            acks = self._acks
+            acks[stream_id] = acks.get(stream_id, 0) + n
+            if not self._in_batch and not self._ack_flush_scheduled:
+                self._ack_flush_scheduled = True
+                self.loop.call_soon(self._scheduled_flush)
+
+    def _scheduled_flush(self) -> None:
+        self._ack_flush_scheduled = False
+        if not self._dead and self._acks:
+            self._flush()
+
+    def _apply_acks(self) -> None:
+        """What was consumed since the last flush, given back through h2's window managers.
+
+        `WindowManager.process_bytes` adds to `_bytes_processed` and then decides; it only ever
+        emits an update once half the window is processed or the window is empty, so below that
+        the addition alone is the whole effect and the call is skipped.
+        """
+        acks, self._acks = self._acks, {}
+        h2c = self._h2
+        streams = h2c.streams
+        total = 0
+        for sid, n in acks.items():
+            total += n
+            h2s = streams.get(sid)
+            if h2s is None:
+                continue
+            state = h2s.state_machine.state
+            # As h2: only streams still open in some direction get their window back.
+            if state is _OPEN or state is _HALF_CLOSED_LOCAL or state is _HALF_CLOSED_REMOTE:
+                manager = h2s._inbound_window_manager
+                manager._bytes_processed += n
+                if (
+                    manager._bytes_processed >= manager.max_window_size // 2
+                    or not manager.current_window_size
+                ):
+                    increment = manager._maybe_update_window()
+                    if increment:
+                        h2c.queue_window_update(sid, increment)
+        manager = h2c._inbound_flow_control_window_manager
+        manager._bytes_processed += total
+        if manager._bytes_processed >= manager.max_window_size // 2 or not manager.current_window_size:
+            increment = manager._maybe_update_window()
+            if increment:
+                h2c.queue_window_update(0, increment)
 
     def want_window(self, stream: HboneStream) -> None:
         self._pending[stream.stream_id] = stream

@@ -31,6 +31,36 @@ _CLEAN_RESETS = (ErrorCodes.NO_ERROR, ErrorCodes.CANCEL)
 class HboneStream(asyncio.Transport):
     """A CONNECT stream. Data received before the first `set_protocol` is held, unacknowledged."""
 
+    # One per proxied connection on each side, most of them idle: slots, and the two queues
+    # (a deque is ~600 bytes even empty) only exist while something waits in them.
+    __slots__ = (
+        "_closing",
+        "_deliver_scheduled",
+        "_eof_delivered",
+        "_eof_pending",
+        "_eof_requested",
+        "_finished",
+        "_high",
+        "_inbox",
+        "_local_ended",
+        "_loop",
+        "_lost_delivered",
+        "_lost_exc",
+        "_low",
+        "_outbox",
+        "_outbox_size",
+        "_protocol",
+        "_reading",
+        "_remote_ended",
+        "_response",
+        "_session",
+        "_writer_paused",
+        "responded",
+        "response_headers",
+        "status",
+        "stream_id",
+    )
+
     def __init__(self, session: H2Session, stream_id: int, *, high_water: int) -> None:
         super().__init__()
         self._session = session
@@ -41,14 +71,14 @@ class HboneStream(asyncio.Transport):
         self._response: asyncio.Future[None] | None = None
         self._protocol: asyncio.BaseProtocol | None = None
         # inbound
-        self._inbox: deque[tuple[bytes, int]] = deque()
+        self._inbox: deque[tuple[bytes, int]] | None = None
         self._remote_ended = False  # END_STREAM or reset received (or connection gone)
         self._eof_pending = False  # an EOF to deliver after the inbox
         self._eof_delivered = False
         self._reading = True
         self._deliver_scheduled = False
         # outbound
-        self._outbox: deque[bytes | memoryview] = deque()
+        self._outbox: deque[bytes | memoryview] | None = None
         self._outbox_size = 0
         self._eof_requested = False  # write_eof/close called: END_STREAM after the outbox
         self._local_ended = False  # END_STREAM or RST_STREAM sent (or no longer possible)
@@ -145,19 +175,24 @@ class HboneStream(asyncio.Transport):
         if not data:
             return
         if not isinstance(data, bytes):
-            data = bytes(data)  # the caller may reuse its buffer
-        if self._outbox:
-            self._outbox.append(data)
+            data = bytes(data)  # the caller may reuse its buffer; bytes are queued by reference
+        session = self._session
+        outbox = self._outbox
+        if outbox:
+            outbox.append(data)
             self._outbox_size += len(data)
         else:
-            n = self._session.send_data(self.stream_id, data)
+            n = session.send_data(self.stream_id, data)
             if n < len(data):
                 rest = memoryview(data)[n:]
-                self._outbox.append(rest)
+                if outbox is None:
+                    outbox = self._outbox = deque()
+                outbox.append(rest)
                 self._outbox_size += len(rest)
-                self._session.want_window(self)
-        self._session.kick()
-        self._maybe_pause_writer()
+                session.want_window(self)
+        session.kick()
+        if self._outbox_size > self._high:
+            self._maybe_pause_writer()
 
     def writelines(self, list_of_data: Any) -> None:
         self.write(b"".join(list_of_data))
@@ -218,6 +253,7 @@ class HboneStream(asyncio.Transport):
     async def wait_response(self) -> None:
         assert self._response is not None
         await self._response
+        self._response = None  # answered: nothing more to wait for
 
     def refused(self) -> None:
         """After a non-200 response: end our side too (the server normally ended its side)."""
@@ -257,6 +293,8 @@ class HboneStream(asyncio.Transport):
                 except Exception:
                     self._protocol_failed("data_received")
             return
+        if self._inbox is None:
+            self._inbox = deque()
         self._inbox.append((data, flow_len))
 
     def _on_remote_end(self) -> None:
@@ -289,7 +327,7 @@ class HboneStream(asyncio.Transport):
             return
         self._fail_response(reason)
         self._local_ended = self._remote_ended = True
-        self._inbox.clear()
+        self._inbox = None
         self._drop_outbox()
         self._finish(reason)
 
@@ -329,6 +367,8 @@ class HboneStream(asyncio.Transport):
                 return
             if not keep_open:
                 self.close()
+        if self._inbox is not None and not self._inbox:
+            self._inbox = None  # drained: an idle stream keeps no queue
         self._maybe_finish()
 
     def _protocol_failed(self, callback: str) -> None:
@@ -352,6 +392,7 @@ class HboneStream(asyncio.Transport):
                     outbox[0] = memoryview(head)[n:]
                 break
         if not outbox:
+            self._outbox = None  # drained: an idle stream keeps no queue
             session.window_satisfied(self)
             if self._eof_requested and not self._local_ended:
                 self._send_end()
@@ -377,14 +418,15 @@ class HboneStream(asyncio.Transport):
         self._maybe_finish()
 
     def _drop_outbox(self) -> None:
-        self._outbox.clear()
+        self._outbox = None
         self._outbox_size = 0
         self._session.window_satisfied(self)
 
     def _drop_inbox(self) -> None:
         # Unread bytes still occupy the connection window: release it.
-        while self._inbox:
-            _, n = self._inbox.popleft()
+        inbox, self._inbox = self._inbox, None
+        while inbox:
+            _, n = inbox.popleft()
             self._session.ack(self.stream_id, n)
         self._eof_pending = False
 

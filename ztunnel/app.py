@@ -86,6 +86,11 @@ class App:
         self.xds: XdsClient | None = None
         self._xds_task: asyncio.Task[None] | None = None
         self._serving: asyncio.Task[None] | None = None
+        # Worker-process mode (ztunnel/workers.py): the parent runs without the data plane, each
+        # worker without the operator endpoints and with SO_REUSEPORT listeners.
+        self.data_plane = True
+        self.operator_endpoints = True
+        self.reuseport = False
 
     def config_dump(self) -> dict[str, Any]:
         dump: dict[str, Any] = dict(self.state.dump())
@@ -151,11 +156,12 @@ class App:
         else:
             state_task.release()
 
-        for server, (host, port) in (
+        operator_servers = (
             (readiness_server(self.readiness), cfg.readiness_address),
             (admin_server(self.config_dump, self.shutdown), cfg.admin_address),
             (stats_server(self.metrics), cfg.stats_address),
-        ):
+        )
+        for server, (host, port) in operator_servers if self.operator_endpoints else ():
             try:
                 await server.start(host, port)
             except OSError as e:
@@ -164,6 +170,9 @@ class App:
                 ) from None
             self._servers.append(server)
 
+        if not self.data_plane:
+            proxy_task.release()  # the listeners are the workers'
+            return
         assert cfg.workload_info is not None
         options = SocketOptions(
             keepalive=cfg.keepalive_enabled,
@@ -171,6 +180,7 @@ class App:
             keepalive_interval=int(cfg.keepalive_interval),
             keepalive_retries=cfg.keepalive_retries,
             mark=cfg.packet_mark,
+            reuseport=self.reuseport,
         )
         proxy = ProxyInstance(
             cfg, self.state, self.secrets, self.metrics, cfg.workload_info, SocketFactory(options)
@@ -238,4 +248,8 @@ def run_proxy(environ: dict[str, str]) -> int:
         raise StartupError(str(e)) from None
     setup_logging(config.log_format, config.log_level)
     raise_fd_limit()
+    if environ.get("ZTUNNEL_WORKER_THREADS"):
+        from ztunnel.workers import run_supervisor  # opt-in: worker processes
+
+        return run_supervisor(config, environ)
     return uvloop.run(App(config).run())

@@ -1,0 +1,433 @@
+"""The harness's load generator: a process of its own, driven by the harness over stdin/stdout.
+
+It reads one JSON command per line and answers each with one JSON line. It runs apart from the
+harness (which only orchestrates and reads /proc) and apart from the proxies, so it never shares a
+process, a GIL or an event loop with what it measures; on a small machine it still shares the
+cores, equally in every mode, `direct` included, which is why every figure is read as a ratio to
+`direct` from the same round.
+
+How it reaches the sink is an `entry`: `{"kind": "direct", "echo": [host, port], "discard": [...]}`
+connects straight to those addresses (the sink itself, or stunnel's client end); `{"kind":
+"socks5", "proxy": [host, port], ...}` goes through a ztunnel's SOCKS5 listener with `echo` and
+`discard` as the CONNECT targets. The SOCKS5 greeting, the CONNECT request and the first payload
+byte are sent in one write (the proxy keeps bytes that follow the request), so a new connection
+costs the client one round trip, as with a TLS tunnel whose client end is a plain TCP listener.
+
+Commands (each bounded in count and time):
+
+* `throughput {entry, streams, seconds, chunk}`: each stream writes `chunk`-sized buffers to the
+  discard port until the deadline, half-closes and reads the sink's byte count; the rate is the sum
+  of the counts over the time until the last count arrived;
+* `rr {entry, seconds, max_count}`: one connection to the echo port, 1-byte request, 1-byte
+  response, again; blocking sockets, so the generator's own cost per round trip is a few µs;
+* `connrate {entry, seconds, concurrency, max_count}`: `concurrency` clients each loop on
+  connect, 1 byte, read its echo, close;
+* `hold {entry, count, concurrency}` / `release`: open `count` connections (each proven end to end
+  by a 1-byte echo) and keep them idle until `release`;
+* `integrity {entry, streams, size}`: random bytes through the echo port on `streams` connections
+  at once, SHA-256 of what was sent and of what came back;
+* `quit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import json
+import os
+import resource
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import uvloop
+
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str  # "direct" | "socks5"
+    echo: Address
+    discard: Address
+    proxy: Address | None = None
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Entry:
+        proxy = raw.get("proxy")
+        return cls(
+            kind=raw["kind"],
+            echo=(raw["echo"][0], int(raw["echo"][1])),
+            discard=(raw["discard"][0], int(raw["discard"][1])),
+            proxy=(proxy[0], int(proxy[1])) if proxy else None,
+        )
+
+    def dial(self, target: Address) -> tuple[Address, bytes, int]:
+        """(address to connect to, bytes to send first, bytes of reply to skip) for `target`."""
+        if self.kind == "direct":
+            return target, b"", 0
+        assert self.proxy is not None
+        ip = ipaddress.ip_address(target[0])
+        atyp = b"\x01" if ip.version == 4 else b"\x04"
+        request = b"\x05\x01\x00" + b"\x05\x01\x00" + atyp + ip.packed + target[1].to_bytes(2, "big")
+        return self.proxy, request, 2 + 4 + (4 if ip.version == 4 else 16) + 2
+
+
+def _check_socks_reply(reply: bytes) -> None:
+    if reply[:2] != b"\x05\x00" or reply[2:4] != b"\x05\x00":
+        raise ConnectionError(f"SOCKS5 refused: {reply[:4].hex()}")
+
+
+# -- blocking helpers (rr) ---------------------------------------------------------------------
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def _blocking_open(entry: Entry, target: Address, timeout: float = 10.0) -> socket.socket:
+    addr, prefix, skip = entry.dial(target)
+    sock = socket.create_connection(addr, timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if prefix:
+        sock.sendall(prefix)
+        _check_socks_reply(_recv_exactly(sock, skip))
+    return sock
+
+
+def run_rr(entry: Entry, seconds: float, max_count: int) -> dict[str, Any]:
+    sock = _blocking_open(entry, entry.echo)
+    try:
+        for _ in range(50):  # warm-up: the first round trips pay for lazy set-up on the path
+            sock.sendall(b"x")
+            _recv_exactly(sock, 1)
+        lat: list[int] = []
+        clock = time.perf_counter_ns
+        start = clock()
+        deadline = start + int(seconds * 1e9)
+        send, recv = sock.send, sock.recv
+        now = start
+        while len(lat) < max_count and now < deadline:
+            send(b"x")
+            if recv(1) != b"x":
+                raise ConnectionError("echo mismatch or connection closed")
+            t = clock()
+            lat.append(t - now)
+            now = t
+        elapsed = (now - start) / 1e9
+    finally:
+        sock.close()
+    lat.sort()
+    n = len(lat)
+    return {
+        "count": n,
+        "seconds": elapsed,
+        "per_s": n / elapsed if elapsed > 0 else 0.0,
+        "p50_us": lat[n // 2] / 1000 if n else None,
+        "p99_us": lat[min(n - 1, (n * 99) // 100)] / 1000 if n else None,
+        "mean_us": sum(lat) / n / 1000 if n else None,
+    }
+
+
+# -- asyncio helpers -----------------------------------------------------------------------------
+
+
+async def _open(entry: Entry, target: Address, payload: bytes = b"") -> socket.socket:
+    """A connected non-blocking socket to `target` through `entry`; `payload` sent with the handshake."""
+    loop = asyncio.get_running_loop()
+    addr, prefix, skip = entry.dial(target)
+    sock = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await loop.sock_connect(sock, addr)
+        if prefix or payload:
+            await loop.sock_sendall(sock, prefix + payload)
+        if skip:
+            _check_socks_reply(await _sock_recv_exactly(sock, skip))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _sock_recv_exactly(sock: socket.socket, n: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+class _Blaster(asyncio.Protocol):
+    """Writes `chunk` until told to stop, then half-closes and reads the sink's 8-byte count."""
+
+    def __init__(self, chunk: bytes) -> None:
+        self.chunk = chunk
+        self.sent = 0
+        self.reply = bytearray()
+        self.paused = False
+        self.stopping = False
+        self.done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=2 * len(self.chunk))
+
+    def start(self) -> None:
+        self._fill()
+
+    def stop(self) -> None:
+        self.stopping = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write_eof()
+
+    def _fill(self) -> None:
+        t = self.transport
+        if t is None or self.stopping:
+            return
+        # Bounded per call, so a sink that swallows everything at once cannot starve the timer.
+        for _ in range(64):
+            if self.paused or self.stopping:
+                return
+            t.write(self.chunk)
+            self.sent += len(self.chunk)
+        asyncio.get_running_loop().call_soon(self._fill)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._fill()
+
+    def data_received(self, data: bytes) -> None:
+        self.reply += data
+        if len(self.reply) >= 8 and not self.done.done():
+            self.done.set_result(int.from_bytes(self.reply[:8], "big"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc or ConnectionError("closed before the sink's count"))
+
+
+async def run_throughput(entry: Entry, streams: int, seconds: float, chunk_size: int) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    chunk = os.urandom(chunk_size)
+    blasters: list[_Blaster] = []
+    try:
+        for _ in range(streams):
+            sock = await _open(entry, entry.discard)
+            b = _Blaster(chunk)
+            await loop.create_connection(lambda b=b: b, sock=sock)  # type: ignore[misc]
+            blasters.append(b)
+        t0 = loop.time()
+        for b in blasters:
+            b.start()
+
+        def stop_all() -> None:
+            for b in blasters:
+                b.stop()
+
+        stop = loop.call_at(t0 + seconds, stop_all)
+        try:
+            counts = await asyncio.wait_for(asyncio.gather(*(b.done for b in blasters)), seconds + 60)
+        finally:
+            stop.cancel()
+        elapsed = loop.time() - t0
+    finally:
+        for b in blasters:
+            if b.transport is not None:
+                b.transport.close()
+    sent = [b.sent for b in blasters]
+    total = sum(counts)
+    return {
+        "bytes": total,
+        "seconds": elapsed,
+        "bytes_per_s": total / elapsed,
+        "intact": list(counts) == sent,
+        "sent": sent,
+        "received": list(counts),
+    }
+
+
+async def _bounded(
+    seconds: float, max_count: int, concurrency: int, one: Callable[[], Awaitable[None]]
+) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    deadline = t0 + seconds
+    done = 0
+    errors = 0
+    first_error = ""
+
+    async def worker() -> None:
+        nonlocal done, errors, first_error
+        while loop.time() < deadline and done + errors < max_count:
+            try:
+                await one()
+                done += 1
+            except OSError as e:
+                errors += 1
+                first_error = first_error or repr(e)
+                if errors > max(10, done // 10):
+                    return
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = loop.time() - t0
+    return {
+        "count": done,
+        "errors": errors,
+        "first_error": first_error,
+        "seconds": elapsed,
+        "per_s": done / elapsed,
+    }
+
+
+async def run_connrate(entry: Entry, seconds: float, concurrency: int, max_count: int) -> dict[str, Any]:
+    _, _, skip = entry.dial(entry.echo)
+
+    async def one() -> None:
+        sock = await _open(entry, entry.echo, b"x")
+        try:
+            if await _sock_recv_exactly(sock, 1) != b"x":
+                raise ConnectionError("echo mismatch")
+        finally:
+            sock.close()
+
+    # Warm-up: the pool (or whatever the path keeps) is set up before the clock starts.
+    for _ in range(3):
+        await one()
+    result = await _bounded(seconds, max_count, concurrency, one)
+    result["socks5_reply_bytes"] = skip
+    return result
+
+
+class Generator:
+    def __init__(self) -> None:
+        self.held: list[socket.socket] = []
+
+    async def hold(self, entry: Entry, count: int, concurrency: int) -> dict[str, Any]:
+        sem = asyncio.Semaphore(concurrency)
+        errors = 0
+
+        async def one() -> None:
+            nonlocal errors
+            async with sem:
+                try:
+                    sock = await _open(entry, entry.echo, b"x")
+                except OSError:
+                    errors += 1
+                    return
+                self.held.append(sock)
+                try:
+                    if await _sock_recv_exactly(sock, 1) != b"x":
+                        errors += 1
+                except OSError:
+                    errors += 1
+
+        await asyncio.wait_for(asyncio.gather(*(one() for _ in range(count))), 120)
+        return {"held": len(self.held), "errors": errors}
+
+    def release(self) -> dict[str, Any]:
+        n = len(self.held)
+        for s in self.held:
+            s.close()
+        self.held.clear()
+        return {"released": n}
+
+
+async def run_integrity(entry: Entry, streams: int, size: int) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    payload = os.urandom(size * streams)
+
+    async def one(i: int) -> tuple[str, str, int]:
+        data = memoryview(payload)[i * size : (i + 1) * size]
+        sock = await _open(entry, entry.echo)
+        try:
+
+            async def send() -> None:
+                await loop.sock_sendall(sock, data)
+                sock.shutdown(socket.SHUT_WR)
+
+            sender = asyncio.ensure_future(send())
+            h = hashlib.sha256()
+            n = 0
+            while chunk := await loop.sock_recv(sock, 1 << 20):
+                h.update(chunk)
+                n += len(chunk)
+            await sender
+            return hashlib.sha256(data).hexdigest(), h.hexdigest(), n
+        finally:
+            sock.close()
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(streams))), 60)
+    return {
+        "ok": all(s == r for s, r, _ in results) and all(n == size for _, _, n in results),
+        "bytes": size * streams,
+        "sent_sha256": [s for s, _, _ in results],
+        "received_sha256": [r for _, r, _ in results],
+    }
+
+
+async def serve_commands() -> None:
+    loop = asyncio.get_running_loop()
+    gen = Generator()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    print(json.dumps({"ready": True}), flush=True)
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        name = cmd.get("cmd")
+        try:
+            entry = Entry.from_json(cmd["entry"]) if "entry" in cmd else None
+            if name == "quit":
+                gen.release()
+                print(json.dumps({"bye": True}), flush=True)
+                return
+            if name == "release":
+                result = gen.release()
+            elif entry is None:
+                raise ValueError(f"command {name!r} needs an entry")
+            elif name == "throughput":
+                result = await run_throughput(
+                    entry, cmd["streams"], cmd["seconds"], cmd.get("chunk", 256 * 1024)
+                )
+            elif name == "rr":
+                result = run_rr(entry, cmd["seconds"], cmd["max_count"])
+            elif name == "connrate":
+                result = await run_connrate(entry, cmd["seconds"], cmd["concurrency"], cmd["max_count"])
+            elif name == "hold":
+                result = await gen.hold(entry, cmd["count"], cmd.get("concurrency", 64))
+            elif name == "integrity":
+                result = await run_integrity(entry, cmd["streams"], cmd["size"])
+            else:
+                raise ValueError(f"unknown command {name!r}")
+        except Exception as e:
+            result = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(result), flush=True)
+
+
+def main() -> int:
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    uvloop.run(serve_commands())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""What the harness reads from /proc about the processes under test: CPU time, resident memory,
+and the worker processes a proxy started (so a proxy with workers counts as the sum of them)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        raw = f.read()
+    # The command name (field 2) may contain spaces; everything after its closing paren is fixed.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads); 0 once it is gone."""
+    try:
+        fields = _stat_fields(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (fields 14 and 15)
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size in KiB; 0 once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid`, from each thread's `children` list."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and all its descendants."""
+    out = [pid]
+    i = 0
+    while i < len(out):
+        out.extend(children(out[i]))
+        i += 1
+    return out
+
+
+def total_cpu(pids: Iterable[int]) -> float:
+    return sum(cpu_seconds(p) for p in pids)
+
+
+def total_rss_kib(pids: Iterable[int]) -> int:
+    return sum(rss_kib(p) for p in pids)

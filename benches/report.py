@@ -1,0 +1,174 @@
+"""Presenting a run: the summary table, the targets of the data-plane issue, the JSON file and the
+optional PNG chart (matplotlib, the `bench` extra)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benches.matrix import FIGURES, fmt
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    get: Callable[[dict[str, Any]], float | None]
+    at_least: float | None = None
+    at_most: float | None = None
+
+    def check(self, summary: dict[str, Any]) -> tuple[float | None, bool | None]:
+        try:
+            v = self.get(summary)
+        except KeyError:
+            v = None
+        if v is None:
+            return None, None
+        if self.at_least is not None:
+            return v, v >= self.at_least
+        assert self.at_most is not None
+        return v, v <= self.at_most
+
+
+def _max_idle(summary: dict[str, Any]) -> float | None:
+    values = [summary["value"][m]["rss_idle_mb"] for m in ("tcp", "hbone") if m in summary["value"]]
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+TARGETS = (
+    Target(
+        "hbone throughput, 1 stream ≥ 1.0x stunnel",
+        lambda s: s["vs_stunnel"]["hbone"]["throughput_1"],
+        at_least=1.0,
+    ),
+    Target(
+        "hbone 1-byte round trips ≥ 1.0x stunnel",
+        lambda s: s["vs_stunnel"]["hbone"]["rr_per_s"],
+        at_least=1.0,
+    ),
+    Target(
+        "hbone new connections (warm pool) ≥ 3x stunnel",
+        lambda s: s["vs_stunnel"]["hbone"]["conn_per_s"],
+        at_least=3.0,
+    ),
+    Target(
+        "hbone RSS per idle connection ≤ 16 KiB",
+        lambda s: s["value"]["hbone"]["rss_per_conn_kib"],
+        at_most=16.0,
+    ),
+    Target("idle RSS of one ztunnel ≤ 40 MB", _max_idle, at_most=40.0),
+)
+
+
+def table(summary: dict[str, Any], modes: list[str]) -> str:
+    """Each cell: the median value, and its median ratio to `direct` of the same round."""
+    header = ["figure", "unit", *modes]
+    rows = [header]
+    for f in FIGURES:
+        row = [f.label, f.unit]
+        for m in modes:
+            v = summary["value"][m][f.key]
+            x = summary["vs_direct"][m][f.key]
+            cell = fmt(v)
+            if m != "direct" and x is not None:
+                cell += f" ({x:.2f}x)"
+            row.append(cell)
+        rows.append(row)
+    if summary.get("vs_stunnel"):
+        rows.append(["hbone ÷ stunnel", "", *[""] * len(modes)])
+        for f in FIGURES:
+            x = summary["vs_stunnel"].get("hbone", {}).get(f.key)
+            if x is not None:
+                rows.append([f"  {f.label}", "x", *["" if m != "hbone" else f"{x:.2f}x" for m in modes]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def targets_report(summary: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    lines = ["targets:"]
+    out = []
+    for t in TARGETS:
+        v, ok = t.check(summary)
+        status = "n/a" if ok is None else ("met" if ok else "NOT met")
+        lines.append(f"  {status:<8} {t.label}: {fmt(v)}")
+        out.append({"target": t.label, "value": v, "met": ok})
+    return "\n".join(lines), out
+
+
+def write_json(out_dir: Path, data: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = out_dir / f"bench-{stamp}.json"
+    text = json.dumps(data, indent=2, sort_keys=False)
+    path.write_text(text)
+    (out_dir / "latest.json").write_text(text)
+    return path
+
+
+def plot(out_dir: Path, summary: dict[str, Any], modes: list[str]) -> Path | None:
+    """A PNG with the rate figures as ratios to direct, and the per-mode costs. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rates = [f for f in FIGURES if f.higher_is_better]
+    costs = [f for f in FIGURES if not f.higher_is_better]
+    fig, axes = plt.subplots(1, 1 + len(costs), figsize=(4 + 2.6 * len(costs) + 4, 4.5))
+    ax = axes[0]
+    width = 0.8 / len(modes)
+    for i, m in enumerate(modes):
+        ys = [summary["vs_direct"][m][f.key] or 0 for f in rates]
+        ax.bar([j + i * width for j in range(len(rates))], ys, width, label=m)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rates))])
+    ax.set_xticklabels([f.key.replace("_per_s", "/s") for f in rates], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ratio to direct (same round)")
+    ax.set_yscale("log")
+    ax.set_title("rates vs direct (higher is better)", fontsize=9)
+    ax.legend(fontsize=8)
+    for ax, f in zip(axes[1:], costs, strict=True):
+        ys = [summary["value"][m][f.key] or 0 for m in modes]
+        ax.bar(modes, ys, color=[f"C{i}" for i in range(len(modes))])
+        ax.set_title(f"{f.label} ({f.unit})", fontsize=9)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "latest.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """A run's JSON as the markdown tables of benches/README.md: `python -m benches.report FILE`."""
+    summary = data["summary"]
+    modes = [m["name"] for m in data["modes"]]
+    lines = ["| figure | unit | " + " | ".join(modes) + " |", "|---|---|" + "---:|" * len(modes)]
+    for f in FIGURES:
+        cells = []
+        for m in modes:
+            v, x = summary["value"][m][f.key], summary["vs_direct"][m][f.key]
+            cells.append(fmt(v) + (f" ({x:.2f}x)" if x is not None and m != "direct" else ""))
+        lines.append(f"| {f.label} | {f.unit} | " + " | ".join(cells) + " |")
+    lines += ["", "| target | hbone | met |", "|---|---:|---|"]
+    for t in data.get("targets", []):
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['target']} | {fmt(t['value'])} | {met} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(markdown(json.loads(Path(sys.argv[1]).read_text())))

@@ -1,0 +1,429 @@
+"""The processes under test and how the load generator reaches the sink through each mode.
+
+Everything runs on one random /24 of the loopback range (so concurrent runs and tests do not
+collide), each party on its own address:
+
+| address | what |
+|---|---|
+| .3 | the server workload: the sink (echo and discard ports) and, in `hbone`, its ztunnel |
+| .2 | `hbone`: the client workload's ztunnel (SOCKS5 on :15080), pooling as configured by default |
+| .4 | `hbone`: a second client ztunnel with `POOL_MAX_STREAMS_PER_CONNECTION=1`, so every connection needs its own TLS handshake (the handshake figure) |
+| .5 | `tcp`: a ztunnel whose local config knows only itself: the sink's address is unknown to it, so SOCKS5 to it is plain TCP passthrough |
+| .6/.7 | `stunnel`: stunnel4 client (plain TCP in) and server (mTLS in, plain TCP to the sink) |
+
+The ztunnels are real `python -m ztunnel proxy` processes with `FAKE_CA=true` and a
+`LOCAL_XDS_PATH` file, as in `ztunnel demo`. stunnel gets certificates of the same kind, issued by
+the same fake CA (ECDSA P-256 leaves with a SPIFFE URI SAN), TLS 1.3 only, mutual and verified, and
+session resumption off on both ends as HBONE has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from benches import procfs
+
+ECHO_PORT = 9001
+DISCARD_PORT = 9002
+STUNNEL = shutil.which("stunnel4") or shutil.which("stunnel")
+
+SERVER, CLIENT, FRESH_CLIENT, TCP_PROXY, STUNNEL_CLIENT, STUNNEL_SERVER = 3, 2, 4, 5, 6, 7
+
+MESH_CONFIG = """\
+workloads:
+  - uid: bench//v1/Pod/bench/server
+    name: server
+    namespace: bench
+    serviceAccount: server
+    trustDomain: cluster.local
+    workloadIps: ["{server}"]
+    protocol: HBONE
+    canonicalName: sink
+    workloadName: server
+  - uid: bench//v1/Pod/bench/client
+    name: client
+    namespace: bench
+    serviceAccount: client
+    trustDomain: cluster.local
+    workloadIps: ["{client}"]
+    protocol: HBONE
+    workloadName: client
+  - uid: bench//v1/Pod/bench/fresh
+    name: fresh
+    namespace: bench
+    serviceAccount: fresh
+    trustDomain: cluster.local
+    workloadIps: ["{fresh}"]
+    protocol: HBONE
+    workloadName: fresh
+policies:
+  - name: bench-clients
+    namespace: bench
+    scope: Namespace
+    action: Allow
+    dryRun: false
+    rules:
+      - - - principals: [!Exact "cluster.local/ns/bench/sa/client", !Exact "cluster.local/ns/bench/sa/fresh"]
+"""
+
+TCP_CONFIG = """\
+workloads:
+  - uid: bench//v1/Pod/bench/tcp
+    name: tcp
+    namespace: bench
+    serviceAccount: tcp
+    trustDomain: cluster.local
+    workloadIps: ["{ip}"]
+    protocol: TCP
+    workloadName: tcp
+"""
+
+
+class SetupError(Exception):
+    """A process under test did not come up; the message names it and its log."""
+
+
+def pick_net() -> str:
+    return f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+
+
+@dataclass
+class Process:
+    """One process under test; its CPU and memory include any worker processes it started."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def pids(self) -> list[int]:
+        return procfs.tree(self.popen.pid) if self.popen.poll() is None else []
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+@dataclass
+class Mode:
+    """A way from the load generator to the sink, and the processes that carry it."""
+
+    name: str
+    entry: dict[str, Any]
+    processes: list[Process] = field(default_factory=list)
+    # Where new connections need a fresh TLS handshake each; None: `entry` already does (or the
+    # mode has no TLS), so the handshake figure is the connection figure.
+    fresh_entry: dict[str, Any] | None = None
+    note: str = ""
+
+
+def _http_get(url: str, timeout: float) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def _http_post(url: str, timeout: float) -> int:
+    req = urllib.request.Request(url, method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return int(r.status)
+
+
+def _can_connect(addr: tuple[str, int]) -> bool:
+    try:
+        with socket.create_connection(addr, timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class Topology:
+    """Starts and stops everything; `modes` lists what is up."""
+
+    def __init__(self, workdir: Path, *, workers: int | None = None, with_stunnel: bool = True) -> None:
+        self.workdir = workdir
+        self.net = pick_net()
+        self.workers = workers
+        self.with_stunnel = with_stunnel
+        self.ztunnels: dict[str, Process] = {}
+        self.stunnels: list[Process] = []
+        self.sink: subprocess.Popen[bytes] | None = None
+        self.modes: list[Mode] = []
+        self.notes: list[str] = []
+        self._logs: list[IO[bytes]] = []
+
+    def ip(self, i: int) -> str:
+        return f"{self.net}.{i}"
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def start(self) -> list[Mode]:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        server = self.ip(SERVER)
+        echo, discard = [server, ECHO_PORT], [server, DISCARD_PORT]
+        self._start_sink(server)
+        mesh = self.workdir / "mesh.yaml"
+        mesh.write_text(
+            MESH_CONFIG.format(server=server, client=self.ip(CLIENT), fresh=self.ip(FRESH_CLIENT))
+        )
+        tcp_cfg = self.workdir / "tcp.yaml"
+        tcp_cfg.write_text(TCP_CONFIG.format(ip=self.ip(TCP_PROXY)))
+        for name, i, cfg, extra in (
+            ("server", SERVER, mesh, {}),
+            ("client", CLIENT, mesh, {}),
+            ("fresh", FRESH_CLIENT, mesh, {"POOL_MAX_STREAMS_PER_CONNECTION": "1"}),
+            ("tcp", TCP_PROXY, tcp_cfg, {}),
+        ):
+            self.ztunnels[name] = self._start_ztunnel(name, self.ip(i), cfg, extra)
+        if self.with_stunnel and STUNNEL:
+            self._start_stunnel()
+        elif self.with_stunnel:
+            self.notes.append("stunnel: skipped, stunnel4 is not installed (apt-get install stunnel4)")
+        for name, i in (("server", SERVER), ("client", CLIENT), ("fresh", FRESH_CLIENT), ("tcp", TCP_PROXY)):
+            self._wait_ztunnel(self.ztunnels[name], self.ip(i))
+        for proc, addr in zip(
+            self.stunnels,
+            ((self.ip(STUNNEL_SERVER), ECHO_PORT), (self.ip(STUNNEL_CLIENT), ECHO_PORT)),
+            strict=False,
+        ):
+            self._wait_port(proc, addr)
+
+        self.modes = [
+            Mode("direct", {"kind": "direct", "echo": echo, "discard": discard}),
+            Mode(
+                "tcp",
+                {"kind": "socks5", "proxy": [self.ip(TCP_PROXY), 15080], "echo": echo, "discard": discard},
+                [self.ztunnels["tcp"]],
+            ),
+            Mode(
+                "hbone",
+                {"kind": "socks5", "proxy": [self.ip(CLIENT), 15080], "echo": echo, "discard": discard},
+                [self.ztunnels["client"], self.ztunnels["server"]],
+                fresh_entry={
+                    "kind": "socks5",
+                    "proxy": [self.ip(FRESH_CLIENT), 15080],
+                    "echo": echo,
+                    "discard": discard,
+                },
+            ),
+        ]
+        if self.stunnels:
+            c = self.ip(STUNNEL_CLIENT)
+            self.modes.append(
+                Mode(
+                    "stunnel",
+                    {"kind": "direct", "echo": [c, ECHO_PORT], "discard": [c, DISCARD_PORT]},
+                    list(self.stunnels),
+                    note="every connection is a full TLS 1.3 handshake (no resumption)",
+                )
+            )
+        return self.modes
+
+    def _log(self, name: str) -> tuple[Path, IO[bytes]]:
+        path = self.workdir / f"{name}.log"
+        f = path.open("wb")
+        self._logs.append(f)
+        return path, f
+
+    def _start_sink(self, host: str) -> None:
+        path, log = self._log("sink")
+        self.sink = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benches.sink",
+                "--host",
+                host,
+                "--echo-port",
+                str(ECHO_PORT),
+                "--discard-port",
+                str(DISCARD_PORT),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+        assert self.sink.stdout is not None
+        line = self.sink.stdout.readline()
+        if line.strip() != b"ready":
+            raise SetupError(f"sink did not start: see {path}")
+
+    def _start_ztunnel(self, name: str, ip: str, config: Path, extra: dict[str, str]) -> Process:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("XDS_", "CA_", "PROXY_", "LOCAL_XDS", "POOL_", "HTTP2_", "ZTUNNEL_"))
+        }
+        env.update(
+            PROXY_MODE="dedicated",
+            PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
+            XDS_ADDRESS="",
+            FAKE_CA="true",
+            LOCAL_XDS_PATH=str(config),
+            PROXY_BIND_ADDRESS=ip,
+            UNSTABLE_ENABLE_SOCKS5="true",
+            SOCKS5_ADDRESS=f"{ip}:15080",
+            ADMIN_ADDRESS=f"{ip}:15000",
+            STATS_ADDRESS=f"{ip}:15020",
+            READINESS_ADDRESS=f"{ip}:15021",
+            LOG_LEVEL=os.environ.get("BENCH_LOG_LEVEL", "info"),
+            CONNECTION_TERMINATION_DEADLINE="2s",
+        )
+        if self.workers:
+            env["ZTUNNEL_WORKER_THREADS"] = str(self.workers)
+        env.update(extra)
+        path, log = self._log(f"ztunnel-{name}")
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "ztunnel", "proxy"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        return Process(f"ztunnel-{name}", popen, path)
+
+    def _wait_ztunnel(self, proc: Process, ip: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise SetupError(f"{proc.name} exited with {proc.popen.returncode}: see {proc.log_path}")
+            with contextlib.suppress(OSError):
+                if _http_get(f"http://{ip}:15021/healthz/ready", 0.5) == 200:
+                    return
+            time.sleep(0.05)
+        raise SetupError(f"{proc.name} not ready after {timeout}s: see {proc.log_path}")
+
+    def _wait_port(self, proc: Process, addr: tuple[str, int], timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise SetupError(f"{proc.name} exited with {proc.popen.returncode}: see {proc.log_path}")
+            if _can_connect(addr):
+                return
+            time.sleep(0.05)
+        raise SetupError(f"{proc.name} not listening on {addr} after {timeout}s: see {proc.log_path}")
+
+    def _start_stunnel(self) -> None:
+        from hbone.identity import Identity
+        from ztunnel.identity import FakeCA
+
+        ca = FakeCA()
+        certs = self.workdir / "stunnel-certs"
+        certs.mkdir(exist_ok=True)
+        os.chmod(certs, 0o700)
+        root = certs / "root.pem"
+        root.write_bytes(ca.root_pem)
+        for side in ("client", "server"):
+            cert = ca.issue(Identity("cluster.local", "bench", f"stunnel-{side}"))
+            (certs / f"{side}.pem").write_bytes(b"".join(cert.chain_pem))
+            key = certs / f"{side}.key"
+            key.write_bytes(cert.key_pem)
+            os.chmod(key, 0o600)
+        server, client, sink = self.ip(STUNNEL_SERVER), self.ip(STUNNEL_CLIENT), self.ip(SERVER)
+        common = (
+            "foreground = yes\npid =\n"
+            "[{name}]\n"
+            "accept = {accept}\nconnect = {connect}\n"
+            "cert = {cert}\nkey = {key}\nCAfile = {root}\n"
+            "verifyChain = yes\nsslVersionMin = TLSv1.3\nsessionResume = no\n{extra}"
+        )
+        for side, extra, accept_ip, connect_ip in (
+            ("server", "requireCert = yes\n", server, sink),
+            ("client", "client = yes\n", client, server),
+        ):
+            conf = [f"output = {self.workdir / f'stunnel-{side}.log'}\n"]
+            for i, port in enumerate((ECHO_PORT, DISCARD_PORT)):
+                section = common.format(
+                    name=f"{side}-{port}",
+                    accept=f"{accept_ip}:{port}",
+                    connect=f"{connect_ip}:{port}",
+                    cert=certs / f"{side}.pem",
+                    key=certs / f"{side}.key",
+                    root=root,
+                    extra=extra,
+                )
+                # Global options only once, before the first section.
+                conf.append(section if i == 0 else section[section.index("[") :])
+            path = self.workdir / f"stunnel-{side}.conf"
+            path.write_text("".join(conf))
+            log_path, log = self._log(f"stunnel-{side}-stderr")
+            popen = subprocess.Popen([STUNNEL, str(path)], stdout=log, stderr=subprocess.STDOUT)  # type: ignore[list-item]
+            self.stunnels.append(Process(f"stunnel-{side}", popen, log_path))
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        for name, proc in self.ztunnels.items():
+            if proc.alive():
+                ip = self.ip(
+                    {"server": SERVER, "client": CLIENT, "fresh": FRESH_CLIENT, "tcp": TCP_PROXY}[name]
+                )
+                try:
+                    _http_post(f"http://{ip}:15000/quitquitquit", 2.0)
+                except OSError:
+                    proc.popen.terminate()
+        for proc in self.stunnels:
+            if proc.alive():
+                proc.popen.terminate()
+        if self.sink is not None and self.sink.poll() is None:
+            self.sink.terminate()
+        procs = [p.popen for p in (*self.ztunnels.values(), *self.stunnels)]
+        if self.sink is not None:
+            procs.append(self.sink)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        for f in self._logs:
+            f.close()
+
+
+class LoadGenerator:
+    """The load generator process, one JSON command and answer at a time."""
+
+    def __init__(self, log_path: Path) -> None:
+        self._log = log_path.open("wb")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "benches.loadgen"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+        first = self._read()
+        if not first.get("ready"):
+            raise SetupError(f"load generator did not start: see {log_path}")
+
+    def _read(self) -> dict[str, Any]:
+        assert self.popen.stdout is not None
+        line = self.popen.stdout.readline()
+        if not line:
+            raise SetupError(f"load generator exited with {self.popen.poll()}")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def call(self, cmd: str, **args: Any) -> dict[str, Any]:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        self.popen.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(OSError, SetupError, ValueError):
+                self.call("quit")
+            try:
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
