@@ -19,7 +19,6 @@ numbers, so an enum converts with `Enum(number)` and nothing else.
 
 from __future__ import annotations
 
-import ipaddress
 from enum import IntEnum
 from typing import TypeVar
 
@@ -40,9 +39,9 @@ from xds.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     CidrVip,
+    ConversionError,
     GatewayAddress,
     HealthPolicy,
-    IPAddress,
     IPFamilies,
     IPNetwork,
     LoadBalancer,
@@ -58,6 +57,10 @@ from xds.model import (
     WeightedWaypoint,
     Workload,
     WorkloadStatus,
+    app_tunnel_port,
+    check_service_key,
+    cidr,
+    ip_from_bytes,
 )
 
 ADDRESS_TYPE_URL = "type.googleapis.com/istio.workload.Address"
@@ -73,43 +76,8 @@ _U16 = 0xFFFF
 E = TypeVar("E", bound=IntEnum)
 
 
-class ConversionError(ValueError):
-    """A wire message the model cannot hold; `reason` says why (it goes into the NACK)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-# --- rules shared with the local-config loader -------------------------------------------------
-
-
-def ip_from_bytes(raw: bytes) -> IPAddress:
-    """An IP from its 4 or 16 network-order bytes (an IPv4-mapped IPv6 address stays IPv6)."""
-    if len(raw) == 4:
-        return ipaddress.IPv4Address(raw)
-    if len(raw) == 16:
-        return ipaddress.IPv6Address(raw)
-    raise ConversionError(f"invalid IP address: {len(raw)} bytes (expected 4 or 16)")
-
-
-def cidr(ip: IPAddress, length: int) -> IPNetwork:
-    """The network of `ip/length`, host bits allowed; the length is taken literally (0 is /0)."""
-    if not 0 <= length <= ip.max_prefixlen:
-        raise ConversionError(f"invalid prefix length {length} for {ip} (expected 0..{ip.max_prefixlen})")
-    return ipaddress.ip_network((ip, length), strict=False)
-
-
-def check_service_key(key: str) -> str:
-    """A workload's `services` key must read `<namespace>/<hostname>`."""
-    if "/" not in key:
-        raise ConversionError(f"invalid service key {key!r} (expected '<namespace>/<hostname>')")
-    return key
-
-
-def app_tunnel_port(port: int) -> int | None:
-    """Nothing listens on port 0: an application tunnel's port 0 means "keep the resolved port"."""
-    return port or None
+# The rules shared with the local-config loader live with the model (no protobuf needed there).
+__all__ = ["ConversionError", "app_tunnel_port", "check_service_key", "cidr", "ip_from_bytes"]
 
 
 # --- wire to model ------------------------------------------------------------------------------

@@ -32,11 +32,11 @@ from policy.model import (
     StringMatch,
     StringMatchKind,
 )
-from xds.convert import ConversionError, app_tunnel_port, check_service_key
 from xds.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     CidrVip,
+    ConversionError,
     Endpoint,
     GatewayAddress,
     HealthPolicy,
@@ -55,6 +55,8 @@ from xds.model import (
     WeightedWaypoint,
     Workload,
     WorkloadStatus,
+    app_tunnel_port,
+    check_service_key,
 )
 
 V = TypeVar("V")

@@ -212,3 +212,42 @@ class Service:
             if svc == service_port:
                 return target
         return None
+
+
+# --- rules shared by every source of the model (wire conversion and the local-config loader) ----
+
+
+class ConversionError(ValueError):
+    """A wire message the model cannot hold; `reason` says why (it goes into the NACK)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def ip_from_bytes(raw: bytes) -> IPAddress:
+    """An IP from its 4 or 16 network-order bytes (an IPv4-mapped IPv6 address stays IPv6)."""
+    if len(raw) == 4:
+        return ipaddress.IPv4Address(raw)
+    if len(raw) == 16:
+        return ipaddress.IPv6Address(raw)
+    raise ConversionError(f"invalid IP address: {len(raw)} bytes (expected 4 or 16)")
+
+
+def cidr(ip: IPAddress, length: int) -> IPNetwork:
+    """The network of `ip/length`, host bits allowed; the length is taken literally (0 is /0)."""
+    if not 0 <= length <= ip.max_prefixlen:
+        raise ConversionError(f"invalid prefix length {length} for {ip} (expected 0..{ip.max_prefixlen})")
+    return ipaddress.ip_network((ip, length), strict=False)
+
+
+def check_service_key(key: str) -> str:
+    """A workload's `services` key must read `<namespace>/<hostname>`."""
+    if "/" not in key:
+        raise ConversionError(f"invalid service key {key!r} (expected '<namespace>/<hostname>')")
+    return key
+
+
+def app_tunnel_port(port: int) -> int | None:
+    """Nothing listens on port 0: an application tunnel's port 0 means "keep the resolved port"."""
+    return port or None

@@ -15,15 +15,13 @@ import os
 import resource
 import signal
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
-from xds.client import AuthToken, XdsClient, node_from
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
 from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
-from ztunnel.caclient import GrpcCaClient
 from ztunnel.config import Config, ConfigError
 from ztunnel.identity import FakeCA, SecretManager
 from ztunnel.logs import setup_logging
@@ -31,6 +29,10 @@ from ztunnel.metrics import Metrics
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.sockets import SocketFactory, SocketOptions
 from ztunnel.state import ProxyState
+
+if TYPE_CHECKING:
+    from xds.client import XdsClient
+    from ztunnel.caclient import GrpcCaClient
 
 log = logging.getLogger("ztunnel.app")
 
@@ -109,7 +111,12 @@ class App:
             raise StartupError(
                 "PROXY_MODE=shared (in-pod mode) is not available yet: run with PROXY_MODE=dedicated"
             )
-        token = AuthToken.from_setting(cfg.auth_token)
+        if cfg.xds_address or self.secrets is None:
+            # gRPC and the protocol modules cost ~15 MB of RSS: loaded only when a control plane is used.
+            from xds.client import AuthToken, XdsClient, node_from
+            from ztunnel.caclient import GrpcCaClient
+
+            token = AuthToken.from_setting(cfg.auth_token)
         if self.secrets is None:
             if not cfg.ca_address:
                 raise StartupError("CA_ADDRESS is empty and FAKE_CA is not set: no way to get certificates")
