@@ -128,3 +128,42 @@ def sha(data: bytes) -> bytes:
 
 def ci() -> bool:
     return os.environ.get("CI", "").lower() == "true"
+
+
+@dataclass
+class TlsView:
+    """What `openssl s_client` reports of an HBONE listener's TLS."""
+
+    text: str
+    leaf_sans: list[str]
+
+
+async def openssl_s_client(target: str, cert: str, key: str, ca: str) -> TlsView:
+    """Connect with `openssl s_client` (a TLS client we did not write) and read its report."""
+    from cryptography import x509
+
+    proc = await asyncio.create_subprocess_exec(
+        "openssl", "s_client", "-connect", target, "-alpn", "h2", "-showcerts",
+        "-cert", cert, "-key", key, "-CAfile", ca, "-verify_return_error",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    # Keep stdin open until the handshake summary is out: s_client quits at EOF on stdin.
+    assert proc.stdout is not None and proc.stdin is not None
+    lines: list[str] = []
+    async with asyncio.timeout(30):
+        while not any(line.startswith("Verify return code") for line in lines):
+            line = (await proc.stdout.readline()).decode()
+            if not line:
+                break
+            lines.append(line)
+    proc.stdin.close()
+    await proc.wait()
+    text = "".join(lines)
+    sans: list[str] = []
+    if "-----BEGIN CERTIFICATE-----" in text:
+        start = text.index("-----BEGIN CERTIFICATE-----")
+        end = text.index("-----END CERTIFICATE-----") + len("-----END CERTIFICATE-----")
+        leaf = x509.load_pem_x509_certificate(text[start:end].encode())
+        ext = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        sans = [str(name.value) for name in ext]
+    return TlsView(text, sans)

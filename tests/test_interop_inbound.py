@@ -19,10 +19,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cryptography import x509
 
 from hbone.identity import Identity
-from tests.mesh import proxy_env, start_echo, start_proxy
+from tests.mesh import openssl_s_client, proxy_env, start_echo, start_proxy
 from ztunnel.app import App
 from ztunnel.identity import FakeCA
 
@@ -183,43 +182,16 @@ def need(tool: str) -> str:
 
 
 async def test_openssl_s_client_sees_the_workload_identity(server: App, tmp_path: Path) -> None:
-    openssl = need("openssl")
+    need("openssl")
     write_certs(tmp_path)
-    proc = await asyncio.create_subprocess_exec(
-        openssl,
-        "s_client",
-        "-connect",
+    view = await openssl_s_client(
         f"{SERVER}:15008",
-        "-alpn",
-        "h2",
-        "-showcerts",
-        "-cert",
         str(tmp_path / "frontend.crt"),
-        "-key",
         str(tmp_path / "frontend.key"),
-        "-CAfile",
         str(tmp_path / "root.crt"),
-        "-verify_return_error",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
     )
-    # Keep stdin open until the handshake summary is out: s_client quits at EOF on stdin.
-    assert proc.stdout is not None and proc.stdin is not None
-    lines: list[str] = []
-    async with asyncio.timeout(30):
-        while not any(line.startswith("Verify return code") for line in lines):
-            line = await proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line.decode())
-    proc.stdin.close()
-    await proc.wait()
-    text = "".join(lines)
+    text = view.text
     assert "Protocol  : TLSv1.3" in text or "New, TLSv1.3" in text, text
     assert "ALPN protocol: h2" in text
     assert "Verify return code: 0 (ok)" in text
-    leaf_pem = text[text.index("-----BEGIN CERTIFICATE-----") : text.index("-----END CERTIFICATE-----") + 25]
-    leaf = x509.load_pem_x509_certificate(leaf_pem.encode())
-    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert [str(n.value) for n in san] == ["spiffe://cluster.local/ns/demo/sa/server"]
+    assert view.leaf_sans == ["spiffe://cluster.local/ns/demo/sa/server"]

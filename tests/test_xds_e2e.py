@@ -15,9 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cryptography import x509
 
-from tests.mesh import echo_roundtrip, proxy_env, sha, socks5_connect, start_echo, start_proxy
+from tests.mesh import (
+    echo_roundtrip,
+    openssl_s_client,
+    proxy_env,
+    sha,
+    socks5_connect,
+    start_echo,
+    start_proxy,
+)
 from ztunnel.app import App
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
@@ -174,41 +181,12 @@ async def test_openssl_sees_the_workload_san_chained_to_the_control_plane_root(
     (tmp_path / "c.crt").write_bytes(b"".join(cert.chain_pem))
     (tmp_path / "c.key").write_bytes(cert.key_pem)
     assert mesh.cp.root is not None
-    proc = await asyncio.create_subprocess_exec(
-        "openssl",
-        "s_client",
-        "-connect",
-        f"{SERVER}:15008",
-        "-alpn",
-        "h2",
-        "-showcerts",
-        "-cert",
-        str(tmp_path / "c.crt"),
-        "-key",
-        str(tmp_path / "c.key"),
-        "-CAfile",
-        str(mesh.cp.root),
-        "-verify_return_error",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
+    view = await openssl_s_client(
+        f"{SERVER}:15008", str(tmp_path / "c.crt"), str(tmp_path / "c.key"), str(mesh.cp.root)
     )
-    assert proc.stdout is not None and proc.stdin is not None
-    lines: list[str] = []
-    async with asyncio.timeout(30):
-        while not any(line.startswith("Verify return code") for line in lines):
-            line = await proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line.decode())
-    proc.stdin.close()
-    await proc.wait()
-    text = "".join(lines)
+    text = view.text
     assert "Verify return code: 0 (ok)" in text, text
-    leaf_pem = text[text.index("-----BEGIN CERTIFICATE-----") : text.index("-----END CERTIFICATE-----") + 25]
-    leaf = x509.load_pem_x509_certificate(leaf_pem.encode())
-    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert [str(n.value) for n in san] == ["spiffe://cluster.local/ns/demo/sa/server"]
+    assert view.leaf_sans == ["spiffe://cluster.local/ns/demo/sa/server"]
 
 
 async def test_policy_pushed_through_the_control_plane_closes_a_live_connection(
