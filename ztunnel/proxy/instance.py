@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import secrets as pyrandom
@@ -391,8 +392,8 @@ class ProxyInstance:
             direction="outbound",
             src_addr=src_s,
             dst_addr=format_addr(*r.next_hop),
-            src=Peer(local, str(own) if mtls else None),
-            dst=Peer(r.workload, r.workload.identity_uri if (mtls and r.workload) else None),
+            src=Peer(local, _uri(own) if mtls else None),
+            dst=Peer(r.workload, _workload_uri(r.workload) if (mtls and r.workload) else None),
             service=r.service,
             hbone_addr=r.authority,
             mtls=mtls,
@@ -608,7 +609,7 @@ class ProxyInstance:
             src_addr=src_s,
             dst_addr=local_s,
             src=src_peer,
-            dst=Peer(local, str(self.identity(local))),
+            dst=Peer(local, _uri(self.identity(local))),
             service=service or self._inbound_service(local, port, req.headers.get("forwarded")),
             hbone_addr=req.authority,
             mtls=True,
@@ -618,11 +619,12 @@ class ProxyInstance:
             src_port=req.peer_addr[1],
             dst_ip=local_ip,
             dst_port=forward_port,
-            src_principal=str(identity) if identity else None,
+            src_principal=_uri(identity) if identity else None,
             src_namespace=identity.namespace if identity else None,
             src_service_account=identity.service_account if identity else None,
             dst_network=self.config.network,
         )
+        req.headers.clear()  # read by now; a held connection need not keep them
         decision = authorize(self.state.policies_for(local), conn)
         _log_notes(decision.notes)
         if isinstance(decision, Deny):
@@ -658,7 +660,7 @@ class ProxyInstance:
         await self._carry(req.stream, app, record, up_inbox=app_inbox, authorized=(conn, local.uid))
 
     def _peer_from_baggage(self, w: Workload | None, identity: Identity | None, header: str | None) -> Peer:
-        ident = str(identity) if identity else None
+        ident = _uri(identity) if identity else None
         if w is not None or not self.config.enable_response_baggage:
             return Peer(w, ident)
         b = baggage.parse(header)
@@ -745,8 +747,20 @@ def _service_vip(service: Service, network: str) -> IPAddress | None:
     return vips[0] if vips else None
 
 
+# Held connections keep these values for their lifetime: one shared copy each, not one per connection.
+@functools.lru_cache(maxsize=4096)
 def _identities(uris: tuple[str, ...]) -> tuple[Identity, ...]:
     return tuple(i for i in map(Identity.try_parse, uris) if i is not None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _uri(identity: Identity) -> str:
+    return str(identity)
+
+
+@functools.lru_cache(maxsize=4096)
+def _workload_uri(workload: Workload) -> str:
+    return workload.identity_uri
 
 
 def _log_notes(notes: tuple[str, ...]) -> None:
