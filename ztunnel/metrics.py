@@ -104,6 +104,11 @@ class _CounterFamily:
         self.documentation = documentation
         self.labelnames = labelnames
         self.cells: dict[tuple[str, ...], CounterCell] = {}
+        self._keys: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+    def key(self, values: tuple[str, ...]) -> tuple[str, ...]:
+        """One shared tuple per distinct label values (the first equal one seen)."""
+        return self._keys.setdefault(values, values)
 
     def cell(self, values: tuple[str, ...]) -> CounterCell:
         cell = self.cells.get(values)
@@ -134,20 +139,17 @@ class _TrafficCollector(Collector):
 class ConnectionMetrics:
     """The counters of one connection, resolved when it opened."""
 
-    __slots__ = ("_closed", "_labels", "_metrics", "received_cell", "sent_cell")
+    __slots__ = ("_closed", "_metrics", "_values", "received_cell", "sent_cell")
 
     def __init__(self, metrics: Metrics, labels: TrafficLabels) -> None:
         self._metrics = metrics
-        self._labels = labels
         self._closed = False
-        values = _values(labels, NO_FLAGS)
-        metrics._opened.cell(values).inc()
-        self.received_cell = metrics._received.cell(values)
-        self.sent_cell = metrics._sent.cell(values)
-
-    @property
-    def labels(self) -> TrafficLabels:
-        return self._labels
+        # The family's own key for these values: connections with the same labels share one tuple
+        # (a held connection keeps it until it closes).
+        self._values = metrics._opened.key(_values(labels, NO_FLAGS))
+        metrics._opened.cell(self._values).inc()
+        self.received_cell = metrics._received.cell(self._values)
+        self.sent_cell = metrics._sent.cell(self._values)
 
     def received(self, n: int) -> None:
         """Bytes read from downstream and written upstream."""
@@ -162,7 +164,7 @@ class ConnectionMetrics:
         if self._closed:
             return
         self._closed = True
-        values = _values(self._labels, response_flags)
+        values = (*self._values[:_FLAGS_AT], response_flags, *self._values[_FLAGS_AT + 1 :])
         self._metrics._closed.cell(values).inc()
         if response_flags != NO_FLAGS:
             self._metrics._failed.cell(values).inc()
