@@ -365,13 +365,13 @@ class ProxyInstance:
             err = f"unknown source workload: {self.info.namespace}/{self.info.name}"
             connection_failed(src_s, dst_s, "outbound", err)
             return UpstreamFailure(err, "-", Reply.GENERAL_FAILURE)
-        dst_ip = ipaddress.ip_address(dst[0])
+        dst_ip = _ip(dst[0])
         r = route(
             self.state,
             local,
             (dst_ip, dst[1]),
             network=self.config.network,
-            source_ip=ipaddress.ip_address(src[0]),
+            source_ip=_ip(src[0]),
         )
         if isinstance(r, NoRoute):
             connection_failed(src_s, dst_s, "outbound", r.reason)
@@ -562,7 +562,7 @@ class ProxyInstance:
             connection_failed(src_s, local_s, "inbound", "unknown local workload")
             req.respond(503)
             return
-        local_ip = ipaddress.ip_address(req.local_addr[0])
+        local_ip = _ip(req.local_addr[0])
         host, port = target
         tunnel = local.application_tunnel
         service: Service | None = None
@@ -595,7 +595,7 @@ class ProxyInstance:
             return
         # A sandwiched waypoint's app listens on its tunnel port whatever the destination was.
         forward_port = tunnel.port if tunnel is not None and tunnel.port else port
-        peer_ip = ipaddress.ip_address(req.peer_addr[0])
+        peer_ip = _ip(req.peer_addr[0])
         via_gateway = (req.headers.get("x-forwarded-network") or "").lower() not in (
             "",
             self.config.network.lower(),
@@ -705,8 +705,8 @@ class ProxyInstance:
             connection_failed(src_s, dst_s, "inbound", "unknown local workload")
             transport.close()
             return
-        src_ip = ipaddress.ip_address(src[0])
-        dst_ip = ipaddress.ip_address(dst[0])
+        src_ip = _ip(src[0])
+        dst_ip = _ip(dst[0])
         record = ConnectionRecord(
             self.metrics,
             direction="inbound",
@@ -751,6 +751,11 @@ def _service_vip(service: Service, network: str) -> IPAddress | None:
 @functools.lru_cache(maxsize=4096)
 def _identities(uris: tuple[str, ...]) -> tuple[Identity, ...]:
     return tuple(i for i in map(Identity.try_parse, uris) if i is not None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ip(text: str) -> IPAddress:
+    return ipaddress.ip_address(text)
 
 
 @functools.lru_cache(maxsize=4096)
