@@ -643,3 +643,18 @@ def test_dump_is_json_and_parses_back_as_a_local_config() -> None:
     again = parse_local_config(json.dumps(dump))
     assert again.workloads == cfg.workloads
     assert again.policies == cfg.policies
+
+
+def test_unknown_listed_policy_is_skipped_and_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:
+    state = ProxyState()
+    w = workload("w1", "10.0.0.1", authorization_policies=("ns/not-yet",))
+    state.upsert_workload(w)
+    with caplog.at_level("WARNING", logger="ztunnel.state"):
+        for _ in range(3):  # as for three connections
+            assert state.policies_for(w) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "workload w1 names unknown policy ns/not-yet, skipping it"
+    ]
+    known = Authorization(name="not-yet", namespace="ns", scope=Scope.WORKLOAD_SELECTOR)
+    state.upsert_policy(known)
+    assert state.policies_for(w) == [known]

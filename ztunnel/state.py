@@ -52,6 +52,7 @@ class ProxyState:
         # of a service not known yet are the staged ones: they count once the service arrives.
         self._memberships: dict[str, dict[str, Endpoint]] = {}
         self._policies: dict[str, Authorization] = {}
+        self._warned_unknown: set[tuple[str, str]] = set()  # (workload uid, policy key) warned about
         self._namespace_policies: dict[str, dict[str, None]] = {}  # namespace -> ordered set of keys
         self._global_policies: dict[str, None] = {}
         self._listeners: list[Listener] = []
@@ -339,7 +340,10 @@ class ProxyState:
         for key in keys:
             policy = self._policies.get(key)
             if policy is None:
-                log.warning("workload %s names unknown policy %s, skipping it", w.uid, key)
+                # Once per (workload, key): this runs for every connection.
+                if (w.uid, key) not in self._warned_unknown:
+                    self._warned_unknown.add((w.uid, key))
+                    log.warning("workload %s names unknown policy %s, skipping it", w.uid, key)
                 continue
             policies.append(policy)
         return policies
