@@ -21,7 +21,7 @@ INBOX_LIMIT = 256 * 1024
 
 
 class Inbox(asyncio.Protocol):
-    """Buffers an accepted connection's bytes until it is relayed; supports simple async reads."""
+    """Buffers an accepted connection's bytes until it is relayed; `wait_data` lets a handshake wait for them."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -71,16 +71,6 @@ class Inbox(asyncio.Protocol):
             if self.eof or self.lost:
                 raise EOFError("connection ended")
             await self._wait()
-
-    async def read_exactly(self, n: int) -> bytes:
-        """Read exactly n bytes; raise EOFError if the connection ends first."""
-        while len(self.buffer) < n:
-            if self.eof or self.lost:
-                raise EOFError(f"connection ended after {len(self.buffer)} of {n} bytes")
-            await self._wait()
-        data = bytes(self.buffer[:n])
-        del self.buffer[:n]
-        return data
 
     def take(self) -> bytes:
         data = bytes(self.buffer)

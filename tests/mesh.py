@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -43,15 +42,12 @@ class Echo:
     server: asyncio.AbstractServer
     host: str
     port: int
-    connections: int = 0
 
 
 async def start_echo(host: str, port: int) -> Echo:
     """An app that echoes everything and half-closes when its client does."""
-    echo = Echo(None, host, port)  # type: ignore[arg-type]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        echo.connections += 1
         try:
             while data := await reader.read(1 << 20):
                 writer.write(data)
@@ -63,8 +59,7 @@ async def start_echo(host: str, port: int) -> Echo:
         finally:
             writer.close()
 
-    echo.server = await asyncio.start_server(handle, host, port)
-    return echo
+    return Echo(await asyncio.start_server(handle, host, port), host, port)
 
 
 async def socks5_connect(
@@ -124,10 +119,6 @@ async def echo_roundtrip(proxy: tuple[str, int], host: str, port: int, payload: 
 
 def sha(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
-
-
-def ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
 
 
 @dataclass

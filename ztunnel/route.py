@@ -68,10 +68,6 @@ class Route:
     inner_authority: str | None = None  # DOUBLE_HBONE: the inner CONNECT :authority
 
     @property
-    def passthrough(self) -> bool:
-        return self.workload is None and self.protocol is Protocol.TCP
-
-    @property
     def needs_dns(self) -> bool:
         return isinstance(self.next_hop[0], str)
 

@@ -209,10 +209,6 @@ class ProxyInstance:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    @property
-    def active_connections(self) -> int:
-        return len(self._tasks)
-
     def bind_listeners(self) -> dict[str, socket.socket]:
         """Bind every listener now (a port conflict is a start-up error, SPEC §1.3)."""
         host = self.bind or ""
