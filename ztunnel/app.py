@@ -22,8 +22,11 @@ import uvloop
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
 from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
-from ztunnel.config import Config, ConfigError
+from ztunnel.config import Config, ConfigError, WorkloadInfo
 from ztunnel.identity import FakeCA, SecretManager
+from ztunnel.inpod.manager import ProtocolError, WorkloadProxyManager
+from ztunnel.inpod.netns import Netns, NetnsSocketFactory, check_privileges
+from ztunnel.inpod.protocol import PodInfo
 from ztunnel.logs import setup_logging
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.instance import ProxyInstance
@@ -93,6 +96,9 @@ class App:
         self.data_plane = True
         self.operator_endpoints = True
         self.reuseport = False
+        self.inpod: WorkloadProxyManager | None = None
+        self._inpod_task: asyncio.Task[None] | None = None
+        self.exit_code = 0
 
     def config_dump(self) -> dict[str, Any]:
         dump: dict[str, Any] = dict(self.state.dump())
@@ -100,6 +106,8 @@ class App:
         dump["version"] = build_info()
         dump["config"] = self.config.to_dump()
         dump["certificates"] = self.secrets.dump() if self.secrets else []
+        if self.inpod is not None:
+            dump["workloadState"] = self.inpod.dump()
         return dump
 
     def shutdown(self) -> None:
@@ -107,10 +115,11 @@ class App:
 
     async def start(self) -> None:
         cfg = self.config
-        if cfg.proxy_mode != "dedicated":
-            raise StartupError(
-                "PROXY_MODE=shared (in-pod mode) is not available yet: run with PROXY_MODE=dedicated"
-            )
+        if cfg.proxy_mode == "shared" and self.data_plane:
+            try:
+                check_privileges(cfg.packet_mark)
+            except OSError as e:
+                raise StartupError(f"PROXY_MODE=shared (in-pod mode): {e.strerror or e}") from None
         if cfg.xds_address or self.secrets is None:
             # gRPC and the protocol modules cost ~15 MB of RSS: loaded only when a control plane is used.
             from xds.client import AuthToken, XdsClient, node_from
@@ -180,17 +189,18 @@ class App:
         if not self.data_plane:
             proxy_task.release()  # the listeners are the workers'
             return
+        if cfg.proxy_mode == "shared":
+            self._start_inpod()
+            proxy_task.release()  # each pod's listeners are the workload proxy manager's
+            return
         assert cfg.workload_info is not None
-        options = SocketOptions(
-            keepalive=cfg.keepalive_enabled,
-            keepalive_time=int(cfg.keepalive_time),
-            keepalive_interval=int(cfg.keepalive_interval),
-            keepalive_retries=cfg.keepalive_retries,
-            mark=cfg.packet_mark,
-            reuseport=self.reuseport,
-        )
         proxy = ProxyInstance(
-            cfg, self.state, self.secrets, self.metrics, cfg.workload_info, SocketFactory(options)
+            cfg,
+            self.state,
+            self.secrets,
+            self.metrics,
+            cfg.workload_info,
+            SocketFactory(self._socket_options()),
         )
         try:
             socks = proxy.bind_listeners()
@@ -205,6 +215,47 @@ class App:
             # Listeners are bound now; they accept once the first xDS state is in (SPEC §1.3):
             # connections arriving earlier wait in the kernel backlog.
             self._serving = asyncio.get_running_loop().create_task(self._serve(proxy, socks, proxy_task))
+
+    def _socket_options(self) -> SocketOptions:
+        cfg = self.config
+        shared = cfg.proxy_mode == "shared"
+        return SocketOptions(
+            keepalive=cfg.keepalive_enabled,
+            keepalive_time=int(cfg.keepalive_time),
+            keepalive_interval=int(cfg.keepalive_interval),
+            keepalive_retries=cfg.keepalive_retries,
+            mark=cfg.packet_mark,
+            reuseport=cfg.inpod_port_reuse if shared else self.reuseport,
+            backlog=128 if shared else SocketOptions.backlog,
+        )
+
+    def _start_inpod(self) -> None:
+        """In-pod mode: pods arrive over ZDS once the first xDS state is in (SPEC §1.3, §9)."""
+        options = self._socket_options()
+        secrets = self.secrets
+        assert secrets is not None
+
+        def build(pod: PodInfo, netns: Netns) -> ProxyInstance:
+            info = WorkloadInfo(namespace=pod.namespace, name=pod.name, service_account=pod.service_account)
+            proxy = ProxyInstance(
+                self.config, self.state, secrets, self.metrics, info, NetnsSocketFactory(netns, options)
+            )
+            secrets.prefetch(proxy.identity(proxy.find_local_workload()))
+            return proxy
+
+        self.inpod = WorkloadProxyManager(
+            self.config.inpod_uds, build, self.readiness, self.metrics.workload_manager()
+        )
+        self._inpod_task = asyncio.get_running_loop().create_task(self._run_inpod(self.inpod))
+
+    async def _run_inpod(self, manager: WorkloadProxyManager) -> None:
+        if self.xds is not None:
+            await self.xds.wait_synced()
+        try:
+            await manager.run()
+        except ProtocolError:
+            self.exit_code = 1  # as the reference: a ZDS protocol error ends the process
+            self.shutdown()
 
     async def _serve(
         self, proxy: ProxyInstance, socks: dict[str, socket.socket], ready: ReadinessHandle
@@ -227,7 +278,7 @@ class App:
         await self._stop.wait()
         log.info("shutting down: draining for up to %ss", self.config.connection_termination_deadline)
         await self.drain()
-        return 0
+        return self.exit_code
 
     async def drain(self) -> None:
         deadline = self.config.connection_termination_deadline
@@ -238,7 +289,12 @@ class App:
         if self._xds_task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(self._xds_task, 2.0)
-        await asyncio.gather(*(p.drain(deadline) for p in self.proxies), return_exceptions=True)
+        if self._inpod_task is not None:
+            self._inpod_task.cancel()
+        drains = [p.drain(deadline) for p in self.proxies]
+        if self.inpod is not None:
+            drains.append(self.inpod.close(deadline))
+        await asyncio.gather(*drains, return_exceptions=True)
         for server in self._servers:
             with contextlib.suppress(Exception):
                 await server.close()
@@ -255,7 +311,9 @@ def run_proxy(environ: dict[str, str]) -> int:
         raise StartupError(str(e)) from None
     setup_logging(config.log_format, config.log_level)
     raise_fd_limit()
-    if environ.get("ZTUNNEL_WORKER_THREADS"):
+    if environ.get("ZTUNNEL_WORKER_THREADS") and config.proxy_mode == "shared":
+        log.warning("ZTUNNEL_WORKER_THREADS is for dedicated mode: in-pod mode runs one process")
+    elif environ.get("ZTUNNEL_WORKER_THREADS"):
         from ztunnel.workers import run_supervisor  # opt-in: worker processes
 
         return run_supervisor(config, environ)

@@ -1,4 +1,4 @@
-"""The one front door: `ztunnel [proxy|version|demo|control-plane]` (CONTRACT §2).
+"""The one front door: `ztunnel [proxy|version|demo|control-plane|cni-agent]` (CONTRACT §2).
 
 Bad input ends with a single line naming what is wrong and a non-zero exit, never a traceback.
 """
@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from cni import add_arguments as add_agent_arguments
 from controlplane import add_arguments as add_control_plane_arguments
 from ztunnel import __version__
 
@@ -25,13 +26,15 @@ def _version() -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ztunnel", description="Istio ambient-mesh node proxy, in Python")
-    sub = parser.add_subparsers(dest="command", metavar="{proxy,version,demo,control-plane}")
+    sub = parser.add_subparsers(dest="command", metavar="{proxy,version,demo,control-plane,cni-agent}")
     sub.add_parser("proxy", help="run the node proxy, configured by environment variables (default)")
     sub.add_parser("version", help="print version information")
     demo = sub.add_parser("demo", help="end-to-end demo on loopback")
     demo.add_argument("--keep", action="store_true", help="leave the demo running and print how to use it")
     control_plane = sub.add_parser("control-plane", help="development xDS and CA fed by a file")
     add_control_plane_arguments(control_plane)
+    agent = sub.add_parser("cni-agent", help="the node agent of in-pod mode (ZDS server, pod redirection)")
+    add_agent_arguments(agent)
     return parser
 
 
@@ -48,6 +51,22 @@ def _control_plane(args: argparse.Namespace) -> int:
         return run(args.config, args.listen, args.tls, args.ca_dir)
     except ControlPlaneError as e:
         print(f"ztunnel: control-plane: {e}", file=sys.stderr)
+        return 1
+
+
+def _cni_agent(args: argparse.Namespace) -> int:
+    from cni.agent import AgentError, run_agent
+    from ztunnel.logs import setup_logging
+
+    try:
+        setup_logging(os.environ.get("LOG_FORMAT", "plain"), os.environ.get("LOG_LEVEL", "info"))
+    except ValueError as e:
+        print(f"ztunnel: cni-agent: LOG_FORMAT or LOG_LEVEL: {e}", file=sys.stderr)
+        return 1
+    try:
+        return run_agent(args)
+    except AgentError as e:
+        print(f"ztunnel: cni-agent: {e}", file=sys.stderr)
         return 1
 
 
@@ -71,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(keep=args.keep)
         if args.command == "control-plane":
             return _control_plane(args)
+        if args.command == "cni-agent":
+            return _cni_agent(args)
         from ztunnel.app import run_proxy
 
         return run_proxy(dict(os.environ))

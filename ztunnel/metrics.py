@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -194,6 +194,32 @@ class XdsCounters:
         self.terminations.cell((reason,)).inc()
 
 
+class WorkloadManagerMetrics:
+    """In-pod mode's proxy counts (SPEC §9, Appendix A: the names the reference's code registers)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.active = Gauge(
+            "workload_manager_active_proxy_count",
+            "The total number current workload proxies",
+            registry=registry,
+        )
+        self.pending = Gauge(
+            "workload_manager_pending_proxy_count",
+            "The total number current pending workload proxies",
+            registry=registry,
+        )
+        self.started = Counter(
+            "workload_manager_proxies_started",
+            "The total number of workload proxies started",
+            registry=registry,
+        )
+        self.stopped = Counter(
+            "workload_manager_proxies_stopped",
+            "The total number of workload proxies stopped",
+            registry=registry,
+        )
+
+
 class Metrics:
     """The proxy's metrics registry."""
 
@@ -233,6 +259,7 @@ class Metrics:
             ["reporter"],
             registry=self.registry,
         )
+        self._workload_manager: WorkloadManagerMetrics | None = None
         build = Gauge(
             "istio_build", "Istio component build info", ["component", "tag"], registry=self.registry
         )
@@ -243,6 +270,12 @@ class Metrics:
     def open_connection(self, labels: TrafficLabels) -> ConnectionMetrics:
         """Count an opened connection and return its pre-resolved counters."""
         return ConnectionMetrics(self, labels)
+
+    def workload_manager(self) -> WorkloadManagerMetrics:
+        """In-pod mode's families, registered on first use (a dedicated proxy does not show them)."""
+        if self._workload_manager is None:
+            self._workload_manager = WorkloadManagerMetrics(self.registry)
+        return self._workload_manager
 
     def sockets_open(self, reporter: Reporter) -> Gauge:
         """The `istio_tcp_sockets_open` gauge of one reporter (inc on accept, dec on close)."""

@@ -154,7 +154,7 @@ class ProxyInstance:
         self._server_ctx: ssl.SSLContext | None = None
         self.addresses: dict[str, tuple[str, int]] = {}
         self.tracker = ConnectionTracker(state)
-        state.subscribe(self._state_changed)
+        self._unsubscribe = state.subscribe(self._state_changed)
 
     # -- identity ----------------------------------------------------------------------------
 
@@ -275,6 +275,8 @@ class ProxyInstance:
             await asyncio.wait(pending, timeout=1.0)
         await self.pool.close()
         self.tracker.close()
+        with contextlib.suppress(ValueError):
+            self._unsubscribe()
 
     # -- outbound -----------------------------------------------------------------------------
 

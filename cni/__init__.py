@@ -1,0 +1,48 @@
+"""In-pod mode's node side (CONTRACT §7): the node agent `ztunnel cni-agent` and the CNI plugin
+`ztunnel-cni`.
+
+The plugin is what the container runtime calls for each pod; it forwards the pod's event to the agent.
+The agent writes the pod's redirection rules inside the pod's network namespace and hands the namespace
+to ztunnel over ZDS (SPEC §9). Like the control plane, this package talks to ztunnel only over the wire
+and never imports `ztunnel`.
+
+This module stays light (argparse only), so the `ztunnel` CLI can describe the command cheaply.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_ZDS_SOCKET = "/var/run/ztunnel/ztunnel.sock"
+DEFAULT_CNI_SOCKET = "/var/run/ztunnel/cni-agent.sock"
+DEFAULT_STATE_FILE = "/var/run/ztunnel/cni-agent-pods.json"
+DEFAULT_ZTUNNEL_WAIT = 10.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `ztunnel cni-agent`."""
+    parser.add_argument(
+        "--zds-socket",
+        default=DEFAULT_ZDS_SOCKET,
+        metavar="PATH",
+        help=f"where ztunnel connects, SOCK_SEQPACKET (default {DEFAULT_ZDS_SOCKET})",
+    )
+    parser.add_argument(
+        "--cni-socket",
+        default=DEFAULT_CNI_SOCKET,
+        metavar="PATH",
+        help=f"where the ztunnel-cni plugin reports pod events (default {DEFAULT_CNI_SOCKET})",
+    )
+    parser.add_argument(
+        "--state-file",
+        default=DEFAULT_STATE_FILE,
+        metavar="PATH",
+        help=f"the enrolled pods, kept across agent restarts (default {DEFAULT_STATE_FILE})",
+    )
+    parser.add_argument(
+        "--ztunnel-wait",
+        type=float,
+        default=DEFAULT_ZTUNNEL_WAIT,
+        metavar="SECONDS",
+        help=f"how long a pod's ADD waits for a ztunnel to connect before failing (default {DEFAULT_ZTUNNEL_WAIT:g})",
+    )

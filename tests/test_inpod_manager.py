@@ -1,0 +1,289 @@
+"""ztunnel in in-pod mode against a node agent played by the test (root: real network namespaces).
+
+The test speaks ZDS from the agent's side with `xds.zds` and hands over real pod namespaces; what it
+checks is what an operator sees: listeners inside the pod's namespace (marked, reuse-port), the
+acks, readiness, `/config_dump`, the `workload_manager_*` metrics, and the exit on a protocol error.
+The full node (the real agent, the CNI plugins, traffic) is in `test_inpod_node.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.netns import Netns, require_root
+from xds import zds
+from ztunnel.app import App
+from ztunnel.config import Config
+
+pytestmark = pytest.mark.timeout(60)
+
+LOCAL = """
+workloads:
+- uid: cluster1//v1/Pod/ns/pod-a
+  name: pod-a
+  namespace: ns
+  serviceAccount: sa-a
+  workloadIps: [10.66.0.2]
+  protocol: HBONE
+"""
+
+
+class Agent:
+    """The agent's end of ZDS, blocking calls run in threads."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(path)
+        self.listener.listen(4)
+        self.conn: socket.socket | None = None
+
+    async def accept(self) -> None:
+        self.listener.settimeout(10)
+        conn, _ = await asyncio.to_thread(self.listener.accept)
+        conn.settimeout(10)
+        self.conn = conn
+        packet = await asyncio.to_thread(zds.recv_packet, conn)
+        assert packet is not None
+        assert zds.decode_hello(packet[0]).version == zds.V1
+
+    async def request(self, data: bytes, fds: list[int] | None = None) -> str:
+        """Send one request, return the ack's error ("" for ACK)."""
+        assert self.conn is not None
+        zds.send_packet(self.conn, data, fds or [])
+        packet = await asyncio.to_thread(zds.recv_packet, self.conn)
+        assert packet is not None, "ztunnel closed the connection"
+        return zds.decode_response(packet[0]).ack.error
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+
+
+def listeners(ns: Netns) -> dict[int, str]:
+    """Listening TCP ports inside the namespace, with their extended socket info (fwmark …)."""
+    out = ns.exec("ss", "-Hltne").stdout.decode()
+    ports: dict[int, str] = {}
+    for line in out.splitlines():
+        local = line.split()[3]
+        ports[int(local.rsplit(":", 1)[1])] = line
+    return ports
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for `check` (blocking: it runs in a thread, so it may call this process's servers)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await asyncio.to_thread(check):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def pods() -> Iterator[list[Netns]]:
+    require_root("ip", "ss")
+    made: list[Netns] = []
+    yield made
+    for ns in made:
+        ns.delete()
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[tuple[App, Agent, str]]:
+    require_root("ip", "ss")
+    ip = f"127.{random.randint(1, 250)}.{random.randint(1, 250)}.{random.randint(2, 250)}"
+    uds = str(tmp_path / "ztunnel.sock")
+    agent = Agent(uds)
+    env = {
+        "PROXY_MODE": "shared",
+        "XDS_ADDRESS": "",
+        "FAKE_CA": "true",
+        "LOCAL_XDS": LOCAL,
+        "INPOD_UDS": uds,
+        "ADMIN_ADDRESS": f"{ip}:15000",
+        "STATS_ADDRESS": f"{ip}:15020",
+        "READINESS_ADDRESS": f"{ip}:15021",
+        "CONNECTION_TERMINATION_DEADLINE": "1s",
+    }
+    app = App(Config.from_env(env))
+    await app.start()
+    try:
+        yield app, agent, ip
+    finally:
+        await app.drain()
+        agent.close()
+
+
+def open_netns(ns: Netns) -> int:
+    return os.open(f"/var/run/netns/{ns.name}", os.O_RDONLY)
+
+
+async def test_pod_listeners_open_inside_its_namespace(
+    node: tuple[App, Agent, str], pods: list[Netns]
+) -> None:
+    _app, agent, ip = node
+    pod = Netns("pod")
+    pods.append(pod)
+    await agent.accept()
+    status, body = await asyncio.to_thread(http_get, f"http://{ip}:15021/healthz/ready")
+    assert status == 500 and "workload proxy manager" in body  # no snapshot yet
+
+    assert await agent.request(zds.add("uid-a", "pod-a", "ns", "sa-a"), [open_netns(pod)]) == ""
+    ports = listeners(pod)
+    assert {15001, 15006, 15008} <= set(ports)
+    for port in (15001, 15006, 15008):
+        assert "fwmark:0x539" in ports[port]  # SO_MARK 1337 on every socket of the pod's proxy
+    host = subprocess.run(["ss", "-Hltn", "sport = :15008"], capture_output=True, text=True).stdout
+    assert "*:15008" not in host and "0.0.0.0:15008" not in host  # nothing in ztunnel's own namespace
+
+    status, _ = await asyncio.to_thread(http_get, f"http://{ip}:15021/healthz/ready")
+    assert status == 500  # still inside the snapshot
+    assert await agent.request(zds.snapshot_sent()) == ""
+    await eventually(lambda: http_get(f"http://{ip}:15021/healthz/ready")[0] == 200)
+
+    _, dump = await asyncio.to_thread(http_get, f"http://{ip}:15000/config_dump")
+    state = json.loads(dump)["workloadState"]
+    assert state["uid-a"]["state"] == "Up"
+    assert state["uid-a"]["info"] == {"name": "pod-a", "namespace": "ns", "serviceAccount": "sa-a"}
+
+    _, metrics = await asyncio.to_thread(http_get, f"http://{ip}:15020/metrics")
+    assert "workload_manager_active_proxy_count 1\n" in metrics
+    assert "workload_manager_proxies_started_total 1\n" in metrics
+
+    # Deleted: its listeners are gone at once.
+    assert await agent.request(zds.delete("uid-a")) == ""
+    assert not {15001, 15006, 15008} & set(listeners(pod))
+    _, metrics = await asyncio.to_thread(http_get, f"http://{ip}:15020/metrics")
+    assert "workload_manager_active_proxy_count 0\n" in metrics
+    assert "workload_manager_proxies_stopped_total 1\n" in metrics
+
+
+async def test_a_pod_that_cannot_start_is_nacked_and_retried(
+    node: tuple[App, Agent, str], pods: list[Netns], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, agent, ip = node
+    assert app.inpod is not None
+    app.inpod._retry_interval = 0.2
+    pod = Netns("pod")
+    pods.append(pod)
+    # Something in the pod holds 15008 without SO_REUSEPORT.
+    squatter = subprocess.Popen(
+        ["ip", "netns", "exec", pod.name, "python3", "-c",
+         "import socket,time; s=socket.socket(); s.bind(('0.0.0.0',15008)); s.listen(); print('ok',flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == b"ok"
+        await agent.accept()
+        error = await agent.request(zds.add("uid-a", "pod-a", "ns", "sa-a"), [open_netns(pod)])
+        assert error == "failure to start proxy : Address already in use"
+        assert await agent.request(zds.snapshot_sent()) == ""
+        status, body = await asyncio.to_thread(http_get, f"http://{ip}:15021/healthz/ready")
+        assert status == 500 and "workload proxy manager" in body  # a pod is pending
+        _, dump = await asyncio.to_thread(http_get, f"http://{ip}:15000/config_dump")
+        assert json.loads(dump)["workloadState"]["uid-a"]["state"] == "Pending"
+    finally:
+        squatter.kill()
+        squatter.wait()
+    await eventually(lambda: {15001, 15006, 15008} <= set(listeners(pod)))
+    await eventually(lambda: http_get(f"http://{ip}:15021/healthz/ready")[0] == 200)
+
+
+async def test_reconnect_and_snapshot_drop_pods_the_agent_no_longer_has(
+    node: tuple[App, Agent, str], pods: list[Netns]
+) -> None:
+    _app, agent, ip = node
+    a, b = Netns("pod"), Netns("pod")
+    pods += [a, b]
+    await agent.accept()
+    assert await agent.request(zds.add("uid-a", "pod-a", "ns", "sa-a"), [open_netns(a)]) == ""
+    assert await agent.request(zds.add("uid-b", "pod-b", "ns", "sa-b"), [open_netns(b)]) == ""
+    assert await agent.request(zds.snapshot_sent()) == ""
+    # The agent restarts: its connection drops, ztunnel reconnects, readiness waits for the snapshot.
+    assert agent.conn is not None
+    agent.conn.close()
+    await eventually(lambda: http_get(f"http://{ip}:15021/healthz/ready")[0] == 500)
+    await agent.accept()
+    # The snapshot names pod-a again (its namespace unchanged: nothing restarts) but not pod-b.
+    assert await agent.request(zds.add("uid-a", "pod-a", "ns", "sa-a"), [open_netns(a)]) == ""
+    assert await agent.request(zds.snapshot_sent()) == ""
+    assert {15001, 15006, 15008} <= set(listeners(a))
+    assert not {15001, 15006, 15008} & set(listeners(b))
+    await eventually(lambda: http_get(f"http://{ip}:15021/healthz/ready")[0] == 200)
+
+
+async def test_a_bad_packet_costs_only_the_connection(
+    node: tuple[App, Agent, str], pods: list[Netns]
+) -> None:
+    _app, agent, _ip = node
+    await agent.accept()
+    assert "must carry exactly one fd" in await agent.request(zds.add("uid-a", "pod-a", "ns", "sa-a"))
+    assert agent.conn is not None
+    assert await asyncio.to_thread(zds.recv_packet, agent.conn) is None  # ztunnel hung up ...
+    await agent.accept()  # ... and came back
+    assert await agent.request(zds.snapshot_sent()) == ""
+
+
+def test_protocol_error_ends_ztunnel_with_status_1(tmp_path: Path) -> None:
+    require_root("ip")
+    uds = str(tmp_path / "ztunnel.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(uds)
+    listener.listen(1)
+    listener.settimeout(20)
+    ip = f"127.{random.randint(1, 250)}.{random.randint(1, 250)}.{random.randint(2, 250)}"
+    env = dict(os.environ)
+    env.update(
+        PROXY_MODE="shared",
+        XDS_ADDRESS="",
+        FAKE_CA="true",
+        LOCAL_XDS=LOCAL,
+        INPOD_UDS=uds,
+        ADMIN_ADDRESS=f"{ip}:15000",
+        STATS_ADDRESS=f"{ip}:15020",
+        READINESS_ADDRESS=f"{ip}:15021",
+    )
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ztunnel"), "proxy"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        conn, _ = listener.accept()
+        conn.settimeout(10)
+        assert zds.recv_packet(conn) is not None  # hello
+        zds.send_packet(conn, zds.snapshot_sent())
+        assert zds.recv_packet(conn) is not None
+        zds.send_packet(conn, zds.keep("late"))
+        packet = zds.recv_packet(conn)
+        assert packet is not None
+        assert "after the snapshot" in zds.decode_response(packet[0]).ack.error
+        assert proc.wait(timeout=15) == 1
+        assert proc.stdout is not None
+        assert b"node agent protocol error: KeepWorkload late after the snapshot" in proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        listener.close()

@@ -1,0 +1,426 @@
+"""In-pod mode end to end (root): nodes built from network namespaces, as a cluster would run them.
+
+Each node runs `ztunnel cni-agent` and `ztunnel proxy` (PROXY_MODE=shared) inside its namespace. The
+test is the container runtime: pods get their network from Debian's `bridge` + `host-local` plugins
+chained with `ztunnel-cni` (tests/cninode.py). The development control plane plays istiod: once the
+pods have IPs, the test writes them into its file and it pushes them to every ztunnel over xDS. Apps
+in the pods connect to each other's IPs with no proxy settings; the pods' own redirection rules
+capture the bytes, and the pods' proxy instances carry them over HBONE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.cninode import Cluster, Node, Pod, join
+from tests.netns import require_root
+
+pytestmark = pytest.mark.timeout(120)
+
+ZTUNNEL = str(Path(sys.executable).parent / "ztunnel")
+TD = "cluster.local"
+
+ECHO_APP = """
+import socket, sys, threading
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", 8080)); srv.listen(64); print("listening", flush=True)
+def serve(c):
+    with c:
+        while data := c.recv(65536):
+            c.sendall(data)
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+# argv: ip port payload [hold]. Prints what came back; with `hold`, then waits for the close.
+CLIENT_APP = """
+import socket, sys, time
+ip, port, payload = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+s = socket.create_connection((ip, port), timeout=8)
+s.sendall(payload)
+got = b""
+try:
+    while len(got) < len(payload) and (chunk := s.recv(65536)):
+        got += chunk
+except OSError as e:
+    print("error", type(e).__name__, flush=True)
+print("echo", got.decode(errors="replace"), flush=True)
+if len(sys.argv) > 4:
+    start = time.monotonic()
+    try:
+        rest = s.recv(1)
+        print("closed" if rest == b"" else "data", flush=True)
+    except OSError as e:
+        print("closed", type(e).__name__, flush=True)
+"""
+
+
+def workload_yaml(pod: Pod, policies: tuple[str, ...] = ()) -> str:
+    return f"""  - uid: {pod.uid}
+    name: {pod.name}
+    namespace: {pod.namespace}
+    serviceAccount: {pod.service_account}
+    trustDomain: {TD}
+    workloadIps: ["{pod.ip}"]
+    protocol: HBONE
+    authorizationPolicies: [{", ".join(policies)}]
+"""
+
+
+def mesh_yaml(pods: list[Pod], *, allow_to: Pod | None = None, allowed: Pod | None = None) -> str:
+    policy = f"{allow_to.namespace}/only-allowed" if allow_to is not None else ""
+    text = "workloads:\n" + "".join(
+        workload_yaml(p, (policy,) if p is allow_to else ()) for p in pods if p.enrolled
+    )
+    if allow_to is not None and allowed is not None:
+        text += f"""policies:
+  - name: only-allowed
+    namespace: {allow_to.namespace}
+    scope: WorkloadSelector
+    action: Allow
+    dryRun: false
+    rules:
+      - - - principals: [!Exact "{TD}/ns/{allowed.namespace}/sa/{allowed.service_account}"]
+"""
+    return text
+
+
+@dataclass
+class Ztunnel:
+    """`ztunnel proxy` in shared mode inside a node's namespace."""
+
+    node: Node
+    xds: str
+    log: Path = field(init=False)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.log = self.node.dir / "ztunnel.log"
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.update(
+            PROXY_MODE="shared",
+            INPOD_UDS=str(self.node.zds_socket),
+            XDS_ADDRESS=self.xds,
+            FAKE_CA="true",
+            CONNECTION_TERMINATION_DEADLINE="2s",
+            LOG_LEVEL="info,access=info",
+        )
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.node.ns.name, ZTUNNEL, "proxy"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=15)
+        self.proc = None
+
+    def get(self, port: int, path: str) -> tuple[int, str]:
+        out = self.node.ns.exec(
+            "curl", "-s", "-m", "3", "-w", "\n%{http_code}", f"http://127.0.0.1:{port}{path}", check=False
+        ).stdout.decode()
+        body, _, code = out.rpartition("\n")
+        return int(code or 0), body
+
+    def config_dump(self) -> dict:  # type: ignore[type-arg]
+        code, body = self.get(15000, "/config_dump")
+        return json.loads(body) if code == 200 else {}
+
+    def metrics(self) -> str:
+        return self.get(15020, "/metrics")[1]
+
+    def ready(self) -> bool:
+        return self.get(15021, "/healthz/ready")[0] == 200
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def access_log(zt: Ztunnel, *, src: str, direction: str, dst: str = "", error: str = "") -> list[str]:
+    """The access-log lines of connections from `src` (an IP), in one direction (and, if given, to
+    `dst` and with `error` in their error field)."""
+    lines = []
+    for line in zt.output().splitlines():
+        if '"connection complete"' not in line or f"src.addr={src}:" not in line:
+            continue
+        if f'direction="{direction}"' not in line or (dst and f"dst.addr={dst} " not in line):
+            continue
+        if error and not re.search(r'error="[^"]*' + re.escape(error), line):
+            continue
+        lines.append(line)
+    return lines
+
+
+def eventually(check: Callable[[], object], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def listening_ports(pod: Pod) -> set[int]:
+    out = pod.exec("ss", "-Hltn").stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip()}
+
+
+PROXY_PORTS = {15001, 15006, 15008}
+
+
+def start_echo(pod: Pod) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", pod.netns.name, sys.executable, "-c", ECHO_APP],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"listening"
+    return proc
+
+
+def talk(src: Pod, dst: Pod, payload: str) -> str:
+    """What `src`'s app got back from `dst`'s echo app, as `echo <bytes>` (or an error line)."""
+    done = src.exec(sys.executable, "-c", CLIENT_APP, dst.ip, "8080", payload, check=False, timeout=20)
+    return (done.stdout + done.stderr).strip()
+
+
+@dataclass
+class Mesh:
+    cluster: Cluster
+    config: Path
+    control_plane: subprocess.Popen[str]
+    xds: str
+    ztunnels: dict[str, Ztunnel] = field(default_factory=dict)
+    apps: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def push(self, text: str) -> None:
+        self.config.write_text(text)
+
+    def wait_for_workloads(self, zt: Ztunnel, pods: list[Pod]) -> None:
+        want = {p.uid for p in pods if p.enrolled}
+
+        def have() -> bool:
+            return want <= {w.get("uid") for w in zt.config_dump().get("workloads", [])}
+
+        eventually(have, f"workloads {sorted(want)} in {zt.node.ns.name}'s ztunnel")
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Iterator[Mesh]:
+    require_root("ip", "iptables", "nsenter", "ss", "curl")
+    if not Path("/usr/lib/cni/bridge").exists():
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("CI=true but /usr/lib/cni/bridge is missing (containernetworking-plugins)")
+        pytest.skip("needs containernetworking-plugins")
+    cluster = Cluster(tmp_path)
+    config = tmp_path / "mesh.yaml"
+    config.write_text("workloads: []\n")
+    node1 = cluster.node()
+    # The control plane runs in the first node (its ztunnel reaches it on loopback, others over the link).
+    cp = subprocess.Popen(
+        ["ip", "netns", "exec", node1.ns.name, ZTUNNEL, "control-plane", "--config", str(config),
+         "--listen", "0.0.0.0:15012", "--ca-dir", str(tmp_path / "ca")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    m = Mesh(cluster, config, cp, "http://127.0.0.1:15012")
+    try:
+        assert cp.stdout is not None
+        seen = []
+        while not any("root certificate:" in line for line in seen):
+            line = cp.stdout.readline()
+            assert line, "control plane exited: " + "".join(seen)
+            seen.append(line)
+        threading.Thread(target=cp.stdout.read, daemon=True).start()  # never let its pipe fill
+        yield m
+    finally:
+        for app in m.apps:
+            app.kill()
+            app.wait()
+        for zt in m.ztunnels.values():
+            with_log = zt.proc is not None
+            zt.stop(signal.SIGKILL)
+            if with_log:
+                sys.stdout.write(f"--- {zt.node.ns.name} ztunnel log (tail) ---\n{zt.output()[-3000:]}\n")
+        cp.kill()
+        cp.wait()
+        cluster.close()
+
+
+def start_node(m: Mesh, node: Node, xds: str) -> Ztunnel:
+    node.start_agent()
+    zt = Ztunnel(node, xds)
+    zt.start()
+    m.ztunnels[node.ns.name] = zt
+    eventually(zt.ready, "ztunnel readiness")
+    return zt
+
+
+def opened(metrics: str, **labels: str) -> int:
+    """Sum of istio_tcp_connections_opened_total over the series carrying all these labels."""
+    total = 0
+    for line in metrics.splitlines():
+        if not line.startswith("istio_tcp_connections_opened_total{"):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+def test_one_node_captures_pod_traffic_over_hbone_with_policy(mesh: Mesh) -> None:
+    node = mesh.cluster.nodes[0]
+    zt = start_node(mesh, node, mesh.xds)
+    client = node.add_pod("client", service_account="client")
+    intruder = node.add_pod("intruder", service_account="intruder")
+    server = node.add_pod("server", service_account="server")
+    plain = node.add_pod("plain", enrolled=False)
+    pods = [client, intruder, server, plain]
+    # Each enrolled pod's listeners are open inside its namespace before its ADD returned.
+    for pod in (client, intruder, server):
+        assert listening_ports(pod) >= PROXY_PORTS, pod.name
+    assert not PROXY_PORTS & listening_ports(plain)
+    assert "ZTUNNEL" in client.iptables_save() and "ZTUNNEL" not in plain.iptables_save()
+
+    mesh.push(mesh_yaml(pods, allow_to=server, allowed=client))
+    mesh.wait_for_workloads(zt, pods)
+    mesh.apps += [start_echo(server), start_echo(plain)]
+
+    # Allowed: captured in the client pod, over HBONE, with both identities.
+    assert talk(client, server, "hello-server") == "echo hello-server"
+    metrics = zt.metrics()
+    assert (
+        opened(
+            metrics,
+            reporter="destination",
+            source_principal=f"spiffe://{TD}/ns/default/sa/client",
+            destination_principal=f"spiffe://{TD}/ns/default/sa/server",
+            connection_security_policy="mutual_tls",
+        )
+        == 1
+    ), metrics
+    assert opened(metrics, reporter="source", source_workload="client", destination_workload="server") == 1
+
+    # Denied: the intruder's bytes never reach the server app.
+    assert talk(intruder, server, "let-me-in") == "echo"
+    assert access_log(
+        zt, src=intruder.ip, direction="inbound", error="allow policies exist, but none allowed"
+    )
+
+    # The pod that is not enrolled talks plaintext: to it, the client's proxy passes TCP through ...
+    assert talk(client, plain, "hello-plain") == "echo hello-plain"
+    passthrough = access_log(zt, src=client.ip, dst=f"{plain.ip}:8080", direction="outbound")
+    assert passthrough and "dst.identity" not in passthrough[0]
+    # ... and from it, plaintext is captured on the server's 15006, where the policy (mTLS identity
+    # required) refuses it.
+    assert talk(plain, server, "plaintext") == "echo"
+    assert access_log(zt, src=plain.ip, direction="inbound", error="allow policies exist, but none allowed")
+
+    dump = zt.config_dump()["workloadState"]
+    assert {dump[p.uid]["state"] for p in (client, intruder, server)} == {"Up"}
+    assert plain.uid not in dump
+
+
+def test_pod_delete_closes_its_listeners_and_connections(mesh: Mesh) -> None:
+    node = mesh.cluster.nodes[0]
+    zt = start_node(mesh, node, mesh.xds)
+    client = node.add_pod("client", service_account="client")
+    server = node.add_pod("server", service_account="server")
+    mesh.push(mesh_yaml([client, server]))
+    mesh.wait_for_workloads(zt, [client, server])
+    mesh.apps.append(start_echo(server))
+
+    held = subprocess.Popen(
+        ["ip", "netns", "exec", client.netns.name, sys.executable, "-c", CLIENT_APP, server.ip, "8080", "ping", "hold"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    mesh.apps.append(held)  # type: ignore[arg-type]
+    assert held.stdout is not None
+    assert held.stdout.readline().strip() == "echo ping"
+
+    results = node.cni_del(server)
+    assert all(r.ok for r in results), [str(r) for r in results]
+    # The server pod's proxy is gone from its namespace, and the open connection was closed.
+    assert not PROXY_PORTS & listening_ports(server)
+    line = held.stdout.readline().strip()
+    assert line.startswith("closed"), line
+    assert server.uid not in zt.config_dump()["workloadState"]
+    assert "workload_manager_proxies_stopped_total 1" in zt.metrics()
+    server.netns.delete()
+    node.pods.remove(server)
+
+
+def test_ztunnel_restart_restores_pods_from_the_snapshot(mesh: Mesh) -> None:
+    node = mesh.cluster.nodes[0]
+    zt = start_node(mesh, node, mesh.xds)
+    client = node.add_pod("client", service_account="client")
+    server = node.add_pod("server", service_account="server")
+    gone = node.add_pod("gone", service_account="gone")
+    mesh.push(mesh_yaml([client, server, gone]))
+    mesh.wait_for_workloads(zt, [client, server])
+    mesh.apps.append(start_echo(server))
+    assert talk(client, server, "before") == "echo before"
+
+    zt.stop(signal.SIGKILL)
+    for pod in (client, server, gone):
+        assert not PROXY_PORTS & listening_ports(pod)
+    # Deleted while ztunnel is down: DEL still succeeds, and the pod is not restored later.
+    assert all(r.ok for r in node.del_pod(gone))
+
+    zt.start()
+    eventually(zt.ready, "ztunnel readiness after restart")
+    for pod in (client, server):
+        assert listening_ports(pod) >= PROXY_PORTS, pod.name
+    state = zt.config_dump()["workloadState"]
+    assert set(state) == {client.uid, server.uid}
+    mesh.wait_for_workloads(zt, [client, server])
+    assert talk(client, server, "after") == "echo after"
+
+
+def test_two_nodes_cross_node_hbone(mesh: Mesh) -> None:
+    node1 = mesh.cluster.nodes[0]
+    node2 = mesh.cluster.node()
+    node1_link, _ = join(node1, node2)
+    zt1 = start_node(mesh, node1, mesh.xds)
+    zt2 = start_node(mesh, node2, f"http://{node1_link}:15012")
+    client = node1.add_pod("client", service_account="client")
+    server = node2.add_pod("server", service_account="server")
+    intruder = node1.add_pod("intruder", service_account="intruder")
+    pods = [client, server, intruder]
+    mesh.push(mesh_yaml(pods, allow_to=server, allowed=client))
+    for zt in (zt1, zt2):
+        mesh.wait_for_workloads(zt, pods)
+    mesh.apps.append(start_echo(server))
+
+    assert talk(client, server, "across") == "echo across"
+    assert talk(intruder, server, "across") == "echo"
+    assert (
+        opened(
+            zt2.metrics(),
+            reporter="destination",
+            source_principal=f"spiffe://{TD}/ns/default/sa/client",
+            destination_principal=f"spiffe://{TD}/ns/default/sa/server",
+        )
+        == 1
+    )
+    assert (
+        opened(zt1.metrics(), reporter="source", source_workload="client", destination_workload="server") == 1
+    )
+    # Each ztunnel runs proxies for its own node's pods only.
+    assert server.uid not in zt1.config_dump()["workloadState"]

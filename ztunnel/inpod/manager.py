@@ -1,0 +1,299 @@
+"""The workload proxy manager: in-pod mode's ZDS client and the per-pod proxies (SPEC §9).
+
+It connects to the node agent on `INPOD_UDS` (AF_UNIX, SOCK_SEQPACKET), says hello, and then answers
+each request of the agent, one at a time, driving `ZdsStateMachine`: for an `AddWorkload` it builds the
+pod's proxy instance with a socket factory bound to the pod's namespace, binds its listeners there and
+starts them before acknowledging; for a delete (or a pod missing from a snapshot) it drains that proxy
+at once. A pod whose proxy fails to start is NACKed and retried every 5 s. The connection is made again
+with backoff (10 ms doubling to 15 s) whenever it drops; running proxies survive that. Readiness
+`workload proxy manager` is held until a snapshot is applied with nothing pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from xds import zds
+from ztunnel.admin import Readiness, ReadinessHandle
+from ztunnel.inpod.netns import Netns
+from ztunnel.inpod.protocol import Outcome, PodInfo, StartProxy, StopProxy, ZdsStateMachine
+from ztunnel.metrics import WorkloadManagerMetrics
+from ztunnel.proxy.instance import ProxyInstance
+
+log = logging.getLogger("ztunnel.inpod")
+
+READINESS_TASK = "workload proxy manager"
+RETRY_INTERVAL = 5.0
+RECONNECT_INITIAL = 0.01
+RECONNECT_MAX = 15.0
+
+BuildProxy = Callable[[PodInfo, Netns], ProxyInstance]
+
+
+class ProtocolError(Exception):
+    """The agent broke the protocol in a way the reference answers by exiting (status 1)."""
+
+
+@dataclass
+class PodProxy:
+    pod: PodInfo
+    netns: Netns
+    instance: ProxyInstance | None = None
+    started_at: float = 0.0
+    error: str = ""
+
+
+class WorkloadProxyManager:
+    def __init__(
+        self,
+        uds_path: str,
+        build: BuildProxy,
+        readiness: Readiness,
+        metrics: WorkloadManagerMetrics,
+        *,
+        retry_interval: float | None = None,
+    ) -> None:
+        self.uds_path = uds_path
+        self._build = build
+        self._readiness = readiness
+        self._ready_handle: ReadinessHandle | None = readiness.register(READINESS_TASK)
+        self._metrics = metrics
+        self._retry_interval = RETRY_INTERVAL if retry_interval is None else retry_interval
+        self.sm = ZdsStateMachine()
+        self.proxies: dict[str, PodProxy] = {}  # running
+        self.pending: dict[str, PodProxy] = {}  # waiting to be retried
+        self.connected = False
+        self._sock: socket.socket | None = None
+        self._retrier: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- the connection to the agent -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep a conversation with the agent until `close()`. Raises ProtocolError (exit 1)."""
+        self._retrier = asyncio.get_running_loop().create_task(self._retry_pending())
+        backoff = RECONNECT_INITIAL
+        while not self._closing:
+            try:
+                sock = self._connect()
+            except OSError as e:
+                (log.warning if backoff == RECONNECT_INITIAL else log.debug)(
+                    "cannot connect to the node agent at %s (will retry): %s", self.uds_path, e.strerror or e
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RECONNECT_MAX)
+                continue
+            backoff = RECONNECT_INITIAL
+            self._sock = sock
+            try:
+                await self._converse(sock)
+            except OSError as e:
+                log.warning("connection to the node agent failed: %s", e.strerror or e)
+            finally:
+                self._sock = None
+                sock.close()
+                self.connected = False
+                self._update_readiness()
+            if not self._closing:
+                await asyncio.sleep(backoff)
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(self.uds_path)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _converse(self, sock: socket.socket) -> None:
+        await _send(sock, zds.hello())
+        self.connected = True
+        self.sm.connection_reset()
+        self._update_readiness()
+        log.info("connected to the node agent at %s", self.uds_path)
+        while True:
+            try:
+                packet = await _recv(sock)
+            except zds.ZdsError as e:
+                log.warning("bad packet from the node agent: %s", e)
+                await _send(sock, zds.ack(str(e)))
+                return
+            if packet is None:
+                log.info("the node agent closed the connection")
+                return
+            step = self.sm.receive(*packet)
+            reply = step.reply
+            for action in step.actions:
+                if isinstance(action, StopProxy):
+                    await self._stop(action.uid)
+                elif isinstance(action, StartProxy):
+                    reply = await self._start(action.pod, action.netns_fd)
+            assert reply is not None
+            await _send(sock, reply)
+            self._update_readiness()
+            if step.outcome is Outcome.RECONNECT:
+                log.warning("dropping the node agent connection: %s", step.error)
+                return
+            if step.outcome is Outcome.EXIT:
+                log.error("node agent protocol error: %s", step.error)
+                raise ProtocolError(step.error)
+
+    # -- pods -------------------------------------------------------------------------------------------
+
+    async def _start(self, pod: PodInfo, netns_fd: int) -> bytes:
+        entry = PodProxy(pod, Netns(netns_fd))
+        log.info(
+            "pod received, starting proxy: uid=%s name=%s namespace=%s netns=%s",
+            pod.uid,
+            pod.name,
+            pod.namespace,
+            entry.netns.key[1],
+        )
+        error = await self._try_start(entry)
+        if error is None:
+            return self.sm.started(pod.uid, entry.netns.key)
+        self.pending[pod.uid] = entry
+        self._metrics.pending.set(len(self.pending))
+        log.warning("failed to start proxy for pod %s (will retry): %s", pod.uid, error)
+        return self.sm.start_failed(pod, error)
+
+    async def _try_start(self, entry: PodProxy) -> str | None:
+        """Bind and serve the pod's listeners inside its namespace; the error text if that failed."""
+        try:
+            instance = self._build(entry.pod, entry.netns)
+            socks = instance.bind_listeners()
+        except OSError as e:
+            entry.error = e.strerror or str(e)
+            return entry.error
+        try:
+            await instance.serve(socks)
+        except Exception as e:
+            await instance.drain(0, graceful=False)
+            entry.error = str(e)
+            return entry.error
+        entry.instance = instance
+        entry.started_at = time.time()
+        entry.error = ""
+        self.proxies[entry.pod.uid] = entry
+        self._metrics.started.inc()
+        self._metrics.active.set(len(self.proxies))
+        return None
+
+    async def _stop(self, uid: str, *, deadline: float = 0.0) -> None:
+        entry = self.proxies.pop(uid, None)
+        if entry is None:
+            pending = self.pending.pop(uid, None)
+            if pending is not None:
+                pending.netns.close()
+                self._metrics.pending.set(len(self.pending))
+            return
+        log.info("pod deleted, stopping proxy: uid=%s", uid)
+        if entry.instance is not None:
+            await entry.instance.drain(deadline, graceful=deadline > 0)
+        entry.netns.close()
+        self._metrics.stopped.inc()
+        self._metrics.active.set(len(self.proxies))
+
+    async def _retry_pending(self) -> None:
+        while True:
+            await asyncio.sleep(self._retry_interval)
+            for uid, entry in list(self.pending.items()):
+                if self.pending.get(uid) is not entry:
+                    continue  # deleted or replaced meanwhile
+                if await self._try_start(entry) is None:
+                    del self.pending[uid]
+                    self.sm.started(uid, entry.netns.key)
+                    log.info("proxy for pod %s started on retry", uid)
+            self._metrics.pending.set(len(self.pending))
+            self._update_readiness()
+
+    def _update_readiness(self) -> None:
+        ready = self.connected and self.sm.ready and not self.pending
+        if ready and self._ready_handle is not None:
+            self._ready_handle.release()
+            self._ready_handle = None
+        elif not ready and self._ready_handle is None:
+            self._ready_handle = self._readiness.register(READINESS_TASK)
+
+    # -- shutdown and admin -----------------------------------------------------------------------------
+
+    async def close(self, deadline: float) -> None:
+        """Stop talking to the agent and drain every pod's proxy, gracefully up to `deadline`."""
+        self._closing = True
+        if self._retrier is not None:
+            self._retrier.cancel()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        await asyncio.gather(
+            *(self._stop(uid, deadline=deadline) for uid in list(self.proxies)), return_exceptions=True
+        )
+        for uid in list(self.pending):
+            await self._stop(uid)
+
+    def dump(self) -> dict[str, Any]:
+        """`workloadState` of `/config_dump`: each pod's proxy, by uid."""
+        state: dict[str, Any] = {}
+        for status, entries in (("Up", self.proxies), ("Pending", self.pending)):
+            for uid, e in entries.items():
+                item: dict[str, Any] = {
+                    "state": status,
+                    "info": {
+                        "name": e.pod.name,
+                        "namespace": e.pod.namespace,
+                        "serviceAccount": e.pod.service_account,
+                    },
+                    "netnsInode": e.netns.key[1],
+                }
+                if e.instance is not None:
+                    item["listeners"] = {k: f"{h}:{p}" for k, (h, p) in sorted(e.instance.addresses.items())}
+                    item["inboundConnections"] = len(e.instance.tracker)
+                if e.error:
+                    item["error"] = e.error
+                state[uid] = item
+        return state
+
+
+async def _recv(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return zds.recv_packet(sock)
+        except (BlockingIOError, InterruptedError):
+            pass
+        ready = loop.create_future()
+        loop.add_reader(sock.fileno(), _wake, ready)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(sock.fileno())
+
+
+async def _send(sock: socket.socket, data: bytes) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            zds.send_packet(sock, data)
+            return
+        except (BlockingIOError, InterruptedError):
+            pass
+        ready = loop.create_future()
+        loop.add_writer(sock.fileno(), _wake, ready)
+        try:
+            await ready
+        finally:
+            loop.remove_writer(sock.fileno())
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
