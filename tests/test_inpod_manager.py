@@ -154,6 +154,14 @@ async def test_pod_listeners_open_inside_its_namespace(
     assert {15001, 15006, 15008} <= set(ports)
     for port in (15001, 15006, 15008):
         assert "fwmark:0x539" in ports[port]  # SO_MARK 1337 on every socket of the pod's proxy
+    # SO_REUSEPORT: a second ztunnel (an upgrade) can bind the same ports in the pod meanwhile.
+    second = pod.exec(
+        sys.executable, "-c",
+        "import socket; s = socket.socket(socket.AF_INET6); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1);"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('::', 15008)); s.listen(); print('bound')",
+        check=False,
+    )  # fmt: skip
+    assert second.stdout.strip() == b"bound", second.stderr
     host = subprocess.run(["ss", "-Hltn", "sport = :15008"], capture_output=True, text=True).stdout
     assert "*:15008" not in host and "0.0.0.0:15008" not in host  # nothing in ztunnel's own namespace
 

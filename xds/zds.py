@@ -11,8 +11,9 @@ import array
 import os
 import socket
 from collections.abc import Sequence
+from typing import TypeVar
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from xds.gen.istio.workload.zds import zds_pb2
 
@@ -21,6 +22,7 @@ WorkloadResponse = zds_pb2.WorkloadResponse
 WorkloadInfo = zds_pb2.WorkloadInfo
 ZdsHello = zds_pb2.ZdsHello
 V1 = zds_pb2.V1
+M = TypeVar("M", bound=Message)
 
 DEFAULT_SOCKET = "/var/run/ztunnel/ztunnel.sock"
 MAX_PACKET = 1024  # the reference's read buffer; a larger packet is an error
@@ -70,35 +72,30 @@ def snapshot_sent() -> bytes:
     return req.SerializeToString()
 
 
-def decode_request(data: bytes) -> WorkloadRequest:
-    req = WorkloadRequest()
+def _parse(message: M, data: bytes) -> M:
     try:
-        req.ParseFromString(data)
+        message.ParseFromString(data)
     except DecodeError as e:
-        raise ZdsError(f"invalid WorkloadRequest: {e}") from None
+        raise ZdsError(f"invalid {type(message).__name__}: {e}") from None
+    return message
+
+
+def decode_request(data: bytes) -> WorkloadRequest:
+    req = _parse(WorkloadRequest(), data)
     if req.WhichOneof("payload") is None:
         raise ZdsError("WorkloadRequest without a payload")
     return req
 
 
 def decode_response(data: bytes) -> WorkloadResponse:
-    resp = WorkloadResponse()
-    try:
-        resp.ParseFromString(data)
-    except DecodeError as e:
-        raise ZdsError(f"invalid WorkloadResponse: {e}") from None
+    resp = _parse(WorkloadResponse(), data)
     if resp.WhichOneof("payload") != "ack":
         raise ZdsError("WorkloadResponse without an ack")
     return resp
 
 
 def decode_hello(data: bytes) -> ZdsHello:
-    msg = ZdsHello()
-    try:
-        msg.ParseFromString(data)
-    except DecodeError as e:
-        raise ZdsError(f"invalid ZdsHello: {e}") from None
-    return msg
+    return _parse(ZdsHello(), data)
 
 
 # -- one packet on a non-blocking SOCK_SEQPACKET socket ------------------------------------------

@@ -38,14 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _control_plane(args: argparse.Namespace) -> int:
-    from controlplane.server import ControlPlaneError, run
+def _setup_logging(command: str) -> bool:
     from ztunnel.logs import setup_logging
 
     try:
         setup_logging(os.environ.get("LOG_FORMAT", "plain"), os.environ.get("LOG_LEVEL", "info"))
     except ValueError as e:
-        print(f"ztunnel: control-plane: LOG_FORMAT or LOG_LEVEL: {e}", file=sys.stderr)
+        print(f"ztunnel: {command}: LOG_FORMAT or LOG_LEVEL: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def _control_plane(args: argparse.Namespace) -> int:
+    from controlplane.server import ControlPlaneError, run
+
+    if not _setup_logging("control-plane"):
         return 1
     try:
         return run(args.config, args.listen, args.tls, args.ca_dir)
@@ -56,12 +63,8 @@ def _control_plane(args: argparse.Namespace) -> int:
 
 def _cni_agent(args: argparse.Namespace) -> int:
     from cni.agent import AgentError, run_agent
-    from ztunnel.logs import setup_logging
 
-    try:
-        setup_logging(os.environ.get("LOG_FORMAT", "plain"), os.environ.get("LOG_LEVEL", "info"))
-    except ValueError as e:
-        print(f"ztunnel: cni-agent: LOG_FORMAT or LOG_LEVEL: {e}", file=sys.stderr)
+    if not _setup_logging("cni-agent"):
         return 1
     try:
         return run_agent(args)
