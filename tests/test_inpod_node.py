@@ -45,6 +45,17 @@ while True:
     threading.Thread(target=serve, args=(c,), daemon=True).start()
 """
 
+# Tells each client the address it sees the connection coming from.
+WHOAMI_APP = """
+import socket
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", 8081)); srv.listen(64); print("listening", flush=True)
+while True:
+    c, peer = srv.accept()
+    with c:
+        c.sendall(peer[0].encode())
+"""
+
 # argv: ip port payload [hold]. Prints what came back; with `hold`, then waits for the close.
 CLIENT_APP = """
 import socket, sys, time
@@ -186,9 +197,9 @@ def listening_ports(pod: Pod) -> set[int]:
 PROXY_PORTS = {15001, 15006, 15008}
 
 
-def start_echo(pod: Pod) -> subprocess.Popen[bytes]:
+def start_echo(pod: Pod, app: str = ECHO_APP) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
-        ["ip", "netns", "exec", pod.netns.name, sys.executable, "-c", ECHO_APP],
+        ["ip", "netns", "exec", pod.netns.name, sys.executable, "-c", app],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -196,9 +207,9 @@ def start_echo(pod: Pod) -> subprocess.Popen[bytes]:
     return proc
 
 
-def talk(src: Pod, dst: Pod, payload: str) -> str:
+def talk(src: Pod, dst: Pod, payload: str, port: int = 8080) -> str:
     """What `src`'s app got back from `dst`'s echo app, as `echo <bytes>` (or an error line)."""
-    done = src.exec(sys.executable, "-c", CLIENT_APP, dst.ip, "8080", payload, check=False, timeout=20)
+    done = src.exec(sys.executable, "-c", CLIENT_APP, dst.ip, str(port), payload, check=False, timeout=20)
     return (done.stdout + done.stderr).strip()
 
 
@@ -331,6 +342,11 @@ def test_one_node_captures_pod_traffic_over_hbone_with_policy(mesh: Mesh) -> Non
     # required) refuses it.
     assert talk(plain, server, "plaintext") == "echo"
     assert access_log(zt, src=plain.ip, direction="inbound", error="allow policies exist, but none allowed")
+
+    # The apps see their clients' own addresses (SPEC §4.4), over HBONE and over plaintext alike.
+    mesh.apps += [start_echo(server, WHOAMI_APP), start_echo(client, WHOAMI_APP)]
+    assert talk(client, server, "?", port=8081) == f"echo {client.ip}"
+    assert talk(plain, client, "?", port=8081) == f"echo {plain.ip}"
 
     dump = zt.config_dump()["workloadState"]
     assert {dump[p.uid]["state"] for p in (client, intruder, server)} == {"Up"}

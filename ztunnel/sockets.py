@@ -63,6 +63,18 @@ class SocketOptions:
     backlog: int = 1024
 
 
+def _transparent_option(family: int) -> tuple[int, int]:
+    return (SOL_IPV6, IPV6_TRANSPARENT) if family == socket.AF_INET6 else (SOL_IP, IP_TRANSPARENT)
+
+
+def is_transparent(sock: socket.socket) -> bool:
+    """Whether IP_TRANSPARENT is on for `sock` (whether a best-effort attempt succeeded)."""
+    try:
+        return bool(sock.getsockopt(*_transparent_option(sock.family)))
+    except OSError:
+        return False
+
+
 class SocketFactory:
     """Creates the sockets of one proxy instance (listeners and outgoing TCP)."""
 
@@ -96,13 +108,10 @@ class SocketFactory:
             if family == socket.AF_INET6 and bind_host == "::":
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             if transparent:
-                level, opt = (
-                    (SOL_IPV6, IPV6_TRANSPARENT) if family == socket.AF_INET6 else (SOL_IP, IP_TRANSPARENT)
-                )
                 try:
-                    sock.setsockopt(level, opt, 1)
+                    sock.setsockopt(*_transparent_option(family), 1)
                 except OSError:
-                    pass  # best effort, as the reference: only decides source spoofing
+                    pass  # best effort, as the reference: it only decides source spoofing
             sock.bind((bind_host, port))
             sock.listen(self.options.backlog)
             sock.setblocking(False)
@@ -126,9 +135,15 @@ class SocketFactory:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, o.keepalive_retries)
 
     async def connect(
-        self, addr: SockAddr, *, source_ip: str | None = None, timeout: float = 10.0
+        self,
+        addr: SockAddr,
+        *,
+        source_ip: str | None = None,
+        transparent: bool = False,
+        timeout: float = 10.0,
     ) -> socket.socket:
-        """A connected non-blocking TCP socket to `addr`, optionally from `source_ip`.
+        """A connected non-blocking TCP socket to `addr`, optionally from `source_ip`; `transparent`
+        lets that be an address of another host (the client's, SPEC §4.4: IP_TRANSPARENT).
 
         Raises TimeoutError after `timeout`, or the OSError of the connect (e.g. ConnectionRefusedError).
         """
@@ -140,6 +155,8 @@ class SocketFactory:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._keepalive(sock)
             if source_ip is not None and (":" in source_ip) == (family == socket.AF_INET6):
+                if transparent:
+                    sock.setsockopt(*_transparent_option(family), 1)
                 sock.bind((source_ip, 0))
             async with asyncio.timeout(timeout):
                 await asyncio.get_running_loop().sock_connect(sock, (host, port))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import ipaddress
 import logging
@@ -52,7 +53,7 @@ from ztunnel.route import (
     pick_resolved,
     route,
 )
-from ztunnel.sockets import SocketFactory, canonical_addr, canonical_ip, original_dst
+from ztunnel.sockets import SocketFactory, canonical_addr, canonical_ip, is_transparent, original_dst
 from ztunnel.socks5 import ConnectRequest as SocksConnect
 from ztunnel.socks5 import HandshakeFailed, Reply, Socks5Handshake, encode_reply
 from ztunnel.state import ProxyState
@@ -153,6 +154,7 @@ class ProxyInstance:
         self._server_cert: WorkloadCertificate | None = None
         self._server_ctx: ssl.SSLContext | None = None
         self.addresses: dict[str, tuple[str, int]] = {}
+        self.spoof_source = False  # decided when the listeners are bound
         self.tracker = ConnectionTracker(state)
         self._unsubscribe = state.subscribe(self._state_changed)
 
@@ -212,11 +214,17 @@ class ProxyInstance:
     def bind_listeners(self) -> dict[str, socket.socket]:
         """Bind every listener now (a port conflict is a start-up error, SPEC §1.3)."""
         host = self.bind or ""
+        orig_src = self.config.enable_orig_src
+        transparent = orig_src is not False
         socks: dict[str, socket.socket] = {}
         try:
-            socks["outbound"] = self.sockets.listener(host, 15001, transparent=True)
-            socks["inbound_plaintext"] = self.sockets.listener(host, 15006, transparent=True)
-            socks["inbound"] = self.sockets.listener(host, 15008, transparent=True)
+            socks["outbound"] = self.sockets.listener(host, 15001, transparent=transparent)
+            socks["inbound_plaintext"] = self.sockets.listener(host, 15006, transparent=transparent)
+            socks["inbound"] = self.sockets.listener(host, 15008, transparent=transparent)
+            if orig_src and not is_transparent(socks["inbound"]):
+                raise PermissionError(
+                    errno.EPERM, "ENABLE_ORIG_SRC=true but IP_TRANSPARENT was refused (needs CAP_NET_ADMIN)"
+                )
             if self.config.enable_socks5:
                 shost, sport = self.config.socks5_address
                 socks["socks5"] = self.sockets.listener(shost, sport)
@@ -224,6 +232,11 @@ class ProxyInstance:
             for s in socks.values():
                 s.close()
             raise
+        # Original source preservation (SPEC §4.4) where the reply routing for it exists: in pods,
+        # whose redirection the node agent writes, or when asked for with ENABLE_ORIG_SRC=true.
+        self.spoof_source = is_transparent(socks["inbound"]) and (
+            orig_src is True or (orig_src is None and self.config.proxy_mode == "shared")
+        )
         for name, s in socks.items():
             self.addresses[name] = canonical_addr(s.getsockname())
         return socks
@@ -460,11 +473,14 @@ class ProxyInstance:
         return stream
 
     async def connect_tcp(
-        self, addr: tuple[str, int], *, source_ip: str | None = None
+        self, addr: tuple[str, int], *, source_ip: str | None = None, transparent: bool = False
     ) -> tuple[asyncio.Transport, Inbox]:
         """A TCP connection from this proxy (from `source_ip`, else its bind address, with its socket
-        options); what arrives before it is relayed waits in its `Inbox`."""
-        sock = await self.sockets.connect(addr, source_ip=source_ip or self.bind, timeout=CONNECT_TIMEOUT)
+        options; `transparent`: `source_ip` is the client's); what arrives before it is relayed waits
+        in its `Inbox`."""
+        sock = await self.sockets.connect(
+            addr, source_ip=source_ip or self.bind, transparent=transparent, timeout=CONNECT_TIMEOUT
+        )
         transport, inbox = await asyncio.get_running_loop().create_connection(Inbox, sock=sock)
         transport.pause_reading()
         return transport, inbox
@@ -635,12 +651,16 @@ class ProxyInstance:
             )
             return
         proxy_tunnel = tunnel is not None and tunnel.protocol is AppTunnelProtocol.PROXY
-        app_addr, app_source = (str(local_ip), None)
+        app_addr, app_source, spoof = str(local_ip), None, self.spoof_source
         if proxy_tunnel and self.config.localhost_app_tunnel:
             loopback = "::1" if local_ip.version == 6 else "127.0.0.1"
-            app_addr, app_source = loopback, loopback
+            app_addr, app_source, spoof = loopback, loopback, False
+        elif spoof:
+            app_source = str(peer_ip)
         try:
-            app, app_inbox = await self.connect_tcp((app_addr, forward_port), source_ip=app_source)
+            app, app_inbox = await self.connect_tcp(
+                (app_addr, forward_port), source_ip=app_source, transparent=spoof
+            )
         except Exception as e:
             req.respond(503)
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
@@ -729,7 +749,9 @@ class ProxyInstance:
             )
             return
         try:
-            app, app_inbox = await self.connect_tcp(dst)
+            app, app_inbox = await self.connect_tcp(
+                dst, source_ip=src[0] if self.spoof_source else None, transparent=self.spoof_source
+            )
         except Exception as e:
             transport.close()
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
