@@ -179,9 +179,14 @@ async def test_pod_listeners_open_inside_its_namespace(
     assert "workload_manager_active_proxy_count 1\n" in metrics
     assert "workload_manager_proxies_started_total 1\n" in metrics
 
-    # Deleted: its listeners are gone at once.
+    identities = [c["identity"] for c in json.loads(dump)["certificates"]]
+    assert identities == ["spiffe://cluster.local/ns/ns/sa/sa-a"]
+
+    # Deleted: its listeners are gone at once, and its certificate is no longer kept.
     assert await agent.request(zds.delete("uid-a")) == ""
     assert not {15001, 15006, 15008} & set(listeners(pod))
+    _, dump = await asyncio.to_thread(http_get, f"http://{ip}:15000/config_dump")
+    assert json.loads(dump)["certificates"] == []
     _, metrics = await asyncio.to_thread(http_get, f"http://{ip}:15020/metrics")
     assert "workload_manager_active_proxy_count 0\n" in metrics
     assert "workload_manager_proxies_stopped_total 1\n" in metrics

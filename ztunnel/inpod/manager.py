@@ -199,9 +199,21 @@ class WorkloadProxyManager:
         log.info("pod deleted, stopping proxy: uid=%s", uid)
         if entry.instance is not None:
             await entry.instance.drain(deadline, graceful=deadline > 0)
+            self._release_identity(entry.instance)
         entry.netns.close()
         self._metrics.stopped.inc()
         self._metrics.active.set(len(self.proxies))
+
+    def _release_identity(self, stopped: ProxyInstance) -> None:
+        """Stop renewing the certificate of a stopped pod's identity, unless another pod shares it."""
+        identity = stopped.identity(stopped.find_local_workload())
+        for other in self.proxies.values():
+            if (
+                other.instance is not None
+                and other.instance.identity(other.instance.find_local_workload()) == identity
+            ):
+                return
+        stopped.secrets.forget(identity)
 
     async def _retry_pending(self) -> None:
         while True:
