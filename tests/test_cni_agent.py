@@ -230,6 +230,34 @@ def test_ztunnel_nack_fails_the_add_with_its_text(node: Node, peers: list[ZdsPee
     assert pod.uid not in state(node)
 
 
+def test_a_ztunnel_that_never_answers_fails_the_add_after_the_deadline(node: Node) -> None:
+    # A ztunnel that took the snapshot, then stops answering: one message is outstanding at a time,
+    # and after 5 s without its answer the agent drops that ztunnel and fails the ADD.
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    silent.connect(str(node.zds_socket))
+    silent.settimeout(10)
+    try:
+        zds.send_packet(silent, zds.hello())
+        packet = zds.recv_packet(silent)
+        assert packet is not None and zds.decode_request(packet[0]).WhichOneof("payload") == "snapshot_sent"
+        zds.send_packet(silent, zds.ack())
+        wait_for_log(node, "snapshot")
+        started = time.monotonic()
+        result, pod = node.try_add_pod("web")
+        elapsed = time.monotonic() - started
+        assert not result.ok
+        assert result.error["code"] == events.TRY_AGAIN_LATER, result.error
+        assert 4.5 <= elapsed < 9, elapsed
+        packet = zds.recv_packet(silent)  # the Add it never answered ...
+        assert packet is not None and zds.decode_request(packet[0]).WhichOneof("payload") == "add"
+        zds.close_fds(packet[1])
+        assert zds.recv_packet(silent) is None  # ... and then the agent hung up
+        assert no_rules(pod)
+        assert pod.uid not in state(node)
+    finally:
+        silent.close()
+
+
 # -- DEL and CHECK ---------------------------------------------------------------------------------
 
 

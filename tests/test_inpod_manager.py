@@ -300,3 +300,31 @@ def test_protocol_error_ends_ztunnel_with_status_1(tmp_path: Path) -> None:
         proc.kill()
         proc.wait()
         listener.close()
+
+
+def test_without_the_right_to_switch_namespaces_start_up_stops_in_one_line(tmp_path: Path) -> None:
+    require_root("setpriv")
+    ip = f"127.{random.randint(1, 250)}.{random.randint(1, 250)}.{random.randint(2, 250)}"
+    env = dict(os.environ)
+    env.update(
+        PROXY_MODE="shared",
+        XDS_ADDRESS="",
+        FAKE_CA="true",
+        INPOD_UDS=str(tmp_path / "ztunnel.sock"),
+        ADMIN_ADDRESS=f"{ip}:15000",
+        STATS_ADDRESS=f"{ip}:15020",
+        READINESS_ADDRESS=f"{ip}:15021",
+    )
+    # Root without CAP_SYS_ADMIN (dropped from the bounding set before exec).
+    done = subprocess.run(
+        ["setpriv", "--bounding-set=-sys_admin", str(Path(sys.executable).parent / "ztunnel"), "proxy"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "ztunnel: PROXY_MODE=shared (in-pod mode): cannot switch network namespaces (needs CAP_SYS_ADMIN):"
+        " setns(CLONE_NEWNET): Operation not permitted"
+    ]
