@@ -115,11 +115,13 @@ class Ztunnel:
 
     node: Node
     xds: str
+    name: str = "ztunnel"
+    ports: tuple[int, int, int] = (15000, 15020, 15021)  # admin, metrics, readiness (in the node)
     log: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
-        self.log = self.node.dir / "ztunnel.log"
+        self.log = self.node.dir / f"{self.name}.log"
 
     def start(self) -> None:
         env = dict(os.environ)
@@ -130,6 +132,9 @@ class Ztunnel:
             FAKE_CA="true",
             CONNECTION_TERMINATION_DEADLINE="2s",
             LOG_LEVEL="info,access=info",
+            ADMIN_ADDRESS=f"127.0.0.1:{self.ports[0]}",
+            STATS_ADDRESS=f"0.0.0.0:{self.ports[1]}",
+            READINESS_ADDRESS=f"0.0.0.0:{self.ports[2]}",
         )
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -139,11 +144,13 @@ class Ztunnel:
                 stderr=subprocess.STDOUT,
             )
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        code = None
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
-            self.proc.wait(timeout=15)
+            code = self.proc.wait(timeout=15)
         self.proc = None
+        return code
 
     def get(self, port: int, path: str) -> tuple[int, str]:
         out = self.node.ns.exec(
@@ -153,14 +160,14 @@ class Ztunnel:
         return int(code or 0), body
 
     def config_dump(self) -> dict:  # type: ignore[type-arg]
-        code, body = self.get(15000, "/config_dump")
+        code, body = self.get(self.ports[0], "/config_dump")
         return json.loads(body) if code == 200 else {}
 
     def metrics(self) -> str:
-        return self.get(15020, "/metrics")[1]
+        return self.get(self.ports[1], "/metrics")[1]
 
     def ready(self) -> bool:
-        return self.get(15021, "/healthz/ready")[0] == 200
+        return self.get(self.ports[2], "/healthz/ready")[0] == 200
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -266,10 +273,9 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
             app.kill()
             app.wait()
         for zt in m.ztunnels.values():
-            with_log = zt.proc is not None
             zt.stop(signal.SIGKILL)
-            if with_log:
-                sys.stdout.write(f"--- {zt.node.ns.name} ztunnel log (tail) ---\n{zt.output()[-3000:]}\n")
+            if zt.log.exists():  # shown by pytest when the test failed
+                sys.stdout.write(f"--- {zt.node.ns.name} {zt.name} log (tail) ---\n{zt.output()[-3000:]}\n")
         cp.kill()
         cp.wait()
         cluster.close()
@@ -279,7 +285,7 @@ def start_node(m: Mesh, node: Node, xds: str) -> Ztunnel:
     node.start_agent()
     zt = Ztunnel(node, xds)
     zt.start()
-    m.ztunnels[node.ns.name] = zt
+    m.ztunnels[f"{node.ns.name}/{zt.name}"] = zt
     eventually(zt.ready, "ztunnel readiness")
     return zt
 
@@ -440,3 +446,31 @@ def test_two_nodes_cross_node_hbone(mesh: Mesh) -> None:
     )
     # Each ztunnel runs proxies for its own node's pods only.
     assert server.uid not in zt1.config_dump()["workloadState"]
+
+
+def test_upgrade_a_new_ztunnel_takes_over_without_dropping_pods(mesh: Mesh) -> None:
+    node = mesh.cluster.nodes[0]
+    old = start_node(mesh, node, mesh.xds)
+    client = node.add_pod("client", service_account="client")
+    server = node.add_pod("server", service_account="server")
+    mesh.push(mesh_yaml([client, server]))
+    mesh.wait_for_workloads(old, [client, server])
+    mesh.apps.append(start_echo(server))
+    assert talk(client, server, "v1") == "echo v1"
+
+    # The new version starts beside the old one: the agent's snapshot gives it every pod, whose
+    # listeners it binds next to the old ones (SO_REUSEPORT), then the old one drains and exits.
+    new = Ztunnel(node, mesh.xds, name="ztunnel-new", ports=(25000, 25020, 25021))
+    new.start()
+    mesh.ztunnels["new"] = new
+    eventually(new.ready, "the new ztunnel's readiness")
+    assert set(new.config_dump()["workloadState"]) == {client.uid, server.uid}
+    mesh.wait_for_workloads(new, [client, server])
+    assert old.stop(signal.SIGTERM) == 0
+    assert talk(client, server, "v2") == "echo v2"
+    assert opened(new.metrics(), reporter="destination", destination_workload="server") == 1
+
+    # New pods go to the newest ztunnel.
+    late = node.add_pod("late", service_account="late")
+    assert late.uid in new.config_dump()["workloadState"]
+    assert listening_ports(late) >= PROXY_PORTS
