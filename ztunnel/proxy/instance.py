@@ -128,7 +128,9 @@ class ProxyInstance:
         self.metrics = metrics
         self.info = info
         self.sockets = sockets
-        self.bind = config.proxy_bind_address
+        # PROXY_BIND_ADDRESS is for dedicated proxies sharing a host; a pod's proxy binds the wildcard
+        # inside the pod's namespace.
+        self.bind = config.proxy_bind_address if config.proxy_mode == "dedicated" else None
         self.illegal = illegal_ports(config)
         self.settings = H2Settings(
             stream_window=config.http2_stream_window_size,
