@@ -117,6 +117,7 @@ class Ztunnel:
     xds: str
     name: str = "ztunnel"
     ports: tuple[int, int, int] = (15000, 15020, 15021)  # admin, metrics, readiness (in the node)
+    extra: dict[str, str] = field(default_factory=dict)
     log: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -136,6 +137,7 @@ class Ztunnel:
             STATS_ADDRESS=f"0.0.0.0:{self.ports[1]}",
             READINESS_ADDRESS=f"0.0.0.0:{self.ports[2]}",
         )
+        env.update(self.extra)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.node.ns.name, ZTUNNEL, "proxy"],
@@ -281,9 +283,9 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
         cluster.close()
 
 
-def start_node(m: Mesh, node: Node, xds: str) -> Ztunnel:
+def start_node(m: Mesh, node: Node, xds: str, **extra: str) -> Ztunnel:
     node.start_agent()
-    zt = Ztunnel(node, xds)
+    zt = Ztunnel(node, xds, extra=extra)
     zt.start()
     m.ztunnels[f"{node.ns.name}/{zt.name}"] = zt
     eventually(zt.ready, "ztunnel readiness")
@@ -474,3 +476,54 @@ def test_upgrade_a_new_ztunnel_takes_over_without_dropping_pods(mesh: Mesh) -> N
     late = node.add_pod("late", service_account="late")
     assert late.uid in new.config_dump()["workloadState"]
     assert listening_ports(late) >= PROXY_PORTS
+
+
+HTTP_GET = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=8)
+s.sendall(f"GET {sys.argv[3]} HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n".encode())
+body = b""
+while chunk := s.recv(65536):
+    body += chunk
+print(body.decode(errors="replace"))
+"""
+
+
+def test_ztunnel_own_metrics_reached_from_a_pod_over_hbone(mesh: Mesh) -> None:
+    # With POD_NAME, POD_NAMESPACE and SERVICE_ACCOUNT, ztunnel also listens for HBONE in its own
+    # namespace, as its own workload: a pod's request to it is captured and carried over HBONE.
+    node = mesh.cluster.nodes[0]
+    zt = start_node(
+        mesh, node, mesh.xds, POD_NAME="ztunnel-node", POD_NAMESPACE="istio-system", SERVICE_ACCOUNT="ztunnel"
+    )
+    out = node.ns.exec("ss", "-Hltn").stdout.decode()
+    node_ports = {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip()}
+    assert 15008 in node_ports and not {15001, 15006} & node_ports  # HBONE only, in the node's namespace
+    client = node.add_pod("client", service_account="client")
+    mesh.push(
+        mesh_yaml([client])
+        + f"""  - uid: istio-system/ztunnel-node
+    name: ztunnel-node
+    namespace: istio-system
+    serviceAccount: ztunnel
+    workloadIps: ["{node.gateway}"]
+    protocol: HBONE
+"""
+    )
+    mesh.wait_for_workloads(zt, [client])
+    eventually(
+        lambda: "istio-system/ztunnel-node" in {w.get("uid") for w in zt.config_dump()["workloads"]},
+        "ztunnel's workload",
+    )
+    done = client.exec(sys.executable, "-c", HTTP_GET, node.gateway, "15020", "/metrics", timeout=20)
+    assert "200 OK" in done.stdout and "istio_build" in done.stdout, done.stdout
+    assert (
+        opened(
+            zt.metrics(),
+            reporter="destination",
+            destination_workload="ztunnel-node",
+            source_principal=f"spiffe://{TD}/ns/default/sa/client",
+            connection_security_policy="mutual_tls",
+        )
+        == 1
+    )

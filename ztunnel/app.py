@@ -190,6 +190,7 @@ class App:
             proxy_task.release()  # the listeners are the workers'
             return
         if cfg.proxy_mode == "shared":
+            await self._start_self_listener()
             self._start_inpod()
             proxy_task.release()  # each pod's listeners are the workload proxy manager's
             return
@@ -228,6 +229,31 @@ class App:
             reuseport=cfg.inpod_port_reuse if shared else self.reuseport,
             backlog=128 if shared else SocketOptions.backlog,
         )
+
+    async def _start_self_listener(self) -> None:
+        """In-pod mode, when ztunnel knows its own pod (POD_NAME, POD_NAMESPACE, SERVICE_ACCOUNT):
+        HBONE on 15008 in its own namespace, so mesh clients reach it, e.g. its metrics (SPEC §1.1)."""
+        cfg = self.config
+        if not (cfg.pod_name and cfg.pod_namespace and cfg.service_account):
+            return
+        assert self.secrets is not None
+        info = WorkloadInfo(
+            namespace=cfg.pod_namespace, name=cfg.pod_name, service_account=cfg.service_account
+        )
+        proxy = ProxyInstance(
+            cfg, self.state, self.secrets, self.metrics, info, SocketFactory(self._socket_options())
+        )
+        try:
+            socks = proxy.bind_listeners(inbound_only=True)
+        except OSError as e:
+            raise StartupError(f"failed to bind ztunnel's own HBONE listener: {e.strerror or e}") from None
+        self.proxies.append(proxy)
+        self._serving = asyncio.get_running_loop().create_task(self._serve_self(proxy, socks))
+
+    async def _serve_self(self, proxy: ProxyInstance, socks: dict[str, socket.socket]) -> None:
+        if self.xds is not None:
+            await self.xds.wait_synced()
+        await proxy.serve(socks)
 
     def _start_inpod(self) -> None:
         """In-pod mode: pods arrive over ZDS once the first xDS state is in (SPEC §1.3, §9)."""

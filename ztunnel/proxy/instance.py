@@ -213,13 +213,20 @@ class ProxyInstance:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def bind_listeners(self) -> dict[str, socket.socket]:
-        """Bind every listener now (a port conflict is a start-up error, SPEC §1.3)."""
+    def bind_listeners(self, *, inbound_only: bool = False) -> dict[str, socket.socket]:
+        """Bind every listener now (a port conflict is a start-up error, SPEC §1.3).
+
+        `inbound_only`: just HBONE on 15008, for in-pod mode's "self" listener (ztunnel's own
+        workload in its own namespace), which never spoofs the client's address (SPEC §1.1, §4.4)."""
         host = self.bind or ""
         orig_src = self.config.enable_orig_src
-        transparent = orig_src is not False
+        transparent = orig_src is not False and not inbound_only
         socks: dict[str, socket.socket] = {}
         try:
+            if inbound_only:
+                socks["inbound"] = self.sockets.listener(host, 15008)
+                self.addresses["inbound"] = canonical_addr(socks["inbound"].getsockname())
+                return socks
             socks["outbound"] = self.sockets.listener(host, 15001, transparent=transparent)
             socks["inbound_plaintext"] = self.sockets.listener(host, 15006, transparent=transparent)
             socks["inbound"] = self.sockets.listener(host, 15008, transparent=transparent)
