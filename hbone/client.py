@@ -73,35 +73,7 @@ class HboneConnection:
             if isinstance(e, (ssl.SSLError, OSError, TimeoutError)):
                 raise TlsHandshakeError(f"tls handshake error: {e}") from e
             raise
-        try:
-            ssl_object = transport.get_extra_info("ssl_object")
-            check_alpn(ssl_object)
-            session.peer_identity = check_server_identity(ssl_object, expected)
-        except BaseException:
-            transport.abort()
-            raise
-        session.start()
-        try:
-            await asyncio.wait_for(
-                asyncio.shield(session.remote_settings), max(deadline - loop.time(), 0.001)
-            )
-        except TimeoutError:
-            session.abort(ConnectionClosed("no SETTINGS from peer"))
-            raise H2HandshakeError(
-                f"http2 handshake error: no SETTINGS from peer within {handshake_timeout}s"
-            ) from None
-        except ConnectionClosed as e:
-            cause = e.__cause__
-            if isinstance(cause, ssl.SSLError):
-                # TLS 1.3: a server refusing our certificate says so after our side finished.
-                raise TlsHandshakeError(f"tls handshake error: {cause}") from cause
-            raise H2HandshakeError(
-                f"http2 handshake error: {e} before its SETTINGS (did it refuse our certificate?)"
-            ) from e
-        except BaseException:
-            session.abort()
-            raise
-        return cls(session, min(max_streams, session.remote_max_concurrent_streams))
+        return await settle(session, transport, expected, deadline, handshake_timeout, max_streams)
 
     async def connect(self, authority: str, headers: Sequence[tuple[str, str]] = ()) -> HboneStream:
         """Open a CONNECT stream to `authority` (`ip:port`, `[ip6]:port` or `host:port`).
@@ -160,3 +132,48 @@ class HboneConnection:
             f"<HboneConnection peer={self.get_extra_info('peername')} identity={self.peer_identity} "
             f"streams={self.active_streams}/{self.max_streams} usable={self.is_usable()}>"
         )
+
+
+async def settle(
+    session: H2Session,
+    transport: asyncio.Transport,
+    expected: Sequence[Identity],
+    deadline: float,
+    handshake_timeout: float,
+    max_streams: int,
+    *,
+    inner: bool = False,
+) -> HboneConnection:
+    """After the TLS handshake (outer, or `inner` for double HBONE): check ALPN and the server's
+    identity before any HTTP/2 byte is sent, start HTTP/2 and wait for the server's SETTINGS."""
+    where = " (inner)" if inner else ""
+    try:
+        ssl_object = transport.get_extra_info("ssl_object")
+        check_alpn(ssl_object)
+        session.peer_identity = check_server_identity(ssl_object, expected)
+    except BaseException:
+        transport.abort()
+        raise
+    session.start()
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.wait_for(asyncio.shield(session.remote_settings), max(deadline - loop.time(), 0.001))
+    except TimeoutError:
+        session.abort(ConnectionClosed("no SETTINGS from peer"))
+        raise H2HandshakeError(
+            f"http2 handshake error{where}: no SETTINGS from peer within {handshake_timeout}s"
+        ) from None
+    except ConnectionClosed as e:
+        if inner:
+            raise H2HandshakeError(f"http2 handshake error (inner): {e} before its SETTINGS") from e
+        cause = e.__cause__
+        if isinstance(cause, ssl.SSLError):
+            # TLS 1.3: a server refusing our certificate says so after our side finished.
+            raise TlsHandshakeError(f"tls handshake error: {cause}") from cause
+        raise H2HandshakeError(
+            f"http2 handshake error: {e} before its SETTINGS (did it refuse our certificate?)"
+        ) from e
+    except BaseException:
+        session.abort()
+        raise
+    return HboneConnection(session, min(max_streams, session.remote_max_concurrent_streams))

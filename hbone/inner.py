@@ -19,13 +19,13 @@ from asyncio import sslproto
 from collections.abc import Sequence
 from typing import Any, cast
 
-from hbone.client import DEFAULT_CONTEXTS, HboneConnection
-from hbone.errors import ConnectionClosed, H2HandshakeError, TlsHandshakeError
+from hbone.client import DEFAULT_CONTEXTS, HboneConnection, settle
+from hbone.errors import TlsHandshakeError
 from hbone.h2conn import H2Session
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import ContextCache, WorkloadCertificate, check_alpn, check_server_identity
+from hbone.tls import ContextCache, WorkloadCertificate
 
 # How long the inner TLS waits for the peer's close_notify once the proxied connection is over.
 SHUTDOWN_TIMEOUT = 5.0
@@ -162,24 +162,4 @@ async def open_inner(
         # The outer stream ended (or the handshake timed out) before the handshake completed.
         stream.abort()
         raise TlsHandshakeError("tls handshake error (inner): connection closed during the handshake")
-    try:
-        ssl_object = transport.get_extra_info("ssl_object")
-        check_alpn(ssl_object)
-        session.peer_identity = check_server_identity(ssl_object, expected)
-    except BaseException:
-        transport.abort()
-        raise
-    session.start()
-    try:
-        await asyncio.wait_for(asyncio.shield(session.remote_settings), max(deadline - loop.time(), 0.001))
-    except TimeoutError:
-        session.abort(ConnectionClosed("no SETTINGS from peer"))
-        raise H2HandshakeError(
-            f"http2 handshake error (inner): no SETTINGS from peer within {handshake_timeout}s"
-        ) from None
-    except ConnectionClosed as e:
-        raise H2HandshakeError(f"http2 handshake error (inner): {e} before its SETTINGS") from e
-    except BaseException:
-        session.abort()
-        raise
-    return HboneConnection(session, min(max_streams, session.remote_max_concurrent_streams))
+    return await settle(session, transport, expected, deadline, handshake_timeout, max_streams, inner=True)
