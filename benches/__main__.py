@@ -6,6 +6,7 @@ See benches/README.md for what each figure means and how to read the ratios.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import sys
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None
     }
     if overrides:
-        settings = Settings(**{**settings.__dict__, **overrides})
+        settings = dataclasses.replace(settings, **overrides)
     if settings.rounds < 1 or settings.seconds <= 0 or settings.hold < 1:
         print("benches: --rounds, --seconds and --hold must be positive", file=sys.stderr)
         return 2
@@ -75,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         matrix = Matrix(modes, gen, settings, progress=lambda s: print(s, flush=True))
         matrix.run()
         names = [m.name for m in modes]
-        summary = matrix.summary()
+        data = matrix.to_json()
+        summary = data["summary"]
         print()
         print(table(summary, names))
         text, targets = targets_report(summary)
         print()
         print(text)
-        data = matrix.to_json()
         data["targets"] = targets
         data["notes"] = topo.notes
         data["workers"] = args.workers

@@ -299,8 +299,6 @@ async def _bounded(
 
 
 async def run_connrate(entry: Entry, seconds: float, concurrency: int, max_count: int) -> dict[str, Any]:
-    _, _, skip = entry.dial(entry.echo)
-
     async def one() -> None:
         sock = await _open(entry, entry.echo, b"x")
         try:
@@ -312,9 +310,7 @@ async def run_connrate(entry: Entry, seconds: float, concurrency: int, max_count
     # Warm-up: the pool (or whatever the path keeps) is set up before the clock starts.
     for _ in range(3):
         await one()
-    result = await _bounded(seconds, max_count, concurrency, one)
-    result["socks5_reply_bytes"] = skip
-    return result
+    return await _bounded(seconds, max_count, concurrency, one)
 
 
 class Generator:

@@ -3,7 +3,8 @@
 Each round measures every figure for every mode, figure by figure, with the order of the modes
 rotated from one round to the next, so a noisy moment (another job on the machine) lands on
 different modes in different rounds. Every figure is also kept as a ratio to `direct` from the
-same round; the summary is the median over rounds of the values and of those ratios.
+same round; the summary is the median over rounds of the values and of those ratios. The memory
+figures are the exception: they are measured once, in the first round.
 """
 
 from __future__ import annotations

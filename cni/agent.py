@@ -403,15 +403,7 @@ class Agent:
                 del self._pod_locks[uid]
 
     async def _add(self, event: PodEvent) -> Reply:
-        pod = Pod(
-            uid=event.uid,
-            name=event.name,
-            namespace=event.namespace,
-            service_account=event.service_account,
-            netns=event.netns,
-            container_id=event.container_id,
-            ips=event.ips,
-        )
+        pod = Pod.from_event(event)
         log.info(
             "ADD pod %s (uid %s, netns %s, ips %s)", pod.display, pod.uid, pod.netns, ",".join(pod.ips) or "-"
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 COMMANDS = ("ADD", "DEL", "CHECK")
 MAX_LINE = 64 * 1024
@@ -49,21 +49,55 @@ class PodEvent:
     ips: tuple[str, ...] = field(default=())
 
     def encode(self) -> bytes:
-        return (
-            json.dumps(
-                {
-                    "command": self.command,
-                    "uid": self.uid,
-                    "name": self.name,
-                    "namespace": self.namespace,
-                    "serviceAccount": self.service_account,
-                    "netns": self.netns,
-                    "containerId": self.container_id,
-                    "ips": list(self.ips),
-                }
-            ).encode()
-            + b"\n"
-        )
+        body = {"command": self.command, "uid": self.uid, **pod_json(self)}
+        return json.dumps(body).encode() + b"\n"
+
+
+class PodFields(Protocol):
+    """What a pod event and the agent's pod record both carry (and write with the same keys)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def service_account(self) -> str: ...
+    @property
+    def netns(self) -> str: ...
+    @property
+    def container_id(self) -> str: ...
+    @property
+    def ips(self) -> tuple[str, ...]: ...
+
+
+POD_FIELDS = ("name", "namespace", "service_account", "netns", "container_id", "ips")
+
+
+def pod_json(pod: PodFields) -> dict[str, Any]:
+    return {
+        "name": pod.name,
+        "namespace": pod.namespace,
+        "serviceAccount": pod.service_account,
+        "netns": pod.netns,
+        "containerId": pod.container_id,
+        "ips": list(pod.ips),
+    }
+
+
+def pod_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The pod fields of a JSON object (as `pod_json` writes them), checked; keyword arguments of
+    `PodEvent` and `cni.pods.Pod`. Raises EventError naming the field."""
+    ips = body.get("ips", [])
+    if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
+        raise EventError("field 'ips' must be a list of strings")
+    return {
+        "name": _string(body, "name"),
+        "namespace": _string(body, "namespace"),
+        "service_account": _string(body, "serviceAccount", "default") or "default",
+        "netns": _string(body, "netns"),
+        "container_id": _string(body, "containerId"),
+        "ips": tuple(ips),
+    }
 
 
 @dataclass(frozen=True)
@@ -92,7 +126,7 @@ def _object(line: bytes, what: str) -> dict[str, Any]:
 def _string(body: dict[str, Any], key: str, default: str = "") -> str:
     value = body.get(key, default)
     if not isinstance(value, str):
-        raise EventError(f"request field {key!r} must be a string")
+        raise EventError(f"field {key!r} must be a string")
     return value
 
 
@@ -104,19 +138,7 @@ def decode_event(line: bytes) -> PodEvent:
     uid = _string(body, "uid")
     if not uid:
         raise EventError("request without a uid")
-    ips = body.get("ips", [])
-    if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
-        raise EventError("request field 'ips' must be a list of strings")
-    event = PodEvent(
-        command=command,
-        uid=uid,
-        name=_string(body, "name"),
-        namespace=_string(body, "namespace"),
-        service_account=_string(body, "serviceAccount", "default") or "default",
-        netns=_string(body, "netns"),
-        container_id=_string(body, "containerId"),
-        ips=tuple(ips),
-    )
+    event = PodEvent(command=command, uid=uid, **pod_fields(body))
     if command == "ADD":
         missing = [k for k in ("name", "namespace", "netns") if not getattr(event, k)]
         if missing:

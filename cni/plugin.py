@@ -33,6 +33,7 @@ from cni.events import (
     INCOMPATIBLE_VERSION,
     INVALID_CONFIG,
     INVALID_ENVIRONMENT,
+    MAX_LINE,
     TRY_AGAIN_LATER,
     EventError,
     PodEvent,
@@ -187,8 +188,8 @@ def ask_agent(path: str, event: PodEvent, timeout: float) -> Reply:
             sock.connect(path)
             sock.sendall(event.encode())
             data = b""
-            while b"\n" not in data and len(data) < 65536:
-                chunk = sock.recv(65536)
+            while b"\n" not in data and len(data) < MAX_LINE:
+                chunk = sock.recv(MAX_LINE)
                 if not chunk:
                     break
                 data += chunk

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cni.events import POD_FIELDS, PodEvent, pod_fields, pod_json
+
 STATE_VERSION = 1
 
 
@@ -37,39 +39,21 @@ class Pod:
         return f"{self.namespace}/{self.name}"
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "namespace": self.namespace,
-            "serviceAccount": self.service_account,
-            "netns": self.netns,
-            "containerId": self.container_id,
-            "ips": list(self.ips),
-        }
+        return pod_json(self)
 
     @classmethod
     def from_json(cls, uid: str, body: Any) -> Pod:
+        """Raises ValueError (an EventError) naming what is wrong."""
         if not isinstance(body, dict):
             raise ValueError("not an object")
-        strings = {}
-        for key in ("name", "namespace", "serviceAccount", "netns", "containerId"):
-            value = body.get(key, "")
-            if not isinstance(value, str):
-                raise ValueError(f"{key} is not a string")
-            strings[key] = value
-        if not (strings["name"] and strings["namespace"] and strings["netns"]):
+        pod = cls(uid=uid, **pod_fields(body))
+        if not (pod.name and pod.namespace and pod.netns):
             raise ValueError("name, namespace and netns are required")
-        ips = body.get("ips", [])
-        if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
-            raise ValueError("ips is not a list of strings")
-        return cls(
-            uid=uid,
-            name=strings["name"],
-            namespace=strings["namespace"],
-            service_account=strings["serviceAccount"] or "default",
-            netns=strings["netns"],
-            container_id=strings["containerId"],
-            ips=tuple(ips),
-        )
+        return pod
+
+    @classmethod
+    def from_event(cls, event: PodEvent) -> Pod:
+        return cls(uid=event.uid, **{f: getattr(event, f) for f in POD_FIELDS})
 
 
 def load(path: Path) -> tuple[dict[str, Pod], list[str]]:

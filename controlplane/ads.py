@@ -53,10 +53,6 @@ class AggregatedDiscoveryService(discovery_pb2_grpc.AggregatedDiscoveryServiceSe
         self._streams: set[_Stream] = set()
         self._nonces = itertools.count(1)
 
-    @property
-    def stream_count(self) -> int:
-        return len(self._streams)
-
     def publish(self, snapshot: Snapshot) -> None:
         deltas = [snapshot.delta_since(t, self.snapshot.versions(t)) for t in TYPE_URLS]
         self.snapshot = snapshot

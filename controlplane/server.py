@@ -24,12 +24,11 @@ from controlplane.ca import CaError, CertificateAuthority, CertificateService, d
 from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2_grpc
 from xds.gen.istio.v1.auth import ca_pb2_grpc
+from xds.client import MAX_MESSAGE_BYTES  # the client's limit (SPEC §6.1): a large file fails on neither side
 from xds.localconfig import LocalConfigError
 
 log = logging.getLogger(__name__)
 
-# The client accepts messages up to 200 MiB (SPEC §6.1); a large file should not fail on our side first.
-MAX_MESSAGE_BYTES = 200 * 1024 * 1024
 SHUTDOWN_GRACE = 1.0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
@@ -31,11 +31,9 @@ from xds.model import Service, Workload
 
 log = logging.getLogger(__name__)
 
-ADDRESS_TYPE = ADDRESS_TYPE_URL
-AUTHORIZATION_TYPE = AUTHORIZATION_TYPE_URL
 # The order a new stream's full state and every push go out in: addresses before the policies
 # that name them, as the client subscribes.
-TYPE_URLS = (ADDRESS_TYPE, AUTHORIZATION_TYPE)
+TYPE_URLS = (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +62,7 @@ class Delta:
 class Snapshot:
     """Resources by type URL, then by name."""
 
-    resources: Mapping[str, Mapping[str, VersionedResource]] = field(
-        default_factory=lambda: {type_url: {} for type_url in TYPE_URLS}
-    )
+    resources: Mapping[str, Mapping[str, VersionedResource]]
 
     def versions(self, type_url: str) -> dict[str, str]:
         return {name: r.version for name, r in self.resources.get(type_url, {}).items()}
@@ -107,20 +103,19 @@ def snapshot_from_config(config: LocalConfig, source: str = "<inline>") -> Snaps
                 table, name, message = policies, item.key, authorization_to_wire(item)
             else:
                 table, name, message = addresses, address_resource_name(item), address_to_wire(item)
-        except ValueError as e:  # ConversionError: a value the wire cannot carry
+        except ValueError as e:  # protobuf's: a value the wire cannot carry
             raise LocalConfigError(f"{source}: {path}: cannot be sent over xDS: {e}") from None
         if name in table:
             raise LocalConfigError(f"{source}: {path}: duplicate resource name {name!r}")
         table[name] = _versioned(name, message)
-    return Snapshot({ADDRESS_TYPE: addresses, AUTHORIZATION_TYPE: policies})
+    return Snapshot({ADDRESS_TYPE_URL: addresses, AUTHORIZATION_TYPE_URL: policies})
 
 
 def _versioned(name: str, message: Message) -> VersionedResource:
-    packed = any_pb2.Any()
-    packed.Pack(message)
     # Deterministic: map fields (a workload's `services`) would otherwise encode in any order.
-    digest = hashlib.sha256(message.SerializeToString(deterministic=True)).hexdigest()
-    return VersionedResource(name=name, version=digest[:16], resource=packed)
+    data = message.SerializeToString(deterministic=True)
+    packed = any_pb2.Any(type_url=f"type.googleapis.com/{message.DESCRIPTOR.full_name}", value=data)
+    return VersionedResource(name=name, version=hashlib.sha256(data).hexdigest()[:16], resource=packed)
 
 
 def _with_service_endpoints(workloads: Sequence[Workload], services: Iterable[Service]) -> list[Workload]:

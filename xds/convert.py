@@ -12,9 +12,9 @@ resource.
 Model to wire: `workload_to_wire`, `service_to_wire`, `address_to_wire`, `authorization_to_wire`, for
 the development control plane that serves a local-config file over xDS.
 
-The few rules both this module and the local-config loader (`xds.localconfig`) enforce live here once:
-`ip_from_bytes`, `cidr`, `check_service_key`, `app_tunnel_port`. The model's enums carry the proto
-numbers, so an enum converts with `Enum(number)` and nothing else.
+The few rules both this module and the local-config loader (`xds.localconfig`) enforce live once, in
+`xds.model`: `ip_from_bytes`, `cidr`, `check_service_key`, `app_tunnel_port`. The model's enums carry
+the proto numbers, so an enum converts with `Enum(number)` and nothing else.
 """
 
 from __future__ import annotations
@@ -74,10 +74,6 @@ DEFAULT_CAPACITY = 1
 _U16 = 0xFFFF
 
 E = TypeVar("E", bound=IntEnum)
-
-
-# The rules shared with the local-config loader live with the model (no protobuf needed there).
-__all__ = ["ConversionError", "app_tunnel_port", "check_service_key", "cidr", "ip_from_bytes"]
 
 
 # --- wire to model ------------------------------------------------------------------------------

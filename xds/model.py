@@ -151,9 +151,6 @@ class Workload:
         """The SPIFFE URI of the workload (`spiffe://td/ns/ns/sa/sa`)."""
         return f"spiffe://{self.trust_domain}/ns/{self.namespace}/sa/{self.service_account}"
 
-    def service_ports(self) -> dict[str, dict[int, int]]:
-        return {key: dict(ports) for key, ports in self.services}
-
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:

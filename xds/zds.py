@@ -24,7 +24,6 @@ ZdsHello = zds_pb2.ZdsHello
 V1 = zds_pb2.V1
 M = TypeVar("M", bound=Message)
 
-DEFAULT_SOCKET = "/var/run/ztunnel/ztunnel.sock"
 MAX_PACKET = 1024  # the reference's read buffer; a larger packet is an error
 _FD_SIZE = array.array("i").itemsize
 _MAX_FDS = 8  # room to receive (and close) more fds than a valid message carries
