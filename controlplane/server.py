@@ -22,9 +22,9 @@ from controlplane import DEFAULT_LISTEN
 from controlplane.ads import AggregatedDiscoveryService
 from controlplane.ca import CaError, CertificateAuthority, CertificateService, default_ca_dir
 from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
+from xds.client import MAX_MESSAGE_BYTES  # the client's limit (SPEC §6.1): a large file fails on neither side
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2_grpc
 from xds.gen.istio.v1.auth import ca_pb2_grpc
-from xds.client import MAX_MESSAGE_BYTES  # the client's limit (SPEC §6.1): a large file fails on neither side
 from xds.localconfig import LocalConfigError
 
 log = logging.getLogger(__name__)

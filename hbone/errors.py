@@ -50,12 +50,6 @@ class StreamReset(HboneError, ConnectionResetError):
         self.error_code = error_code
         super().__init__(f"stream reset by peer: error code {error_code}")
 
-    def __str__(self) -> str:
-        return f"stream reset by peer: error code {self.error_code}"
-
 
 class ConnectionClosed(HboneError, ConnectionError):
     """The HTTP/2 connection is gone (closed, GOAWAY, keepalive timeout, protocol error)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "connection closed"

@@ -154,17 +154,6 @@ class _H2Connection(H2Connection):
     def queue_window_update(self, stream_id: int, increment: int) -> None:
         self._data_to_send += _WINDOW_UPDATE.pack(0, 4, _TYPE_WINDOW_UPDATE, 0, stream_id, increment)
 
-    def data_to_send(self, amount: int | None = None) -> bytes:
-        data = b"".join(self.take_output())
-        if amount is not None and len(data) > amount:
-            self._data_to_send = bytearray(data[amount:])
-            data = data[:amount]
-        return data
-
-    def clear_outbound_data_buffer(self) -> None:
-        self._chunks = []
-        self._data_to_send = bytearray()
-
     def _receive_frame(self, frame: Frame) -> list[ev.Event]:
         # Same as h2 4.4's, minus `logger.trace("Received frame: %s", repr(frame))`.
         events: list[ev.Event]
@@ -347,7 +336,7 @@ class H2Session(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self._pump_pending()
-        self._flush()
+        self.kick()
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -359,7 +348,7 @@ class H2Session(asyncio.BufferedProtocol):
         self._h2.begin(
             self.settings.local_settings(client_side=self.client_side), self.settings.connection_window
         )
-        self._flush()
+        self.kick()
         self._schedule_ping()
         early, self._early = self._early, None
         for data in early or ():
@@ -368,9 +357,8 @@ class H2Session(asyncio.BufferedProtocol):
             self._receive(memoryview(data))
 
     def is_usable(self) -> bool:
-        return self._started and not (
-            self._dead or self.goaway_received or self.goaway_sent or self._draining
-        )
+        # Sending or receiving a GOAWAY also sets `_draining`.
+        return self._started and not (self._dead or self._draining)
 
     def goaway(self, error_code: int = ErrorCodes.NO_ERROR) -> None:
         """Graceful: announce that no new streams are accepted; close once the open ones finish."""
@@ -382,7 +370,7 @@ class H2Session(asyncio.BufferedProtocol):
         self._refuse_above = last
         if self._started:
             self._h2.send_goaway(error_code, last)
-            self._flush()
+            self.kick()
         self._maybe_close_idle()
 
     def drain(self) -> None:
@@ -400,7 +388,7 @@ class H2Session(asyncio.BufferedProtocol):
             if self._started and not self.goaway_sent and not self.goaway_received:
                 self.goaway_sent = True
                 self._h2.send_goaway(ErrorCodes.NO_ERROR, self._h2.highest_inbound_stream_id)
-                self._flush()
+                self.kick()
             self._teardown(ConnectionClosed("connection closed"), abort=False)
 
     def _teardown(self, reason: HboneError, *, abort: bool = False) -> None:
@@ -623,7 +611,7 @@ class H2Session(asyncio.BufferedProtocol):
         except H2Error as e:
             self._teardown(ConnectionClosed(f"keepalive ping failed: {e}"), abort=True)
             return
-        self._flush()
+        self.kick()
         self._pong_handle = self.loop.call_later(self.settings.ping_timeout, self._ping_timed_out)
 
     def _on_ping_ack(self, event: ev.PingAckReceived) -> None:
@@ -648,11 +636,6 @@ class H2Session(asyncio.BufferedProtocol):
 
     # -- sending -------------------------------------------------------------------------------
 
-    def _flush(self) -> None:
-        if self._in_batch:
-            return
-        self._flush_always()
-
     def _flush_always(self) -> None:
         self._unflushed = 0
         if self._acks:
@@ -670,7 +653,7 @@ class H2Session(asyncio.BufferedProtocol):
                 transport.write(out)
 
     def kick(self) -> None:
-        """Stream operations call this: flush now unless a received batch is being handled."""
+        """Flush now unless a received batch is being handled (its end flushes); streams call this too."""
         if not self._in_batch:
             self._flush_always()
 
@@ -778,7 +761,7 @@ class H2Session(asyncio.BufferedProtocol):
     def _scheduled_flush(self) -> None:
         self._ack_flush_scheduled = False
         if not self._dead and self._acks:
-            self._flush()
+            self.kick()
 
     def _apply_acks(self) -> None:
         """What was consumed since the last flush, given back through h2's window managers.

@@ -166,7 +166,10 @@ class Pool(Generic[C]):
                 log.exception("hbone: pool idle release failed")
 
     async def close(self) -> None:
-        """Stop the pool: no more checkouts; every connection it dialed is closed now."""
+        """Stop the pool: no more checkouts; aborts every pooled or checked-out connection.
+
+        Connections that left the pool close when their streams end.
+        """
         self._closed = True
         if self._reaper is not None:
             self._reaper.cancel()

@@ -128,10 +128,6 @@ class HboneServer:
         self._servers.append(listener)
         return listener
 
-    async def serve_connection(self, sock: socket.socket) -> None:
-        """Serve one already accepted TCP socket (returns at once; the handshake runs as a task)."""
-        self._accepted(sock)
-
     async def _accept_loop(self, listen_sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -239,11 +235,6 @@ class HboneServer:
             raise
         except Exception:
             log.exception("hbone: handler failed for %r", req)
-            if not req.responded:
-                req.respond(503)
-            elif req.stream.get_protocol() is None:
-                req.stream.abort()
-            return
         if not req.responded:
             req.respond(503)
         elif req.stream.get_protocol() is None:

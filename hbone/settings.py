@@ -17,10 +17,13 @@ class H2Settings:
     server_max_header_list: int = 65536
     ping_interval: float = 10.0
     ping_timeout: float = 20.0
-    # Per-stream send buffer before the writer is paused: the stream window on the client side,
-    # 400 KiB on the server side (SPEC §2.4).
-    client_send_buffer: int = 4194304
+    # Per-stream send buffer before the writer is paused on the server side (SPEC §2.4).
     server_send_buffer: int = 409600
+
+    @property
+    def client_send_buffer(self) -> int:
+        """Per-stream send buffer on the client side: the stream window (SPEC §2.4)."""
+        return self.stream_window
 
     def local_settings(self, *, client_side: bool) -> dict[SettingCodes, int]:
         """The SETTINGS frame this side sends first."""

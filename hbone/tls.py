@@ -87,7 +87,6 @@ def client_context(cert: WorkloadCertificate) -> ssl.SSLContext:
     """Context for the outbound side. Use with no server name: no SNI, no host name check."""
     ctx = _base_context(ssl.PROTOCOL_TLS_CLIENT, cert)
     ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
 
 
@@ -127,9 +126,14 @@ class ContextCache:
     def server(self, cert: WorkloadCertificate) -> ssl.SSLContext:
         return self._get(self._server, cert, server=True)
 
-    def clear(self) -> None:
-        self._client.clear()
-        self._server.clear()
+
+def uri_sans(leaf: x509.Certificate) -> list[str]:
+    """URI SANs of a certificate, in certificate order (empty without a SubjectAltName)."""
+    try:
+        san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return list(san.get_values_for_type(x509.UniformResourceIdentifier))
 
 
 def peer_uri_sans(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[str]:
@@ -137,12 +141,7 @@ def peer_uri_sans(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[str]:
     der = ssl_object.getpeercert(binary_form=True)
     if not der:
         return []
-    leaf = x509.load_der_x509_certificate(der)
-    try:
-        san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        return []
-    return list(san.get_values_for_type(x509.UniformResourceIdentifier))
+    return uri_sans(x509.load_der_x509_certificate(der))
 
 
 def peer_identities(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[Identity]:
@@ -153,12 +152,6 @@ def peer_identities(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[Identity]
         if ident is not None:
             out.append(ident)
     return out
-
-
-def peer_identity(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> Identity | None:
-    """The identity of a peer: its first SPIFFE URI SAN (SPEC §2.3)."""
-    ids = peer_identities(ssl_object)
-    return ids[0] if ids else None
 
 
 def check_alpn(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> None:
@@ -181,9 +174,7 @@ def check_server_identity(
     return got[0]
 
 
-def check_client_trust_domain(
-    ssl_object: ssl.SSLObject | ssl.SSLSocket, trust_domain: str
-) -> Identity | None:
+def check_client_trust_domain(ssl_object: ssl.SSLObject | ssl.SSLSocket, trust_domain: str) -> Identity:
     """Server side: the client leaf must have a SPIFFE SAN in our trust domain.
 
     Returns the client's identity (its first SPIFFE SAN); raises `TlsHandshakeError`.
@@ -193,4 +184,4 @@ def check_client_trust_domain(
         raise TlsHandshakeError(
             f"tls handshake error: client identity {[str(i) for i in got]} is not in trust domain {trust_domain!r}"
         )
-    return got[0] if got else None
+    return got[0]

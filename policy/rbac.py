@@ -103,7 +103,8 @@ def clause_matches(clause: Clause, conn: Connection) -> bool:
     """A clause matches when any of its non-empty entries does; a clause without entries matches."""
     if not clause:
         return True
-    return any(entry_matches(entry, conn) for entry in clause if not is_empty(entry))
+    # An empty entry passes `entry_matches`, so emptiness is checked only for entries that pass.
+    return any(entry_matches(entry, conn) and not is_empty(entry) for entry in clause)
 
 
 def is_empty(entry: Match) -> bool:

@@ -68,7 +68,8 @@ def test_snapshot_add_then_snapshot_sent(fds: Fds) -> None:
     fd = fds.new()
     step = sm.receive(zds.add("u1", "web", "default", "web-sa"), [fd])
     assert step.reply is None  # waits for the proxy to start
-    assert step.actions == [StartProxy(PodInfo("u1", "web", "default", "web-sa"), fd)]
+    st = os.fstat(fd)
+    assert step.actions == [StartProxy(PodInfo("u1", "web", "default", "web-sa"), fd, (st.st_dev, st.st_ino))]
     assert not sm.ready
     assert sm.started("u1", (os.fstat(fd).st_dev, os.fstat(fd).st_ino)) == ACK
     assert not sm.ready  # the snapshot is not over

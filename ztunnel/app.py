@@ -80,7 +80,7 @@ class App:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.state = ProxyState()
-        self.metrics = Metrics(istio_version=os.environ.get("ISTIO_META_ISTIO_VERSION", "unknown"))
+        self.metrics = Metrics(istio_version=config.istio_version)
         self.readiness = Readiness()
         self.secrets = SecretManager(FakeCA()) if config.fake_ca else None
         self.static: LocalConfig | None = None

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from hbone.identity import Identity
-from hbone.tls import WorkloadCertificate
+from hbone.tls import WorkloadCertificate, uri_sans
 from xds.client import (
     AuthToken,
     ControlPlaneAddress,
@@ -147,7 +147,7 @@ class GrpcCaClient:
             raise CaError(f"CA {self.address.target} returned an invalid certificate: {e}") from None
         if leaf.public_key() != key.public_key():
             raise CaError(f"CA {self.address.target} returned a certificate for another key")
-        if self._impersonate and str(identity) not in _uri_sans(leaf):
+        if self._impersonate and str(identity) not in uri_sans(leaf):
             raise CaError(
                 f"did not find expected SAN {identity} in the certificate from {self.address.target}"
             )
@@ -161,14 +161,6 @@ class GrpcCaClient:
             not_before=leaf.not_valid_before_utc,
             not_after=leaf.not_valid_after_utc,
         )
-
-
-def _uri_sans(cert: x509.Certificate) -> list[str]:
-    try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        return []
-    return san.get_values_for_type(x509.UniformResourceIdentifier)
 
 
 def _pem_bytes(pem: str) -> bytes:

@@ -22,7 +22,6 @@ authority means).
 from __future__ import annotations
 
 import enum
-import ipaddress
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -35,13 +34,13 @@ from xds.model import (
     IPFamilies,
     LoadBalancingMode,
     LoadBalancingScope,
+    NamespacedHostname,
     NetworkAddress,
     Service,
     TunnelProtocol,
     Workload,
 )
-
-HBONE_PORT = 15008
+from ztunnel.config import HBONE_PORT
 
 # Used when the caller passes no generator; connections need no reproducible choices.
 _RNG = random.Random()
@@ -63,7 +62,6 @@ class Route:
     workload: Workload | None = None  # who terminates our tunnel: endpoint, waypoint (None: passthrough)
     service: Service | None = None  # the service the app addressed, if any
     waypoint: bool = False  # the next hop is the destination's waypoint
-    gateway: Workload | None = None  # DOUBLE_HBONE: the network gateway carrying the outer tunnel
     final_identities: tuple[str, ...] = ()  # DOUBLE_HBONE: SPIFFE URIs the inner TLS server may present
     inner_authority: str | None = None  # DOUBLE_HBONE: the inner CONNECT :authority
 
@@ -130,8 +128,7 @@ def route(
     """
     rng = rng or _RNG
     ip, port = destination
-    ip = ipaddress.ip_address(ip)
-    dst = (ip, port)
+    dst = destination
     # A: a workload's IP first; an address no workload has may be a service VIP.
     workload = state.workload_by_addr(network, ip)
     service = None if workload is not None else state.service_for_vip(network, ip, source.namespace)
@@ -249,7 +246,6 @@ def _via_gateway(
         workload=target,
         service=service,
         waypoint=waypoint,
-        gateway=gw,
         final_identities=final_sans,
         inner_authority=authority,
     )
@@ -280,21 +276,15 @@ def resolve_gateway(
     gateway (SPEC §3.4). The address is None for a workload without any (one in another network)."""
     dest = gateway.destination
     port = gateway.hbone_mtls_port
-    if isinstance(dest, NetworkAddress):
-        w = state.workload_by_addr(dest.network, dest.address)
-        if w is not None:
-            return w, dest.address, port, None
-        service = state.service_for_vip(dest.network, dest.address, source.namespace)
-        family_of = dest.address  # the family of the address given
-    else:
-        service = state.service_by_key(f"{dest.namespace}/{dest.hostname}")
-        if service is None:
-            w = state.workload_by_hostname(dest.namespace, dest.hostname)
-            if w is None:
-                return None
-            return w, pick_ip(w, family_of, None), port, None
-    if service is None:
+    target = _gateway_target(state, dest, source.namespace)
+    if target is None:
         return None
+    if isinstance(dest, NetworkAddress):
+        family_of = dest.address  # the family of the address given
+    if isinstance(target, Workload):
+        ip = dest.address if isinstance(dest, NetworkAddress) else pick_ip(target, family_of, None)
+        return target, ip, port, None
+    service = target
     picked = pick_endpoint(state, source, service, port, rng, waypoint_mode=waypoint_mode)
     if picked is None:
         return None
@@ -304,21 +294,23 @@ def resolve_gateway(
 
 def gateway_workloads(state: State, gateway: GatewayAddress, client_namespace: str | None) -> list[Workload]:
     """Every workload that makes up a waypoint or gateway (its service's endpoints, or the workload)."""
-    dest = gateway.destination
+    target = _gateway_target(state, gateway.destination, client_namespace)
+    if target is None or isinstance(target, Workload):
+        return [] if target is None else [target]
+    workloads = (state.workload_by_uid(ep.workload_uid) for ep in state.endpoints(target.key))
+    return [w for w in workloads if w is not None]
+
+
+def _gateway_target(
+    state: State, dest: NetworkAddress | NamespacedHostname, client_namespace: str | None
+) -> Workload | Service | None:
+    """What a waypoint or gateway address names: by address a workload, else a service VIP; by
+    hostname a service, else a workload with that hostname."""
     if isinstance(dest, NetworkAddress):
         w = state.workload_by_addr(dest.network, dest.address)
-        if w is not None:
-            return [w]
-        service = state.service_for_vip(dest.network, dest.address, client_namespace)
-    else:
-        service = state.service_by_key(f"{dest.namespace}/{dest.hostname}")
-        if service is None:
-            w = state.workload_by_hostname(dest.namespace, dest.hostname)
-            return [w] if w is not None else []
-    if service is None:
-        return []
-    workloads = (state.workload_by_uid(ep.workload_uid) for ep in state.endpoints(service.key))
-    return [w for w in workloads if w is not None]
+        return w if w is not None else state.service_for_vip(dest.network, dest.address, client_namespace)
+    service = state.service_by_key(f"{dest.namespace}/{dest.hostname}")
+    return service if service is not None else state.workload_by_hostname(dest.namespace, dest.hostname)
 
 
 def _is_source_waypoint(

@@ -1,8 +1,8 @@
 """How the proxy makes its sockets: listeners, outgoing connections, and the Linux socket options
 the reference relies on (SPEC §1.2, §12.4, Appendix B).
 
-A `SocketFactory` is per proxy instance; the in-pod mode will give each pod one that creates its
-sockets inside the pod's network namespace.
+A `SocketFactory` is per proxy instance; in in-pod mode each pod's is a `NetnsSocketFactory`
+(`ztunnel.inpod.netns`), which creates its sockets inside the pod's network namespace.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import uvloop
@@ -175,7 +175,6 @@ class WorkerSlot:
     delay: float = RESTART_DELAY
     process: asyncio.subprocess.Process | None = None
     task: asyncio.Task[None] | None = None
-    exit_codes: list[int] = field(default_factory=list)
 
 
 class Supervisor:
@@ -188,7 +187,7 @@ class Supervisor:
         self.sums = TrafficSums()
         self.app = App(config)
         self.app.data_plane = False
-        self.app.metrics = SummedMetrics(self.sums, os.environ.get("ISTIO_META_ISTIO_VERSION", "unknown"))
+        self.app.metrics = SummedMetrics(self.sums, config.istio_version)
         self._app_dump = self.app.config_dump
         # The admin server takes these bound methods at start-up; ours add the workers.
         self.app.config_dump = self.config_dump  # type: ignore[method-assign]
@@ -289,7 +288,6 @@ class Supervisor:
             writer.close()
         code = await process.wait()
         self.sums.retire(slot.index)
-        slot.exit_codes.append(code)
         if self._stopping:
             slot.state = "stopped"
             return
@@ -361,6 +359,8 @@ async def _worker(config: Config, index: int, fd: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     app = App(config)
+    # Only the traffic counters are reported to the parent: no /proc reads for process_* here.
+    app.metrics = Metrics(config.istio_version, process_metrics=False)
     app.operator_endpoints = False
     app.reuseport = True
     try:

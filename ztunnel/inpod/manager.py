@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +45,6 @@ class PodProxy:
     pod: PodInfo
     netns: Netns
     instance: ProxyInstance | None = None
-    started_at: float = 0.0
     error: str = ""
 
 
@@ -136,7 +134,7 @@ class WorkloadProxyManager:
                 if isinstance(action, StopProxy):
                     await self._stop(action.uid)
                 elif isinstance(action, StartProxy):
-                    reply = await self._start(action.pod, action.netns_fd)
+                    reply = await self._start(action.pod, Netns(action.netns_fd, action.netns_key))
             assert reply is not None
             await _send(sock, reply)
             self._update_readiness()
@@ -149,8 +147,8 @@ class WorkloadProxyManager:
 
     # -- pods -------------------------------------------------------------------------------------------
 
-    async def _start(self, pod: PodInfo, netns_fd: int) -> bytes:
-        entry = PodProxy(pod, Netns(netns_fd))
+    async def _start(self, pod: PodInfo, netns: Netns) -> bytes:
+        entry = PodProxy(pod, netns)
         log.info(
             "pod received, starting proxy: uid=%s name=%s namespace=%s netns=%s",
             pod.uid,
@@ -181,7 +179,6 @@ class WorkloadProxyManager:
             entry.error = str(e)
             return entry.error
         entry.instance = instance
-        entry.started_at = time.time()
         entry.error = ""
         self.proxies[entry.pod.uid] = entry
         self._metrics.started.inc()
@@ -229,7 +226,7 @@ class WorkloadProxyManager:
             self._update_readiness()
 
     def _update_readiness(self) -> None:
-        ready = self.connected and self.sm.ready and not self.pending
+        ready = self.connected and self.sm.ready
         if ready and self._ready_handle is not None:
             self._ready_handle.release()
             self._ready_handle = None

@@ -39,10 +39,9 @@ def current_netns_fd() -> int:
 class Netns:
     """A pod's network namespace, held open by its fd for the life of the pod's proxy."""
 
-    def __init__(self, fd: int) -> None:
-        st = os.fstat(fd)
+    def __init__(self, fd: int, key: tuple[int, int]) -> None:
         self.fd = fd
-        self.key = (st.st_dev, st.st_ino)  # how two fds are known to name the same namespace
+        self.key = key  # (st_dev, st_ino): how two fds are known to name the same namespace
         self._home: int | None = None
 
     def __repr__(self) -> str:

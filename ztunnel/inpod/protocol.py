@@ -40,6 +40,7 @@ class StartProxy:
 
     pod: PodInfo
     netns_fd: int
+    netns_key: NetnsKey
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class ZdsStateMachine:
         elif pod.uid in self.pending:
             del self.pending[pod.uid]
             actions.append(StopProxy(pod.uid))
-        actions.append(StartProxy(pod, fd))
+        actions.append(StartProxy(pod, fd, key))
         return Step(actions=actions)
 
     def started(self, uid: str, key: NetnsKey) -> bytes:

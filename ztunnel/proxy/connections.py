@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policy import Connection, Deny, authorize
+from policy import Authorization, Connection, Deny, authorize
 from ztunnel.state import ProxyState
 
 log = logging.getLogger("ztunnel.proxy")
@@ -30,7 +30,7 @@ class ConnectionTracker:
     def __init__(self, state: ProxyState) -> None:
         self._state = state
         self._open: set[Tracked] = set()
-        self._unsubscribe = state.subscribe_policies(self._policies_changed)
+        self._unsubscribe = state.subscribe_policies(self.reevaluate)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -43,23 +43,22 @@ class ConnectionTracker:
     def unregister(self, tracked: Tracked) -> None:
         self._open.discard(tracked)
 
-    def _policies_changed(self) -> None:
-        self.reevaluate()
-
-    def reevaluate(self) -> int:
-        """Authorize every open connection again; cut the denied ones. Returns how many were cut."""
-        cut = 0
+    def reevaluate(self) -> None:
+        """Authorize every open connection again; cut the denied ones."""
+        policies: dict[str, list[Authorization] | None] = {}  # per workload uid, looked up once
         for tracked in list(self._open):
-            workload = self._state.workload_by_uid(tracked.workload_uid)
-            if workload is None:
+            uid = tracked.workload_uid
+            if uid not in policies:
+                workload = self._state.workload_by_uid(uid)
+                policies[uid] = None if workload is None else self._state.policies_for(workload)
+            applying = policies[uid]
+            if applying is None:
                 continue  # the workload's removal is not a policy decision
-            decision = authorize(self._state.policies_for(workload), tracked.connection)
+            decision = authorize(applying, tracked.connection)
             if isinstance(decision, Deny):
                 self._open.discard(tracked)
                 log.debug("policy change denies %s: %s", tracked.connection, decision.reason)
                 tracked.reject(POLICY_CHANGE)
-                cut += 1
-        return cut
 
     def close(self) -> None:
         self._unsubscribe()

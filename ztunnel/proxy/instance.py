@@ -37,7 +37,14 @@ from hbone.tls import WorkloadCertificate, server_context
 from policy import Connection, Deny, authorize
 from xds.model import AppTunnelProtocol, IPAddress, Service, Workload
 from ztunnel import baggage
-from ztunnel.config import Config, WorkloadInfo, illegal_ports
+from ztunnel.config import (
+    HBONE_PORT,
+    INBOUND_PLAINTEXT_PORT,
+    OUTBOUND_PORT,
+    Config,
+    WorkloadInfo,
+    illegal_ports,
+)
 from ztunnel.identity import SecretManager
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.connections import ConnectionTracker
@@ -66,7 +73,7 @@ NETWORK_POLICY_HINT = "connection timed out, maybe a NetworkPolicy is blocking H
 
 
 def addr_str(addr: tuple[str, int]) -> str:
-    return format_addr(ipaddress.ip_address(addr[0]), addr[1])
+    return format_addr(_ip(addr[0]), addr[1])
 
 
 def traceparent() -> str:
@@ -158,19 +165,28 @@ class ProxyInstance:
         self.addresses: dict[str, tuple[str, int]] = {}
         self.spoof_source = False  # decided when the listeners are bound
         self.tracker = ConnectionTracker(state)
+        self._local: Workload | None = None
+        self._local_known = False  # `_local` is current until the store changes
         self._unsubscribe = state.subscribe(self._state_changed)
 
     # -- identity ----------------------------------------------------------------------------
 
     def _state_changed(self) -> None:
+        self._local_known = False
         for fut in self._state_waiters:
             if not fut.done():
                 fut.set_result(None)
         self._state_waiters.clear()
 
     def find_local_workload(self) -> Workload | None:
-        i = self.info
-        return self.state.find_local_workload(i.name, i.namespace, i.service_account, self.config.node_name)
+        """The proxy's own workload, looked up once per store change (not per connection)."""
+        if not self._local_known:
+            i = self.info
+            self._local = self.state.find_local_workload(
+                i.name, i.namespace, i.service_account, self.config.node_name
+            )
+            self._local_known = True
+        return self._local
 
     async def local_workload(self, timeout: float = LOCAL_WORKLOAD_WAIT) -> Workload | None:
         """The proxy's own workload, waiting up to `timeout` for it to appear (SPEC §3.1 step 3)."""
@@ -220,16 +236,18 @@ class ProxyInstance:
         workload in its own namespace), which never spoofs the client's address (SPEC §1.1, §4.4)."""
         host = self.bind or ""
         orig_src = self.config.enable_orig_src
-        transparent = orig_src is not False and not inbound_only
+        transparent = orig_src is not False
         socks: dict[str, socket.socket] = {}
         try:
             if inbound_only:
-                socks["inbound"] = self.sockets.listener(host, 15008)
+                socks["inbound"] = self.sockets.listener(host, HBONE_PORT)
                 self.addresses["inbound"] = canonical_addr(socks["inbound"].getsockname())
                 return socks
-            socks["outbound"] = self.sockets.listener(host, 15001, transparent=transparent)
-            socks["inbound_plaintext"] = self.sockets.listener(host, 15006, transparent=transparent)
-            socks["inbound"] = self.sockets.listener(host, 15008, transparent=transparent)
+            socks["outbound"] = self.sockets.listener(host, OUTBOUND_PORT, transparent=transparent)
+            socks["inbound_plaintext"] = self.sockets.listener(
+                host, INBOUND_PLAINTEXT_PORT, transparent=transparent
+            )
+            socks["inbound"] = self.sockets.listener(host, HBONE_PORT, transparent=transparent)
             if orig_src and not is_transparent(socks["inbound"]):
                 raise PermissionError(
                     errno.EPERM, "ENABLE_ORIG_SRC=true but IP_TRANSPARENT was refused (needs CAP_NET_ADMIN)"
@@ -316,7 +334,7 @@ class ProxyInstance:
     async def _outbound(self, transport: asyncio.Transport, inbox: Inbox) -> None:
         src = canonical_addr(transport.get_extra_info("peername"))
         dst = original_dst(transport.get_extra_info("socket"))
-        if ipaddress.ip_address(dst[0]).is_loopback and dst[1] in self.illegal:
+        if _ip(dst[0]).is_loopback and dst[1] in self.illegal:
             connection_failed(
                 addr_str(src), addr_str(dst), "outbound", "attempted recursive call to ourselves"
             )
@@ -565,9 +583,7 @@ class ProxyInstance:
     # -- inbound HBONE ------------------------------------------------------------------------
 
     def _inbound_tls_error(self, peer: tuple[str, int], local: tuple[str, int], error: Exception) -> None:
-        connection_failed(
-            addr_str(canonical_addr(peer)), addr_str(canonical_addr(local)), "inbound", f"tls: {error}"
-        )
+        connection_failed(addr_str(peer), addr_str(local), "inbound", f"tls: {error}")  # canonical already
 
     async def _inbound(self, req: ConnectRequest) -> None:
         src_s, local_s = addr_str(req.peer_addr), addr_str(req.local_addr)

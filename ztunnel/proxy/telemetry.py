@@ -9,9 +9,7 @@ from dataclasses import dataclass
 
 from xds.model import Service, Workload
 from ztunnel.logs import Bare, access_log
-from ztunnel.metrics import ConnectionMetrics, Metrics, TrafficLabels
-
-UNKNOWN = "unknown"
+from ztunnel.metrics import UNKNOWN, ConnectionMetrics, Metrics, TrafficLabels
 
 
 def _v(value: str | None) -> str:
@@ -56,7 +54,6 @@ class Peer:
 def traffic_labels(
     reporter: str, src: Peer, dst: Peer, service: Service | None, security_policy: str
 ) -> TrafficLabels:
-    located = src.workload is not None or dst.workload is not None
     return TrafficLabels(
         reporter=reporter,
         source_workload=_v(src.workload_name),
@@ -80,10 +77,10 @@ def traffic_labels(
         destination_cluster=_v(dst.cluster_id),
         request_protocol="tcp",
         connection_security_policy=security_policy,
-        source_region=_v(src.workload.locality.region if located and src.workload else None),
-        source_zone=_v(src.workload.locality.zone if located and src.workload else None),
-        destination_region=_v(dst.workload.locality.region if located and dst.workload else None),
-        destination_zone=_v(dst.workload.locality.zone if located and dst.workload else None),
+        source_region=_v(src.workload.locality.region if src.workload else None),
+        source_zone=_v(src.workload.locality.zone if src.workload else None),
+        destination_region=_v(dst.workload.locality.region if dst.workload else None),
+        destination_zone=_v(dst.workload.locality.zone if dst.workload else None),
     )
 
 
