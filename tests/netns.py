@@ -7,8 +7,16 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Sequence
+from typing import NoReturn
 
 import pytest
+
+
+def cannot_run(reason: str) -> NoReturn:
+    """Skip the test; under CI=true (any case), fail instead: CI must run every test."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true but this test cannot run: {reason}")
+    pytest.skip(reason)
 
 
 def require_root(*tools: str) -> None:
@@ -18,10 +26,17 @@ def require_root(*tools: str) -> None:
         problems.append("needs root")
     problems += [f"needs {t}" for t in tools if shutil.which(t) is None]
     if problems:
-        reason = ", ".join(problems)
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but this test cannot run: {reason}")
-        pytest.skip(reason)
+        cannot_run(", ".join(problems))
+
+
+def require_tools(*tools: str, hint: str = "") -> list[str]:
+    """The tools' paths (names looked up on PATH, or absolute paths); when one is missing, skip, or
+    under CI=true fail. `hint` says where to get them (a package name)."""
+    paths = [shutil.which(t) for t in tools]
+    missing = [t for t, p in zip(tools, paths, strict=True) if p is None]
+    if missing:
+        cannot_run(f"not installed: {', '.join(missing)}" + (f" ({hint})" if hint else ""))
+    return [p for p in paths if p is not None]
 
 
 def run(*args: str, check: bool = True, input: bytes | None = None) -> subprocess.CompletedProcess[bytes]:

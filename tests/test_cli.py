@@ -123,3 +123,16 @@ def test_demo_runs_and_everything_behaves() -> None:
     assert "frontend" in r.stdout and "allowed" in r.stdout
     assert "denied (SOCKS5 reply 2)" in r.stdout
     assert "everything behaved" in r.stdout
+    # The rows a user reads, columns as printed (whitespace-separated).
+    rows = {" ".join(line.split()) for line in r.stdout.splitlines()}
+    assert (
+        "frontend spiffe://cluster.local/ns/demo/sa/frontend 127.0.0.3:8080 allow allowed 1280/1280" in rows
+    ), r.stdout
+    assert (
+        "intruder spiffe://cluster.local/ns/demo/sa/intruder 127.0.0.3:8080 deny denied (SOCKS5 reply 2) 0/0"
+        in rows
+    ), r.stdout
+    assert "frontend opens a long-lived connection echoing" in rows, r.stdout
+    assert "the open connection closed by the server's proxy" in rows, r.stdout
+    assert "frontend tries again denied (SOCKS5 reply 2)" in rows, r.stdout
+    assert "result: everything behaved" in rows, r.stdout

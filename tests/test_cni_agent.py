@@ -25,6 +25,7 @@ import pytest
 from cni import events, redirect
 from tests.cninode import ZTUNNEL, Cluster, Node, Pod, join
 from tests.netns import require_root
+from tests.waiting import eventually
 from xds import zds
 
 pytestmark = pytest.mark.root
@@ -129,10 +130,7 @@ def no_rules(pod: Pod) -> bool:
 
 
 def wait_for_log(node: Node, text: str, timeout: float = 3) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in node.agent_output():
-        assert time.monotonic() < deadline, f"{text!r} not in the agent log"
-        time.sleep(0.02)
+    eventually(lambda: text in node.agent_output(), f"{text!r} in the agent log", timeout, interval=0.02)
 
 
 @pytest.fixture
@@ -478,11 +476,12 @@ class Capture:
         return [line for line in self._lines() if line.startswith("{")]
 
     def _wait(self, done: Callable[[list[str]], bool], timeout: float = 5) -> None:
-        deadline = time.monotonic() + timeout
-        while not done(self._lines()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"capture in {self.log.name}: {self._lines()}")
-            time.sleep(0.02)
+        def what() -> str:
+            return f"capture in {self.log.name}: {self._lines()}"
+
+        eventually(lambda: done(self._lines()) or self.proc.poll() is not None, what, timeout, interval=0.02)
+        if not done(self._lines()):
+            raise AssertionError(f"exited: {what()}")
 
     def next(self) -> dict[str, object]:
         """The next connection seen (waiting a while for it)."""

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import re
-import shutil
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -16,6 +15,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.mesh import Echo, echo_roundtrip, proxy_env, sha, socks5_connect, start_echo, start_proxy
+from tests.netns import require_tools
+from tests.waiting import eventually_async
 from ztunnel.app import App
 
 # A random /24 of the loopback range per run, so that concurrent runs do not collide.
@@ -98,14 +99,6 @@ async def mesh(proxy_logs) -> AsyncIterator[dict[str, App | Echo]]:  # type: ign
         echo.server.close()
 
 
-async def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
 async def test_allowed_and_denied_by_identity(mesh: dict) -> None:
     server: App = mesh["server"]
     payload = os.urandom(50_000)
@@ -118,7 +111,12 @@ async def test_allowed_and_denied_by_identity(mesh: dict) -> None:
 
     frontend_id = "spiffe://cluster.local/ns/demo/sa/frontend"
     intruder_id = "spiffe://cluster.local/ns/demo/sa/intruder"
-    await wait_for(lambda: metric(server, "istio_tcp_connections_closed_total", reporter="destination") >= 2)
+    await eventually_async(
+        lambda: metric(server, "istio_tcp_connections_closed_total", reporter="destination") >= 2,
+        "both connections closed",
+        5.0,
+        0.02,
+    )
     assert (
         metric(
             server, "istio_tcp_connections_opened_total", reporter="destination", source_principal=frontend_id
@@ -160,7 +158,12 @@ async def test_service_vip_is_translated_to_an_endpoint(mesh: dict) -> None:
     ex = await echo_roundtrip((FRONTEND, 15080), VIP, 80, payload)
     assert (ex.code, ex.digest) == (0, sha(payload))
     frontend: App = mesh["frontend"]
-    await wait_for(lambda: metric(frontend, "istio_tcp_connections_closed_total") >= 1)
+    await eventually_async(
+        lambda: metric(frontend, "istio_tcp_connections_closed_total") >= 1,
+        "the connection closed",
+        5.0,
+        0.02,
+    )
     assert (
         metric(
             frontend, "istio_tcp_connections_opened_total", destination_service="echo.demo.svc.cluster.local"
@@ -176,7 +179,12 @@ async def test_unknown_destination_is_passed_through_in_plain_tcp(mesh: dict) ->
         ex = await echo_roundtrip((INTRUDER, 15080), STRANGER, 9000, payload)
         assert (ex.code, ex.digest) == (0, sha(payload))
         intruder: App = mesh["intruder"]
-        await wait_for(lambda: metric(intruder, "istio_tcp_connections_closed_total") >= 1)
+        await eventually_async(
+            lambda: metric(intruder, "istio_tcp_connections_closed_total") >= 1,
+            "the connection closed",
+            5.0,
+            0.02,
+        )
         assert (
             metric(intruder, "istio_tcp_connections_opened_total", connection_security_policy="unknown") == 1
         )
@@ -239,8 +247,11 @@ async def test_200_concurrent_connections_over_the_pool(mesh: dict, proxy_logs) 
         asyncio.gather(*(echo_roundtrip((FRONTEND, 15080), SERVER, 8080, p) for p in payloads)), 60
     )
     assert [r.digest for r in results] == [sha(p) for p in payloads]
-    await wait_for(
-        lambda: metric(server, "istio_tcp_connections_closed_total", reporter="destination") >= 200
+    await eventually_async(
+        lambda: metric(server, "istio_tcp_connections_closed_total", reporter="destination") >= 200,
+        "every connection closed",
+        5.0,
+        0.02,
     )
     assert metric(server, "istio_tcp_connections_opened_total", reporter="destination") == 200
     # The server's access log names the client proxy's address of each HBONE connection: 200 streams
@@ -253,11 +264,7 @@ async def test_200_concurrent_connections_over_the_pool(mesh: dict, proxy_logs) 
 
 async def test_curl_through_socks5(mesh: dict) -> None:
     """curl, a client we did not write, reaches an HTTP app through the proxy's SOCKS5 listener."""
-    curl = shutil.which("curl")
-    if curl is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI=true but curl is not installed")
-        pytest.skip("curl is not installed")
+    [curl] = require_tools("curl")
 
     async def http_app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
@@ -293,8 +300,10 @@ async def test_curl_through_socks5(mesh: dict) -> None:
             stderr=asyncio.subprocess.PIPE,
         )
         _, err = await denied.communicate()
-        assert denied.returncode != 0
+        # curl's exit 97 (CURLE_PROXY) and the SOCKS5 reply code it got: 2, not allowed by ruleset.
+        assert denied.returncode == 97, err.decode()
         assert b"SOCKS5" in err  # curl reports the SOCKS5 failure reply
+        assert err.rstrip().endswith(b"(2)"), err.decode()
     finally:
         app.close()
 

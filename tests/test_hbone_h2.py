@@ -633,7 +633,8 @@ async def test_client_close_waits_for_streams(loopback) -> None:
 
 async def test_keepalive_tears_down_when_peer_stops_answering(loopback) -> None:
     lb = await loopback(settings=H2Settings(ping_interval=60.0, ping_timeout=60.0))
-    quick = H2Settings(ping_interval=0.05, ping_timeout=0.3)
+    # A PING answered late under load is no timeout: 2 s, well inside the 5 s waited for the close.
+    quick = H2Settings(ping_interval=0.05, ping_timeout=2.0)
     conn = await lb.connect(quick)
     _stream, sink = await open_stream(conn)
     for _ in range(500):  # several PINGs answered: still alive

@@ -167,8 +167,13 @@ async def test_client_without_certificate_is_rejected(ca: CA, serve) -> None:
     writer.close()
     await asyncio.wait_for(srv.failed.wait(), 5)
     [(_, _, server_err)] = srv.errors
-    assert "certificate" in str(server_err).lower()
-    assert "certificate" in str(err.value).lower() or isinstance(err.value, ConnectionError)
+    assert "peer did not return a certificate" in str(server_err), server_err
+    # TLS 1.3: the client sees the refusal as the server's alert, or (alert not flushed) as a close.
+    assert (
+        "certificate" in str(err.value).lower()
+        if isinstance(err.value, ssl.SSLError)
+        else str(err.value) == "closed" or isinstance(err.value, ConnectionResetError)
+    ), repr(err.value)
 
 
 async def test_server_with_untrusted_ca_is_rejected(ca: CA, serve) -> None:
@@ -178,7 +183,7 @@ async def test_server_with_untrusted_ca_is_rejected(ca: CA, serve) -> None:
         await HboneConnection.open(
             await srv.dial(), issue(ca, CLIENT_ID), [Identity.parse(SERVER_ID)], H2Settings()
         )
-    assert "certificate verify failed" in str(err.value)
+    assert "certificate verify failed: unable to get local issuer certificate" in str(err.value)
 
 
 async def test_client_with_untrusted_ca_is_rejected(ca: CA, serve) -> None:
@@ -190,7 +195,7 @@ async def test_client_with_untrusted_ca_is_rejected(ca: CA, serve) -> None:
     with pytest.raises((TlsHandshakeError, H2HandshakeError)):
         await HboneConnection.open(await srv.dial(), client, [Identity.parse(SERVER_ID)], H2Settings())
     await asyncio.wait_for(srv.failed.wait(), 5)
-    assert "certificate verify failed" in str(srv.errors[0][2])
+    assert "certificate verify failed: unable to get local issuer certificate" in str(srv.errors[0][2])
 
 
 async def test_client_cert_without_client_auth_eku_is_rejected(ca: CA, serve) -> None:
@@ -199,7 +204,7 @@ async def test_client_cert_without_client_auth_eku_is_rejected(ca: CA, serve) ->
     with pytest.raises((TlsHandshakeError, H2HandshakeError)):
         await HboneConnection.open(await srv.dial(), server_only, [Identity.parse(SERVER_ID)], H2Settings())
     await asyncio.wait_for(srv.failed.wait(), 5)
-    assert "certificate" in str(srv.errors[0][2])
+    assert "certificate verify failed: unsuitable certificate purpose" in str(srv.errors[0][2])
 
 
 async def test_intermediate_chain_is_presented(ca: CA, serve) -> None:

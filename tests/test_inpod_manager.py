@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.netns import Netns, require_root
+from tests.waiting import eventually_async
 from xds import zds
 from ztunnel.app import App
 from ztunnel.config import Config
@@ -91,13 +92,9 @@ def http_get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-async def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait for `check` (blocking: it runs in a thread, so it may call this process's servers)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await asyncio.to_thread(check):
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
+def readiness(ip: str, status: int) -> Callable[[], bool]:
+    """A blocking check (it calls this process's own server: run it with `blocking=True`)."""
+    return lambda: http_get(f"http://{ip}:15021/healthz/ready")[0] == status
 
 
 @pytest.fixture
@@ -162,13 +159,19 @@ async def test_pod_listeners_open_inside_its_namespace(
         check=False,
     )  # fmt: skip
     assert second.stdout.strip() == b"bound", second.stderr
-    host = subprocess.run(["ss", "-Hltn", "sport = :15008"], capture_output=True, text=True).stdout
-    assert "*:15008" not in host and "0.0.0.0:15008" not in host  # nothing in ztunnel's own namespace
+    # Nothing in ztunnel's own namespace: no wildcard listener on 15008 (any spelling), and no socket of
+    # this process (ztunnel runs in it) on 15008 at all. Other processes (tests run beside this one)
+    # may hold a loopback address's 15008 here.
+    host = subprocess.run(
+        ["ss", "-Hltnp", "sport = :15008"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "*:15008" not in host and "0.0.0.0:15008" not in host and "[::]:15008" not in host, host
+    assert f"pid={os.getpid()}," not in host, host
 
     status, _ = await asyncio.to_thread(http_get, f"http://{ip}:15021/healthz/ready")
     assert status == 500  # still inside the snapshot
     assert await agent.request(zds.snapshot_sent()) == ""
-    await eventually(lambda: http_get(f"http://{ip}:15021/healthz/ready")[0] == 200)
+    await eventually_async(readiness(ip, 200), "readiness 200", blocking=True)
 
     _, dump = await asyncio.to_thread(http_get, f"http://{ip}:15000/config_dump")
     state = json.loads(dump)["workloadState"]
@@ -219,8 +222,10 @@ async def test_a_pod_that_cannot_start_is_nacked_and_retried(
     finally:
         squatter.kill()
         squatter.wait()
-    await eventually(lambda: {15001, 15006, 15008} <= set(listeners(pod)))
-    await eventually(lambda: http_get(f"http://{ip}:15021/healthz/ready")[0] == 200)
+    await eventually_async(
+        lambda: {15001, 15006, 15008} <= set(listeners(pod)), "the retried pod's listeners", blocking=True
+    )
+    await eventually_async(readiness(ip, 200), "readiness 200", blocking=True)
 
 
 async def test_reconnect_and_snapshot_drop_pods_the_agent_no_longer_has(
@@ -236,14 +241,14 @@ async def test_reconnect_and_snapshot_drop_pods_the_agent_no_longer_has(
     # The agent restarts: its connection drops, ztunnel reconnects, readiness waits for the snapshot.
     assert agent.conn is not None
     agent.conn.close()
-    await eventually(lambda: http_get(f"http://{ip}:15021/healthz/ready")[0] == 500)
+    await eventually_async(readiness(ip, 500), "readiness 500 while the agent is away", blocking=True)
     await agent.accept()
     # The snapshot names pod-a again (its namespace unchanged: nothing restarts) but not pod-b.
     assert await agent.request(zds.add("uid-a", "pod-a", "ns", "sa-a"), [open_netns(a)]) == ""
     assert await agent.request(zds.snapshot_sent()) == ""
     assert {15001, 15006, 15008} <= set(listeners(a))
     assert not {15001, 15006, 15008} & set(listeners(b))
-    await eventually(lambda: http_get(f"http://{ip}:15021/healthz/ready")[0] == 200)
+    await eventually_async(readiness(ip, 200), "readiness 200", blocking=True)
 
 
 async def test_a_bad_packet_costs_only_the_connection(

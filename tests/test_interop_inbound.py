@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,6 +20,8 @@ import pytest
 
 from hbone.identity import Identity
 from tests.mesh import openssl_s_client, proxy_env, start_echo, start_proxy
+from tests.netns import require_tools
+from tests.waiting import eventually_async
 from ztunnel.app import App
 from ztunnel.identity import FakeCA
 
@@ -117,11 +117,7 @@ def write_certs(directory: Path) -> None:
 
 
 async def test_node_http2_client_gets_the_reference_statuses(server: App, tmp_path: Path, proxy_logs) -> None:  # type: ignore[no-untyped-def]
-    node = shutil.which("node")
-    if node is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("CI=true but node is not installed")
-        pytest.skip("node is not installed")
+    [node] = require_tools("node")
     write_certs(tmp_path)
     script = tmp_path / "client.js"
     script.write_text(NODE_CLIENT)
@@ -165,24 +161,20 @@ async def test_node_http2_client_gets_the_reference_statuses(server: App, tmp_pa
         "illegal-port": 503,
         "nothing-listening": 503,
     }
-    await asyncio.sleep(0.1)
+    wanted = (
+        f"ip mismatch: {SERVER} != {OTHER}",
+        "connection closed due to policy rejection: allow policies exist, but none allowed",
+        'src.identity="spiffe://cluster.local/ns/demo/sa/intruder"',
+    )
+    await eventually_async(lambda: all(text in proxy_logs.text() for text in wanted), "the access-log lines")
     logs = proxy_logs.text()
     assert f"ip mismatch: {SERVER} != {OTHER}" in logs
     assert "connection closed due to policy rejection: allow policies exist, but none allowed" in logs
     assert 'src.identity="spiffe://cluster.local/ns/demo/sa/intruder"' in logs
 
 
-def need(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but {tool} is not installed")
-        pytest.skip(f"{tool} is not installed")
-    return path
-
-
 async def test_openssl_s_client_sees_the_workload_identity(server: App, tmp_path: Path) -> None:
-    need("openssl")
+    require_tools("openssl")
     write_certs(tmp_path)
     view = await openssl_s_client(
         f"{SERVER}:15008",

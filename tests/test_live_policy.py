@@ -7,6 +7,7 @@ import random
 
 from policy.model import Action, Authorization, Match, Scope, StringMatch, StringMatchKind
 from tests.mesh import proxy_env, socks5_connect, start_echo, start_proxy
+from tests.waiting import eventually_async
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
 SERVER, CLIENT = f"{NET}.3", f"{NET}.2"
@@ -60,15 +61,23 @@ async def test_policy_change_closes_a_connection_it_now_denies(proxy_logs) -> No
 
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server proxy
         writer.close()
-        await asyncio.sleep(0.1)
+
+        def closed_lines() -> list[str]:
+            body, _ = server.metrics.render(None)
+            return [
+                line
+                for line in body.decode().splitlines()
+                if line.startswith("istio_tcp_connections_closed_total") and 'reporter="destination"' in line
+            ]
+
+        # Logged and counted once the server proxy is done with the connection.
+        await eventually_async(
+            lambda: "connection closed due to policy change" in proxy_logs.text() and closed_lines(),
+            "the closure's log line and metric",
+        )
         logs = proxy_logs.text()
         assert "connection closed due to policy change" in logs
-        body, _ = server.metrics.render(None)
-        closed = [
-            line
-            for line in body.decode().splitlines()
-            if line.startswith("istio_tcp_connections_closed_total") and 'reporter="destination"' in line
-        ]
+        closed = closed_lines()
         assert len(closed) == 1 and 'response_flags="DENY"' in closed[0], closed
         code, reader, writer = await socks5_connect((CLIENT, 15080), SERVER, 8080)
         assert code == 2  # and new connections are refused (401)

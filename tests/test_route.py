@@ -767,6 +767,11 @@ def test_capacity_weights_the_choice_of_endpoint() -> None:
         assert shares[ip] == pytest.approx(expected, abs=0.02), shares
 
 
+def test_capacity_0_is_never_chosen_over_many_draws(state: ProxyState) -> None:
+    # The table's case is a single draw; over many, the endpoint of capacity 0 still never comes up.
+    assert _shares(state, "10.96.2.4:80", 1000) == {"10.0.3.4": 1.0}
+
+
 def test_weighted_waypoints_split_by_weight() -> None:
     state = ProxyState()
     state.apply_local_config(parse_local_config(STATS))

@@ -4,12 +4,14 @@ certificates from its CA, live policy pushes, and a control-plane restart under 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import re
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ from tests.mesh import (
     start_echo,
     start_proxy,
 )
+from tests.waiting import eventually_async
 from ztunnel.app import App
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
@@ -65,6 +68,14 @@ DENY_CLIENT = """
     rules:
       - - - principals: [!Exact "cluster.local/ns/demo/sa/client"]
 """
+
+
+def ready(ip: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{ip}:15021/healthz/ready", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:  # HTTPError (500: not ready yet) included
+        return False
 
 
 def free_port(host: str) -> int:
@@ -148,8 +159,9 @@ async def mesh(tmp_path: Path, proxy_logs) -> AsyncIterator[Mesh]:  # type: igno
             apps.append(app)
             assert app.xds is not None
             await asyncio.wait_for(app.xds.wait_synced(), 10)
-        # Accept loops start once synced; give the serving task its turn.
-        await asyncio.sleep(0.05)
+        # Accept loops start once synced; readiness turns 200 once they have.
+        for ip in (SERVER, CLIENT):
+            await eventually_async(functools.partial(ready, ip), f"{ip}'s readiness", blocking=True)
         yield Mesh(cp, apps[0], apps[1])
     finally:
         for app in apps:
@@ -199,6 +211,9 @@ async def test_policy_pushed_through_the_control_plane_closes_a_live_connection(
     mesh.cp.config.write_text(MESH + DENY_CLIENT)
     assert await asyncio.wait_for(reader.read(), 10) == b""
     writer.close()
+    await eventually_async(
+        lambda: "connection closed due to policy change" in proxy_logs.text(), "the closure's log line"
+    )
     assert "connection closed due to policy change" in proxy_logs.text()
     code, _, writer = await socks5_connect((CLIENT, 15080), SERVER, 8080)
     writer.close()
@@ -214,10 +229,9 @@ async def test_control_plane_restart_while_proxies_serve(mesh: Mesh) -> None:
     await mesh.cp.start()
     # The proxies reconnect: a change made now reaches them.
     mesh.cp.config.write_text(MESH + DENY_CLIENT)
-    for _ in range(100):
-        if mesh.server.state.policy("demo/deny-client") is not None:
-            break
-        await asyncio.sleep(0.1)
+    await eventually_async(
+        lambda: mesh.server.state.policy("demo/deny-client") is not None, "the pushed policy", 10.0, 0.1
+    )
     assert mesh.server.state.policy("demo/deny-client") is not None
     body, _ = mesh.server.metrics.render(None)
     assert "istio_xds_connection_terminations_total" in body.decode()
