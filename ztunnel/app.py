@@ -24,9 +24,6 @@ from ztunnel import __version__
 from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
 from ztunnel.config import Config, ConfigError, WorkloadInfo
 from ztunnel.identity import FakeCA, SecretManager
-from ztunnel.inpod.manager import ProtocolError, WorkloadProxyManager
-from ztunnel.inpod.netns import Netns, NetnsSocketFactory, check_privileges
-from ztunnel.inpod.protocol import PodInfo
 from ztunnel.logs import setup_logging
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.instance import ProxyInstance
@@ -36,6 +33,9 @@ from ztunnel.state import ProxyState
 if TYPE_CHECKING:
     from xds.client import XdsClient
     from ztunnel.caclient import GrpcCaClient
+    from ztunnel.inpod.manager import WorkloadProxyManager
+    from ztunnel.inpod.netns import Netns
+    from ztunnel.inpod.protocol import PodInfo
 
 log = logging.getLogger("ztunnel.app")
 
@@ -116,6 +116,9 @@ class App:
     async def start(self) -> None:
         cfg = self.config
         if cfg.proxy_mode == "shared" and self.data_plane:
+            # In-pod mode's modules (and protobuf, for ZDS) are loaded only when it runs.
+            from ztunnel.inpod.netns import check_privileges
+
             try:
                 check_privileges(cfg.packet_mark)
             except OSError as e:
@@ -257,6 +260,9 @@ class App:
 
     def _start_inpod(self) -> None:
         """In-pod mode: pods arrive over ZDS once the first xDS state is in (SPEC §1.3, §9)."""
+        from ztunnel.inpod.manager import WorkloadProxyManager
+        from ztunnel.inpod.netns import NetnsSocketFactory
+
         options = self._socket_options()
         secrets = self.secrets
         assert secrets is not None
@@ -275,6 +281,8 @@ class App:
         self._inpod_task = asyncio.get_running_loop().create_task(self._run_inpod(self.inpod))
 
     async def _run_inpod(self, manager: WorkloadProxyManager) -> None:
+        from ztunnel.inpod.manager import ProtocolError
+
         if self.xds is not None:
             await self.xds.wait_synced()
         try:
