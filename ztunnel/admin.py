@@ -285,10 +285,14 @@ def _accepts_gzip(accept_encoding: str | None) -> bool:
     return False
 
 
-def stats_server(metrics: Metrics) -> HttpServer:
-    """`/metrics` and `/stats/prometheus`, negotiated from `Accept` and gzipped when accepted."""
+def stats_server(metrics: Metrics, refresh: Callable[[], Awaitable[None]] | None = None) -> HttpServer:
+    """`/metrics` and `/stats/prometheus`, negotiated from `Accept` and gzipped when accepted.
 
-    def scrape(request: Request) -> Response:
+    `refresh` runs before each scrape (with data-plane workers: collect their current counters)."""
+
+    async def scrape(request: Request) -> Response:
+        if refresh is not None:
+            await refresh()
         body, content_type = metrics.render(request.headers.get("accept"))
         if _accepts_gzip(request.headers.get("accept-encoding")):
             return Response(200, gzip.compress(body, 6), content_type, (("Content-Encoding", "gzip"),))

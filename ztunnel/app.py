@@ -17,8 +17,6 @@ import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
-import uvloop
-
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
 from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
@@ -31,9 +29,11 @@ from ztunnel.sockets import SocketFactory, SocketOptions
 from ztunnel.state import ProxyState
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from xds.client import XdsClient
     from ztunnel.caclient import GrpcCaClient
-    from ztunnel.inpod.manager import WorkloadProxyManager
+    from ztunnel.inpod.manager import PodRuntime, WorkloadProxyManager
     from ztunnel.inpod.netns import Netns
     from ztunnel.inpod.protocol import PodInfo
 
@@ -76,6 +76,22 @@ def load_static_config(config: Config) -> LocalConfig | None:
     return None
 
 
+def socket_options(cfg: Config, *, workers: bool = False) -> SocketOptions:
+    """The proxy sockets' options. `workers`: the listeners are shared by several data-plane worker
+    processes, so they join with SO_REUSEPORT whatever `INPOD_PORT_REUSE` says (only ours join in
+    dedicated mode: the parent holds each address exclusively first, see ztunnel/workers.py)."""
+    shared = cfg.proxy_mode == "shared"
+    return SocketOptions(
+        keepalive=cfg.keepalive_enabled,
+        keepalive_time=int(cfg.keepalive_time),
+        keepalive_interval=int(cfg.keepalive_interval),
+        keepalive_retries=cfg.keepalive_retries,
+        mark=cfg.packet_mark,
+        reuseport=workers or (cfg.inpod_port_reuse if shared else False),
+        backlog=128 if shared else SocketOptions.backlog,
+    )
+
+
 class App:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -91,11 +107,12 @@ class App:
         self.xds: XdsClient | None = None
         self._xds_task: asyncio.Task[None] | None = None
         self._serving: asyncio.Task[None] | None = None
-        # Worker-process mode (ztunnel/workers.py): the parent runs without the data plane, each
-        # worker without the operator endpoints and with SO_REUSEPORT listeners.
+        # With data-plane workers (ztunnel/workers.py) the parent's App runs without the data plane:
+        # in in-pod mode its workload proxy manager starts the pods in `pod_runtime` (the workers),
+        # and every scrape first collects the workers' counters (`before_scrape`).
         self.data_plane = True
-        self.operator_endpoints = True
-        self.reuseport = False
+        self.pod_runtime: PodRuntime | None = None
+        self.before_scrape: Callable[[], Awaitable[None]] | None = None
         self.inpod: WorkloadProxyManager | None = None
         self._inpod_task: asyncio.Task[None] | None = None
         self.exit_code = 0
@@ -115,7 +132,7 @@ class App:
 
     async def start(self) -> None:
         cfg = self.config
-        if cfg.proxy_mode == "shared" and self.data_plane:
+        if cfg.proxy_mode == "shared":
             # In-pod mode's modules (and protobuf, for ZDS) are loaded only when it runs.
             from ztunnel.inpod.netns import check_privileges
 
@@ -178,9 +195,9 @@ class App:
         operator_servers = (
             (readiness_server(self.readiness), cfg.readiness_address),
             (admin_server(self.config_dump, self.shutdown), cfg.admin_address),
-            (stats_server(self.metrics), cfg.stats_address),
+            (stats_server(self.metrics, self.before_scrape), cfg.stats_address),
         )
-        for server, (host, port) in operator_servers if self.operator_endpoints else ():
+        for server, (host, port) in operator_servers:
             try:
                 await server.start(host, port)
             except OSError as e:
@@ -191,6 +208,8 @@ class App:
 
         if not self.data_plane:
             proxy_task.release()  # the listeners are the workers'
+            if cfg.proxy_mode == "shared" and self.pod_runtime is not None:
+                self._start_inpod()
             return
         if cfg.proxy_mode == "shared":
             await self._start_self_listener()
@@ -221,17 +240,7 @@ class App:
             self._serving = asyncio.get_running_loop().create_task(self._serve(proxy, socks, proxy_task))
 
     def _socket_options(self) -> SocketOptions:
-        cfg = self.config
-        shared = cfg.proxy_mode == "shared"
-        return SocketOptions(
-            keepalive=cfg.keepalive_enabled,
-            keepalive_time=int(cfg.keepalive_time),
-            keepalive_interval=int(cfg.keepalive_interval),
-            keepalive_retries=cfg.keepalive_retries,
-            mark=cfg.packet_mark,
-            reuseport=cfg.inpod_port_reuse if shared else self.reuseport,
-            backlog=128 if shared else SocketOptions.backlog,
-        )
+        return socket_options(self.config)
 
     async def _start_self_listener(self) -> None:
         """In-pod mode, when ztunnel knows its own pod (POD_NAME, POD_NAMESPACE, SERVICE_ACCOUNT):
@@ -260,7 +269,7 @@ class App:
 
     def _start_inpod(self) -> None:
         """In-pod mode: pods arrive over ZDS once the first xDS state is in (SPEC §1.3, §9)."""
-        from ztunnel.inpod.manager import WorkloadProxyManager
+        from ztunnel.inpod.manager import LocalPods, WorkloadProxyManager
         from ztunnel.inpod.netns import NetnsSocketFactory
 
         options = self._socket_options()
@@ -275,8 +284,9 @@ class App:
             secrets.prefetch(proxy.identity(proxy.find_local_workload()))
             return proxy
 
+        pods = self.pod_runtime if self.pod_runtime is not None else LocalPods(build)
         self.inpod = WorkloadProxyManager(
-            self.config.inpod_uds, build, self.readiness, self.metrics.workload_manager()
+            self.config.inpod_uds, pods, self.readiness, self.metrics.workload_manager()
         )
         self._inpod_task = asyncio.get_running_loop().create_task(self._run_inpod(self.inpod))
 
@@ -345,10 +355,7 @@ def run_proxy(environ: dict[str, str]) -> int:
         raise StartupError(str(e)) from None
     setup_logging(config.log_format, config.log_level)
     raise_fd_limit()
-    if environ.get("ZTUNNEL_WORKER_THREADS") and config.proxy_mode == "shared":
-        log.warning("ZTUNNEL_WORKER_THREADS is for dedicated mode: in-pod mode runs one process")
-    elif environ.get("ZTUNNEL_WORKER_THREADS"):
-        from ztunnel.workers import run_supervisor  # opt-in: worker processes
+    # One control process and `worker_threads` data-plane worker processes, in both modes.
+    from ztunnel.workers import run_supervisor
 
-        return run_supervisor(config, environ)
-    return uvloop.run(App(config).run())
+    return run_supervisor(config)

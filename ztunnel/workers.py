@@ -1,45 +1,57 @@
-"""Data-plane worker processes: `ZTUNNEL_WORKER_THREADS=N` (CONTRACT §3, SPEC §13.1).
+"""One control process, N data-plane worker processes, in both modes (SPEC §7.3, §13.1).
 
-Opt-in: without `ZTUNNEL_WORKER_THREADS` in the environment `ztunnel proxy` stays one process with
-one event loop (ARCHITECTURE.md). With it, CPython's one-core-per-process limit is worked around
-the way the reference uses worker threads:
+CPython runs one core per process, so where the reference runs worker threads this runs worker
+processes. `ztunnel proxy` is always:
 
-* the parent (`Supervisor`) is an `App` with the data plane off: it applies the local config (and
-  runs xDS when configured), and serves admin (:15000), metrics (:15020) and readiness (:15021). It
-  never accepts a proxied connection, so those stay responsive whatever the load;
-* each of the N workers (`python -m ztunnel.workers`) is an `App` without the operator endpoints
-  whose proxy listeners (15001, 15006, 15008, SOCKS5) are bound with `SO_REUSEPORT`: the kernel
-  spreads new connections over the workers' sockets by a hash of the 4-tuple. A worker's
-  connections live and die with it; the others keep serving, and a worker that exits or is killed
-  is restarted (after 0.5 s, doubling up to 10 s while it keeps failing within 10 s of starting);
-* readiness: the parent's `/healthz/ready` waits, besides its own tasks, for every worker to
-  report its listeners up once; later restarts do not flip it (the others keep serving).
+* the parent (`Supervisor`): an `App` without the data plane. It alone does the control work: the
+  local config, the one xDS stream, the CA client and the certificates (one request per identity),
+  ZDS in in-pod mode, admin (:15000), metrics (:15020) and readiness (:15021). It never carries a
+  proxied connection;
+* a fork server, forked from the parent before its event loop starts (so before gRPC can have
+  started a thread) and after the heavy imports (so workers share that memory copy-on-write). Every
+  worker, the first ones and each replacement, is forked from it;
+* `worker_threads` workers (`WorkerRuntime`), each owning only listeners and connections: the proxy
+  listeners of the dedicated workload, or in in-pod mode each pod's listeners in the pod's network
+  namespace (and ztunnel's own HBONE listener), all bound with `SO_REUSEPORT`, so the kernel spreads
+  new connections over the workers.
 
-Metrics are summed, not sampled: every worker sends the parent its `istio_tcp_*` counters over a
-Unix socket pair (one JSON line per second when they changed, and once more after its drain), and
-the parent's `/metrics` serves, for each label set, the sum over the workers' latest reports plus
-the final counts of workers that are gone. A worker killed with SIGKILL loses at most its last
-second of counts. `process_*` families describe the parent process only. `/config_dump` lists the
-workers (`workers`: index, pid, state, restarts, connections opened).
+Parent and worker talk over one `SOCK_SEQPACKET` socket pair (`Channel`) in small typed messages
+(the dataclasses below). The parent ships the applied state as deltas (`StateChanges`: the model's
+own dataclasses, recorded by `ReplicatedState` as the xDS client or the local file change the
+store), answers certificate requests (`CertificateRequest` -> `CertificateReply`: chain, key and
+roots bytes), passes each pod's namespace fd (`PodAdd`, `SCM_RIGHTS`) and collects the traffic
+counters (`Scrape` -> `Counters`). Workers never talk to a control plane.
 
-Limits of this first version: the certificate of the workload is fetched by each worker; with
-`XDS_ADDRESS` each worker runs its own xDS stream (with `LOCAL_XDS_PATH` and `FAKE_CA` nothing of
-the control plane runs in a worker after start-up).
+Dedicated mode: before any worker binds, the parent binds every listener address itself without
+`SO_REUSEPORT` (so any other holder of the address is an error naming it) and keeps, for its
+lifetime, an abstract Unix socket named after the address as a lock (so a second proxy starting at
+the same moment cannot slip in while our workers bind); only then do the workers join the address
+with `SO_REUSEPORT`. In-pod mode does neither: a new ztunnel binding beside the old one during an
+upgrade (`INPOD_PORT_REUSE`) is the point there.
+
+Readiness: the `proxy` task is pending until every worker's listeners accept, and again whenever a
+worker is down. A worker that dies is forked again (after 0.5 s, doubling up to 10 s while it keeps
+dying young); the others keep serving. In in-pod mode a pod is ACKed only once every running worker
+has its listeners up, and a pod delete drains it in every worker. Workers die with the parent
+(`PR_SET_PDEATHSIG`, and they stop when their channel closes); the parent drains them on shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import ctypes
+import ctypes.util
+import errno
 import logging
 import os
+import pickle
+import select
 import signal
 import socket
-import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvloop
@@ -47,24 +59,303 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ztunnel.app import App, StartupError, raise_fd_limit
-from ztunnel.config import Config, ConfigError
-from ztunnel.logs import setup_logging
+from hbone.identity import Identity
+from hbone.tls import WorkloadCertificate
+from policy.model import Authorization
+from xds.localconfig import LocalConfig
+from xds.model import Service, Workload
+from ztunnel.admin import ReadinessHandle
+from ztunnel.app import App, StartupError, socket_options
+from ztunnel.config import Config, WorkloadInfo
+from ztunnel.identity import CaError, CertificateUnavailable, SecretManager
 from ztunnel.metrics import Metrics, render_openmetrics
+from ztunnel.proxy.instance import ProxyInstance
+from ztunnel.sockets import SocketFactory
+from ztunnel.state import ProxyState
 
 log = logging.getLogger("ztunnel.workers")
 
-WORKER_INDEX_ENV = "ZTUNNEL_WORKER_INDEX"
-WORKER_FD_ENV = "ZTUNNEL_WORKER_FD"
 SNAPSHOT_INTERVAL = 1.0
+SCRAPE_TIMEOUT = 1.0
 TRAFFIC_PREFIX = "istio_tcp_"
 RESTART_DELAY = 0.5
 RESTART_DELAY_MAX = 10.0
 # A worker that ran at least this long before dying is restarted after the shortest delay again.
 STABLE_AFTER = 10.0
+# A certificate request for the certificate the worker already has waits this long for a newer one
+# (the parent rotates at the same half-life as the worker).
+NEWER_CERT_WAIT = 5.0
+CHUNK = 60 * 1024
+_MORE, _LAST = b"\x01", b"\x00"
+PR_SET_PDEATHSIG = 1
 
 LabelPairs = tuple[tuple[str, str], ...]
 SampleKey = tuple[str, LabelPairs]  # (family name, labels in emission order)
+
+
+# -- the messages --------------------------------------------------------------------------------
+# They cross only the socket pair between a parent and the workers it forked (the same program), so
+# pickle is the codec: the model's frozen dataclasses travel as they are, with no second schema.
+
+StateOp = (
+    tuple[str]  # ("clear",)
+    | tuple[str, Workload]  # ("workload", w)
+    | tuple[str, Service]  # ("service", s)
+    | tuple[str, Authorization]  # ("policy", p)
+    | tuple[str, str]  # ("remove" | "remove_service" | "remove_policy", name)
+)
+
+
+@dataclass(frozen=True)
+class StateChanges:
+    """Parent -> worker: one committed change of the store (a whole snapshot starts with clear)."""
+
+    ops: tuple[StateOp, ...]
+
+
+@dataclass(frozen=True)
+class Synced:
+    """Parent -> worker: the first state of every xDS type is in; the listeners may accept."""
+
+
+@dataclass(frozen=True)
+class CertificateRequest:
+    """Worker -> parent: the identity's certificate; `known` is the leaf the worker already has."""
+
+    identity: Identity
+    known: bytes | None
+
+
+@dataclass(frozen=True)
+class CertificateReply:
+    identity: Identity
+    certificate: WorkloadCertificate | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PodAdd:
+    """Parent -> worker, with the pod's network namespace fd: run this pod's proxy."""
+
+    uid: str
+    name: str
+    namespace: str
+    service_account: str
+    netns_key: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PodDel:
+    uid: str
+    deadline: float = 0.0
+
+
+@dataclass(frozen=True)
+class PodResult:
+    """Worker -> parent: the outcome of a PodAdd ("" = listening) or a PodDel."""
+
+    uid: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Scrape:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Worker -> parent: the worker's traffic counters (as asked by Scrape `seq`, or 0: pushed)."""
+
+    seq: int
+    families: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Worker -> parent: every listener of the worker accepts."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Worker -> parent: start-up failed (the worker exits)."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    deadline: float
+
+
+# -- the channel ----------------------------------------------------------------------------------
+
+
+def _encode(message: object) -> list[bytes]:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
+    return [(_LAST if i == len(chunks) - 1 else _MORE) + c for i, c in enumerate(chunks)]
+
+
+def _recv_packet(sock: socket.socket) -> tuple[bytes, list[int]]:
+    data, fds, flags, _ = socket.recv_fds(sock, CHUNK + 1, 4, socket.MSG_CMSG_CLOEXEC)
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError("truncated packet on the worker channel")
+    return data, fds
+
+
+class Channel:
+    """Messages (and fds) over a SOCK_SEQPACKET socket; large ones in chunks, fds on the last."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        sock.setblocking(False)
+        self._lock = asyncio.Lock()
+        self.closed = False
+
+    async def send(self, message: object, fds: Sequence[int] = ()) -> None:
+        packets = _encode(message)
+        async with self._lock:
+            for i, packet in enumerate(packets):
+                await self._send_packet(packet, list(fds) if i == len(packets) - 1 else [])
+
+    async def _send_packet(self, packet: bytes, fds: list[int]) -> None:
+        await self._io(lambda: socket.send_fds(self.sock, [packet], fds), writable=True)
+
+    async def recv(self) -> tuple[object, list[int]] | None:
+        """The next message and its fds; None once the peer is gone."""
+        parts: list[bytes] = []
+        while True:
+            data, fds = await self._io(lambda: _recv_packet(self.sock), writable=False)
+            if not data:
+                return None
+            parts.append(data[1:])
+            if data[:1] == _LAST:
+                return pickle.loads(b"".join(parts)), fds
+            for fd in fds:
+                os.close(fd)
+
+    async def _io(self, call: Any, *, writable: bool) -> Any:
+        loop = asyncio.get_running_loop()
+        fd = self.sock.fileno()
+        while True:
+            try:
+                return call()
+            except (BlockingIOError, InterruptedError):
+                pass
+            ready: asyncio.Future[None] = loop.create_future()
+            (loop.add_writer if writable else loop.add_reader)(fd, _wake, ready)
+            try:
+                await ready
+            finally:
+                (loop.remove_writer if writable else loop.remove_reader)(fd)
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+# -- the store, replicated -------------------------------------------------------------------------
+
+
+class ReplicatedState(ProxyState):
+    """The parent's store: every committed change is also handed to `publish` as one StateChanges."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._journal: list[StateOp] = []
+        self._depth = 0  # ops inside ops (a service removed by name) are recorded once
+        self._batches = 0
+        self.publish: Callable[[StateChanges], None] | None = None
+
+    @contextlib.contextmanager
+    def _op(self, op: StateOp) -> Iterator[None]:
+        if self._depth == 0:
+            self._journal.append(op)
+        self._depth += 1
+        try:
+            with self.batch():
+                yield
+        finally:
+            self._depth -= 1
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        self._batches += 1
+        try:
+            with super().batch():
+                yield
+        finally:
+            self._batches -= 1
+        if self._batches == 0 and self._journal:
+            ops, self._journal = tuple(self._journal), []
+            if self.publish is not None:
+                self.publish(StateChanges(ops))
+
+    def snapshot(self) -> StateChanges:
+        ops: list[StateOp] = [("clear",)]
+        ops += [("workload", w) for w in self.workloads()]
+        ops += [("service", s) for s in self.services()]
+        ops += [("policy", p) for p in self.policies()]
+        return StateChanges(tuple(ops))
+
+    def upsert_workload(self, w: Workload) -> None:
+        with self._op(("workload", w)):
+            super().upsert_workload(w)
+
+    def remove(self, name: str) -> bool:
+        with self._op(("remove", name)):
+            return super().remove(name)
+
+    def upsert_service(self, s: Service) -> None:
+        with self._op(("service", s)):
+            super().upsert_service(s)
+
+    def remove_service(self, key: str) -> bool:
+        with self._op(("remove_service", key)):
+            return super().remove_service(key)
+
+    def upsert_policy(self, p: Authorization) -> None:
+        with self._op(("policy", p)):
+            super().upsert_policy(p)
+
+    def remove_policy(self, key: str) -> bool:
+        with self._op(("remove_policy", key)):
+            return super().remove_policy(key)
+
+    def apply_local_config(self, cfg: LocalConfig) -> None:
+        with self.batch():
+            if self._depth == 0:
+                self._journal.append(("clear",))  # then the file's upserts, one by one
+            super().apply_local_config(cfg)
+
+
+def apply_changes(state: ProxyState, changes: StateChanges) -> None:
+    """A worker applies one change of the parent's store, with one notification."""
+    with state.batch():
+        for op in changes.ops:
+            kind, arg = op[0], op[-1]
+            if kind == "clear":
+                state.apply_local_config(LocalConfig())
+            elif isinstance(arg, Workload):
+                state.upsert_workload(arg)
+            elif isinstance(arg, Service):
+                state.upsert_service(arg)
+            elif isinstance(arg, Authorization):
+                state.upsert_policy(arg)
+            elif kind == "remove":
+                state.remove(arg)
+            elif kind == "remove_service":
+                state.remove_service(arg)
+            elif kind == "remove_policy":
+                state.remove_policy(arg)
 
 
 # -- metrics: what a worker reports, and the parent's sum ---------------------------------------
@@ -161,7 +452,303 @@ class SummedMetrics(Metrics):
         return own + render_openmetrics(self._sum_registry), content_type
 
 
-# -- the parent ---------------------------------------------------------------------------------
+# -- the fork server -----------------------------------------------------------------------------
+
+
+def _set_pdeathsig(sig: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def start_fork_server(config: Config) -> tuple[int, socket.socket]:
+    """Fork the fork server now (before any event loop or gRPC thread); its pid and our end."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the fork server
+        code = 1
+        try:
+            ours.close()
+            _set_pdeathsig(signal.SIGKILL)
+            if os.getppid() != parent:
+                os._exit(0)
+            code = _fork_server(config, theirs)
+        finally:
+            os._exit(code)
+    theirs.close()
+    return pid, ours
+
+
+def _fork_server(config: Config, sock: socket.socket) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when everything stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    me = os.getpid()
+    while True:
+        try:
+            readable, _, _ = select.select([sock.fileno(), wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in readable:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 512)
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                socket.send_fds(sock, _encode(("exited", pid, os.waitstatus_to_exitcode(status))), [])
+        if sock.fileno() in readable:
+            try:
+                data, fds = _recv_packet(sock)
+            except (ConnectionError, OSError):
+                return 0
+            if not data:
+                return 0  # the parent is gone; our children follow us (PR_SET_PDEATHSIG)
+            _, index = pickle.loads(data[1:])
+            pid = os.fork()
+            if pid == 0:  # a worker
+                code = 1
+                try:
+                    signal.set_wakeup_fd(-1)
+                    for fd in (wake_r, wake_w):
+                        os.close(fd)
+                    sock.close()
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    _set_pdeathsig(signal.SIGKILL)
+                    if os.getppid() != me:
+                        os._exit(0)
+                    code = run_worker(config, index, fds[0])
+                finally:
+                    logging.shutdown()
+                    os._exit(code)
+            for fd in fds:
+                os.close(fd)
+            socket.send_fds(sock, _encode(("spawned", index, pid)), [])
+
+
+# -- a worker -------------------------------------------------------------------------------------
+
+
+class ParentCa:
+    """A worker's CA: the parent, which holds the one copy of every certificate."""
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self._waiting: dict[Identity, list[asyncio.Future[CertificateReply]]] = {}
+        self._known: dict[Identity, bytes] = {}
+
+    async def fetch(self, identity: Identity) -> WorkloadCertificate:
+        fut: asyncio.Future[CertificateReply] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(identity, []).append(fut)
+        await self._channel.send(CertificateRequest(identity, self._known.get(identity)))
+        reply = await fut
+        if reply.certificate is None:
+            raise CaError(reply.error)
+        self._known[identity] = reply.certificate.chain_pem[0]
+        return reply.certificate
+
+    def answer(self, reply: CertificateReply) -> None:
+        waiting = self._waiting.get(reply.identity)
+        if waiting:
+            fut = waiting.pop(0)
+            if not fut.done():
+                fut.set_result(reply)
+
+    def parent_gone(self) -> None:
+        for waiting in self._waiting.values():
+            for fut in waiting:
+                if not fut.done():
+                    fut.set_exception(CaError("the parent process is gone"))
+        self._waiting.clear()
+
+
+class WorkerRuntime:
+    """One data-plane worker: the listeners and connections, nothing of the control plane."""
+
+    def __init__(self, config: Config, index: int, channel: Channel) -> None:
+        self.config = config
+        self.index = index
+        self.channel = channel
+        self.state = ProxyState()
+        # Only the traffic counters are reported to the parent: no /proc reads for process_* here.
+        self.metrics = Metrics(config.istio_version, process_metrics=False)
+        self.ca = ParentCa(channel)
+        self.secrets = SecretManager(self.ca)
+        self.options = socket_options(config, workers=True)
+        self.proxies: list[tuple[ProxyInstance, dict[str, socket.socket]]] = []
+        self.pods: Any = None  # in-pod mode: LocalPods
+        self.netns: dict[str, Any] = {}  # uid -> Netns
+        self.actions: asyncio.Queue[tuple[object, list[int]]] = asyncio.Queue()
+        self.stopped = asyncio.Event()
+        self.exit_code = 0
+
+    def bind(self) -> None:
+        """Bind this worker's own listeners (the dedicated workload's, or ztunnel's own HBONE one)."""
+        cfg = self.config
+        if cfg.proxy_mode == "dedicated":
+            assert cfg.workload_info is not None
+            proxy = self._instance(cfg.workload_info, SocketFactory(self.options))
+            self.proxies.append((proxy, proxy.bind_listeners()))
+            return
+        from ztunnel.inpod.manager import LocalPods
+        from ztunnel.inpod.netns import NetnsSocketFactory
+
+        def build(pod: Any, netns: Any) -> ProxyInstance:
+            info = WorkloadInfo(namespace=pod.namespace, name=pod.name, service_account=pod.service_account)
+            return self._instance(info, NetnsSocketFactory(netns, self.options))
+
+        self.pods = LocalPods(build)
+        if cfg.pod_name and cfg.pod_namespace and cfg.service_account:
+            info = WorkloadInfo(
+                namespace=cfg.pod_namespace, name=cfg.pod_name, service_account=cfg.service_account
+            )
+            proxy = self._instance(info, SocketFactory(self.options))
+            self.proxies.append((proxy, proxy.bind_listeners(inbound_only=True)))
+
+    def _instance(self, info: WorkloadInfo, factory: SocketFactory) -> ProxyInstance:
+        return ProxyInstance(self.config, self.state, self.secrets, self.metrics, info, factory)
+
+    async def run(self) -> int:
+        reader = asyncio.get_running_loop().create_task(self._read())
+        pusher = asyncio.get_running_loop().create_task(self._push_counters())
+        try:
+            while True:
+                message, fds = await self.actions.get()
+                if isinstance(message, Stop):
+                    await self._drain(message.deadline)
+                    break
+                await self._act(message, fds)
+        finally:
+            pusher.cancel()
+            reader.cancel()
+            with contextlib.suppress(OSError, RuntimeError):
+                await self.channel.send(Counters(0, traffic_snapshot(self.metrics)))
+            self.channel.close()
+        return self.exit_code
+
+    async def _read(self) -> None:
+        """Messages that need an answer now are handled here; the rest go to the action queue in
+        order (a pod's start waits for its certificate, which comes in on this same channel)."""
+        while True:
+            try:
+                got = await self.channel.recv()
+            except OSError:
+                got = None
+            if got is None:
+                self.ca.parent_gone()
+                self.actions.put_nowait((Stop(0.0), []))  # the parent is gone: never outlive it
+                return
+            message, fds = got
+            if isinstance(message, StateChanges):
+                apply_changes(self.state, message)
+            elif isinstance(message, CertificateReply):
+                self.ca.answer(message)
+            elif isinstance(message, Scrape):
+                await self.channel.send(Counters(message.seq, traffic_snapshot(self.metrics)))
+            else:
+                self.actions.put_nowait((message, fds))
+
+    async def _act(self, message: object, fds: list[int]) -> None:
+        if isinstance(message, Synced):
+            for proxy, socks in self.proxies:
+                await proxy.serve(socks)
+                log.info(
+                    "worker %d: proxy ready: %s",
+                    self.index,
+                    ", ".join(f"{n} {h}:{p}" for n, (h, p) in sorted(proxy.addresses.items())),
+                )
+            await self.channel.send(Ready())
+        elif isinstance(message, PodAdd):
+            await self._pod_add(message, fds)
+        elif isinstance(message, PodDel):
+            await self._pod_stop(message.uid, message.deadline)
+            await self.channel.send(PodResult(message.uid))
+        else:
+            for fd in fds:
+                os.close(fd)
+
+    async def _pod_add(self, message: PodAdd, fds: list[int]) -> None:
+        from ztunnel.inpod.netns import Netns
+        from ztunnel.inpod.protocol import PodInfo
+
+        if len(fds) != 1 or self.pods is None:
+            for fd in fds:
+                os.close(fd)
+            await self.channel.send(PodResult(message.uid, "no network namespace"))
+            return
+        current = self.netns.get(message.uid)
+        if current is not None and current.key == message.netns_key:
+            os.close(fds[0])  # already running in that namespace
+            await self.channel.send(PodResult(message.uid))
+            return
+        if current is not None:
+            await self._pod_stop(message.uid, 0.0)
+        netns = Netns(fds[0], message.netns_key)
+        pod = PodInfo(message.uid, message.name, message.namespace, message.service_account)
+        error = await self.pods.start(pod, netns)
+        if error is None:
+            self.netns[message.uid] = netns
+        else:
+            netns.close()
+        await self.channel.send(PodResult(message.uid, error or ""))
+
+    async def _pod_stop(self, uid: str, deadline: float) -> None:
+        netns = self.netns.pop(uid, None)
+        if netns is None:
+            return
+        await self.pods.stop(uid, deadline)
+        netns.close()
+
+    async def _drain(self, deadline: float) -> None:
+        drains = [proxy.drain(deadline, graceful=deadline > 0) for proxy, _ in self.proxies]
+        drains += [self._pod_stop(uid, deadline) for uid in list(self.netns)]
+        await asyncio.gather(*drains, return_exceptions=True)
+        await self.secrets.close()
+
+    async def _push_counters(self) -> None:
+        """About once a second when they changed, so a worker killed outright loses at most that."""
+        last: dict[str, Any] | None = None
+        while True:
+            await asyncio.sleep(SNAPSHOT_INTERVAL)
+            snapshot = traffic_snapshot(self.metrics)
+            if snapshot != last:
+                with contextlib.suppress(OSError):
+                    await self.channel.send(Counters(0, snapshot))
+                last = snapshot
+
+
+def run_worker(config: Config, index: int, fd: int) -> int:
+    """The body of a forked worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's to handle
+
+    async def main() -> int:
+        channel = Channel(socket.socket(fileno=fd))
+        worker = WorkerRuntime(config, index, channel)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(
+            signal.SIGTERM,
+            lambda: worker.actions.put_nowait((Stop(config.connection_termination_deadline), [])),
+        )
+        try:
+            worker.bind()
+        except OSError as e:
+            await channel.send(Failed(f"failed to bind the proxy listeners: {e.strerror or e}"))
+            channel.close()
+            return 1
+        return await worker.run()
+
+    try:
+        return uvloop.run(main())
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- the parent -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -170,32 +757,177 @@ class WorkerSlot:
     pid: int | None = None
     state: str = "starting"  # starting | ready | restarting | stopped
     restarts: int = 0
-    ever_ready: bool = False
     started_at: float = 0.0
     delay: float = RESTART_DELAY
-    process: asyncio.subprocess.Process | None = None
-    task: asyncio.Task[None] | None = None
+    channel: Channel | None = None
+    outbox: asyncio.Queue[tuple[object, list[int]]] = field(default_factory=asyncio.Queue)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    pod_waiters: dict[str, list[asyncio.Future[str]]] = field(default_factory=dict)
+    scrape: asyncio.Future[None] | None = None
+    scrape_seq: int = 0
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def alive(self) -> bool:
+        return self.channel is not None and not self.channel.closed
+
+    def send(self, message: object, fds: Sequence[int] = ()) -> None:
+        if self.alive:
+            self.outbox.put_nowait((message, list(fds)))
+
+
+class WorkerPods:
+    """In-pod mode's `PodRuntime` in the parent: every worker runs each pod's proxy."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self.pods: dict[str, tuple[PodAdd, Any]] = {}  # uid -> (message, Netns), in every worker
+
+    def add_message(self, pod: Any, netns: Any) -> PodAdd:
+        return PodAdd(pod.uid, pod.name, pod.namespace, pod.service_account, netns.key)
+
+    async def start(self, pod: Any, netns: Any) -> str | None:
+        message = self.add_message(pod, netns)
+        self.pods[pod.uid] = (message, netns)
+        results = await self.supervisor.ask_all(message, [netns.fd])
+        errors = [f"worker {i}: {e}" for i, e in results.items() if e]
+        if not errors:
+            return None
+        del self.pods[pod.uid]
+        await self.supervisor.ask_all(PodDel(pod.uid))
+        return "; ".join(errors)
+
+    async def stop(self, uid: str, deadline: float) -> None:
+        entry = self.pods.pop(uid, None)
+        if entry is None:
+            return
+        await self.supervisor.ask_all(PodDel(uid, deadline))
+        message = entry[0]
+        identity = self.supervisor.identity_of(message.name, message.namespace, message.service_account)
+        still_used = any(
+            self.supervisor.identity_of(m.name, m.namespace, m.service_account) == identity
+            for m, _ in self.pods.values()
+        )
+        if not still_used and self.supervisor.app.secrets is not None:
+            self.supervisor.app.secrets.forget(identity)
+
+    def describe(self, uid: str) -> dict[str, Any]:
+        return {"workers": sum(1 for s in self.supervisor.slots if s.alive)}
+
+
+class _ListenerCheck(SocketFactory):
+    """The parent's exclusive check of the dedicated listeners' addresses (never served)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        super().__init__(socket_options(supervisor.config))
+        self.supervisor = supervisor
+
+    def listener(self, host: str, port: int, *, transparent: bool = False) -> socket.socket:
+        where = f"{host or '[::]'}:{port}"
+        try:
+            sock = super().listener(host, port, transparent=transparent)
+        except OSError as e:
+            raise OSError(e.errno, f"{where}: {e.strerror or e}") from None
+        lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            lock.bind(f"\0ztunnel-listener {where}")
+        except OSError as e:
+            lock.close()
+            sock.close()
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(e.errno, f"{where}: in use by another ztunnel") from None
+            raise OSError(e.errno, f"{where}: {e.strerror or e}") from None
+        self.supervisor.locks.append(lock)
+        return sock
 
 
 class Supervisor:
-    """The parent process: operator endpoints and state here, proxied connections in the workers."""
+    """The parent process: the control work and the operator endpoints; connections in the workers."""
 
-    def __init__(self, config: Config, environ: dict[str, str]) -> None:
+    def __init__(self, config: Config, fork_server: tuple[int, socket.socket]) -> None:
         self.config = config
-        self.environ = environ
         self.count = max(1, config.worker_threads)
         self.sums = TrafficSums()
+        self.state = ReplicatedState()
+        self.state.publish = self._publish
         self.app = App(config)
+        self.app.state = self.state
         self.app.data_plane = False
         self.app.metrics = SummedMetrics(self.sums, config.istio_version)
+        self.app.before_scrape = self.scrape
         self._app_dump = self.app.config_dump
         # The admin server takes these bound methods at start-up; ours add the workers.
         self.app.config_dump = self.config_dump  # type: ignore[method-assign]
         self.app.shutdown = self.shutdown  # type: ignore[method-assign]
+        self.pods = WorkerPods(self)
+        if config.proxy_mode == "shared":
+            self.app.pod_runtime = self.pods
         self.slots = [WorkerSlot(i) for i in range(self.count)]
+        self.locks: list[socket.socket] = []
+        self.synced = False
+        self._fork_pid, fork_sock = fork_server
+        self._fork = Channel(fork_sock)
         self._stop = asyncio.Event()
         self._stopping = False
-        self._all_ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._proxy_ready: ReadinessHandle | None = None
+        self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._seq = 0
+
+    # -- what the workers ask and are told --------------------------------------------------------
+
+    def _publish(self, changes: StateChanges) -> None:
+        for slot in self.slots:
+            slot.send(changes)
+
+    def identity_of(self, name: str, namespace: str, service_account: str) -> Identity:
+        w = self.state.find_local_workload(name, namespace, service_account, self.config.node_name)
+        td = (w.trust_domain if w else "") or self.config.trust_domain
+        return Identity(td, namespace, service_account)
+
+    async def ask_all(self, message: PodAdd | PodDel, fds: Sequence[int] = ()) -> dict[int, str]:
+        """Send a pod message to every running worker and wait for each one's result."""
+        waits: dict[int, asyncio.Future[str]] = {}
+        for slot in self.slots:
+            if not slot.alive:
+                continue  # a worker being replaced gets every pod when it starts
+            fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            slot.pod_waiters.setdefault(message.uid, []).append(fut)
+            waits[slot.index] = fut
+            slot.send(message, fds)
+        if waits:
+            await asyncio.wait(waits.values())
+        return {i: f.result() for i, f in waits.items()}
+
+    async def scrape(self) -> None:
+        """Before /metrics: every worker's current counters (a worker that does not answer within
+        a second is shown with its last report)."""
+        waits = []
+        self._seq += 1
+        for slot in self.slots:
+            if slot.alive and slot.state == "ready":
+                slot.scrape = asyncio.get_running_loop().create_future()
+                slot.scrape_seq = self._seq
+                waits.append(slot.scrape)
+                slot.send(Scrape(self._seq))
+        if waits:
+            await asyncio.wait(waits, timeout=SCRAPE_TIMEOUT)
+
+    async def _answer_certificate(self, slot: WorkerSlot, request: CertificateRequest) -> None:
+        secrets = self.app.secrets
+        assert secrets is not None
+        try:
+            cert = await secrets.get(request.identity)
+            deadline = time.monotonic() + NEWER_CERT_WAIT
+            while cert.chain_pem[0] == request.known and time.monotonic() < deadline:
+                # The worker rotates at the same half-life as we do: give our rotation a moment.
+                await asyncio.sleep(0.2)
+                cert = await secrets.get(request.identity)
+            reply = CertificateReply(request.identity, cert)
+        except CertificateUnavailable as e:
+            reply = CertificateReply(request.identity, None, str(e) or "certificate unavailable")
+        slot.send(reply)
+
+    # -- admin --------------------------------------------------------------------------------------
 
     def config_dump(self) -> dict[str, Any]:
         dump = dict(self._app_dump())
@@ -217,95 +949,192 @@ class Supervisor:
     async def _wait_stop(self) -> None:
         await self._stop.wait()
 
+    # -- readiness ----------------------------------------------------------------------------------
+
+    def _update_readiness(self) -> None:
+        ready = all(s.state == "ready" for s in self.slots)
+        if ready and self._proxy_ready is not None:
+            self._proxy_ready.release()
+            self._proxy_ready = None
+        elif not ready and self._proxy_ready is None:
+            self._proxy_ready = self.app.readiness.register("proxy")
+
+    # -- life cycle ---------------------------------------------------------------------------------
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.shutdown)
-        workers_ready = self.app.readiness.register("workers")
-        stop = asyncio.ensure_future(self._wait_stop())
+        self._update_readiness()
+        fork_reader = loop.create_task(self._read_fork_server())
+        stop = loop.create_task(self._wait_stop())
         try:
             await self.app.start()
+            if self.config.proxy_mode == "dedicated":
+                await self._check_listeners()
             for slot in self.slots:
                 await self._spawn(slot)
-            await asyncio.wait([self._all_ready, stop], return_when=asyncio.FIRST_COMPLETED)
-            if self._all_ready.done():
-                self._all_ready.result()  # a worker that died before it was up fails start-up
-                workers_ready.release()
+            synced = loop.create_task(self._wait_synced())
+            await asyncio.wait([self._started, stop], return_when=asyncio.FIRST_COMPLETED)
+            if self._started.done():
+                self._started.result()  # a worker's start-up error stops start-up
                 log.info("%d data-plane workers ready: pids %s", self.count, [s.pid for s in self.slots])
             await stop
         finally:
             stop.cancel()
+            with contextlib.suppress(UnboundLocalError):
+                synced.cancel()
             log.info(
                 "shutting down: draining workers for up to %ss", self.config.connection_termination_deadline
             )
             await self._stop_workers()
             await self.app.drain()
-        return 0
+            fork_reader.cancel()
+            self._fork.close()
+        return self.app.exit_code
+
+    async def _check_listeners(self) -> None:
+        assert self.config.workload_info is not None and self.app.secrets is not None
+        probe = ProxyInstance(
+            self.config,
+            ProxyState(),
+            self.app.secrets,
+            Metrics(self.config.istio_version, process_metrics=False),
+            self.config.workload_info,
+            _ListenerCheck(self),
+        )
+        try:
+            socks = probe.bind_listeners()
+        except OSError as e:
+            raise StartupError(f"failed to bind the proxy listeners: {e.strerror or e}") from None
+        for sock in socks.values():
+            sock.close()  # the workers bind these addresses with SO_REUSEPORT; the locks stay
+        await probe.drain(0, graceful=False)
+
+    async def _wait_synced(self) -> None:
+        if self.app.xds is not None:
+            await self.app.xds.wait_synced()
+        self.synced = True
+        for slot in self.slots:
+            slot.send(Synced())
 
     async def _spawn(self, slot: WorkerSlot) -> None:
-        parent_end, child_end = socket.socketpair()
-        env = dict(self.environ)
-        env[WORKER_INDEX_ENV] = str(slot.index)
-        env[WORKER_FD_ENV] = str(child_end.fileno())
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ztunnel.workers", env=env, pass_fds=(child_end.fileno(),)
-            )
+            await self._fork.send(("spawn", slot.index), [theirs.fileno()])
         finally:
-            child_end.close()
-        reader, writer = await asyncio.open_unix_connection(sock=parent_end)
-        slot.process = process
-        slot.pid = process.pid
+            theirs.close()
+        slot.channel = Channel(ours)
+        slot.outbox = asyncio.Queue()
+        slot.gone = asyncio.Event()
+        slot.pid = None
         slot.state = "starting"
         slot.started_at = time.monotonic()
-        slot.task = asyncio.get_running_loop().create_task(self._watch(slot, process, reader, writer))
+        # What a new worker is told first: the whole store, the pods, and whether to accept yet.
+        slot.send(self.state.snapshot())
+        for message, netns in self.pods.pods.values():
+            slot.send(message, [netns.fd])
+        if self.synced:
+            slot.send(Synced())
+        loop = asyncio.get_running_loop()
+        slot.tasks = [loop.create_task(self._write(slot)), loop.create_task(self._watch(slot))]
 
-    async def _watch(
-        self,
-        slot: WorkerSlot,
-        process: asyncio.subprocess.Process,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
+    async def _write(self, slot: WorkerSlot) -> None:
+        assert slot.channel is not None
         try:
-            while line := await reader.readline():
-                try:
-                    message = json.loads(line)
-                except ValueError:
-                    continue
-                kind = message.get("type")
-                if kind == "ready":
+            while True:
+                message, fds = await slot.outbox.get()
+                await slot.channel.send(message, fds)
+        except OSError:
+            pass  # the worker is gone; _watch sees it
+
+    async def _read_fork_server(self) -> None:
+        while True:
+            try:
+                got = await self._fork.recv()
+            except OSError:
+                got = None
+            if got is None:
+                if not self._stopping:
+                    log.error("the fork server exited; stopping")
+                    self.app.exit_code = 1
+                    self.shutdown()
+                return
+            message = got[0]
+            assert isinstance(message, tuple)
+            if message[0] == "spawned":
+                self.slots[message[1]].pid = message[2]
+            elif message[0] == "exited":
+                _, pid, code = message
+                for slot in self.slots:
+                    if slot.pid == pid:
+                        how = f"signal {-code}" if code < 0 else f"code {code}"
+                        (log.info if self._stopping else log.warning)(
+                            "data-plane worker %d (pid %d) exited with %s", slot.index, pid, how
+                        )
+
+    async def _watch(self, slot: WorkerSlot) -> None:
+        channel = slot.channel
+        assert channel is not None
+        failure = ""
+        try:
+            while (got := await channel.recv()) is not None:
+                message, fds = got
+                for fd in fds:
+                    os.close(fd)
+                if isinstance(message, Ready):
                     slot.state = "ready"
-                    slot.ever_ready = True
-                    if all(s.ever_ready for s in self.slots) and not self._all_ready.done():
-                        self._all_ready.set_result(None)
-                elif kind == "metrics":
-                    self.sums.report(slot.index, message.get("families", {}))
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
-            pass  # a line too long, or the socket broke: the process is going anyway
+                    self._update_readiness()
+                    if all(s.state == "ready" for s in self.slots) and not self._started.done():
+                        self._started.set_result(None)
+                elif isinstance(message, Counters):
+                    self.sums.report(slot.index, message.families)
+                    scrape = slot.scrape
+                    if message.seq and message.seq == slot.scrape_seq and scrape and not scrape.done():
+                        scrape.set_result(None)
+                elif isinstance(message, CertificateRequest):
+                    asyncio.get_running_loop().create_task(self._answer_certificate(slot, message))
+                elif isinstance(message, PodResult):
+                    waiting = slot.pod_waiters.get(message.uid)
+                    if waiting:
+                        fut = waiting.pop(0)
+                        if not waiting:
+                            del slot.pod_waiters[message.uid]
+                        if not fut.done():
+                            fut.set_result(message.error)
+                elif isinstance(message, Failed):
+                    failure = message.error
+        except OSError:
+            pass
         finally:
-            writer.close()
-        code = await process.wait()
-        self.sums.retire(slot.index)
+            channel.close()
+            for task in slot.tasks:
+                if task is not asyncio.current_task():
+                    task.cancel()
+            # A worker that is gone holds up no pod: its replacement gets every pod when it starts.
+            for waiting in slot.pod_waiters.values():
+                for fut in waiting:
+                    if not fut.done():
+                        fut.set_result("")
+            slot.pod_waiters.clear()
+            self.sums.retire(slot.index)
+            slot.gone.set()
         if self._stopping:
             slot.state = "stopped"
             return
-        if not slot.ever_ready and not self._all_ready.done():
-            self._all_ready.set_exception(
-                StartupError(
-                    f"data-plane worker {slot.index} exited with {code} before its listeners were up"
-                )
-            )
-            return
         slot.state = "restarting"
+        self._update_readiness()
+        if failure and not self._started.done():
+            self._started.set_exception(StartupError(failure))
+            return
         ran = time.monotonic() - slot.started_at
         slot.delay = RESTART_DELAY if ran >= STABLE_AFTER else min(slot.delay * 2, RESTART_DELAY_MAX)
         log.warning(
-            "data-plane worker %d (pid %s) exited with %s; restarting in %.1fs",
+            "data-plane worker %d (pid %s) is gone%s; starting another in %.1fs",
             slot.index,
             slot.pid,
-            code,
+            f" ({failure})" if failure else "",
             slot.delay,
         )
         await asyncio.sleep(slot.delay)
@@ -321,106 +1150,42 @@ class Supervisor:
 
     async def _stop_workers(self) -> None:
         self._stopping = True
+        deadline = self.config.connection_termination_deadline
         for slot in self.slots:
-            if slot.process is not None and slot.process.returncode is None:
+            slot.send(Stop(deadline))
+        waits = [asyncio.ensure_future(s.gone.wait()) for s in self.slots if s.alive]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=deadline + 5.0)
+            for task in pending:
+                task.cancel()
+        for slot in self.slots:
+            if slot.alive and slot.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
-                    slot.process.send_signal(signal.SIGTERM)
-        deadline = self.config.connection_termination_deadline + 5.0
-        tasks = [s.task for s in self.slots if s.task is not None]
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=deadline)
-            for slot in self.slots:
-                if slot.process is not None and slot.process.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        slot.process.kill()
-            if pending:
-                await asyncio.wait(pending, timeout=5.0)
+                    os.kill(slot.pid, signal.SIGKILL)
 
 
-def run_supervisor(config: Config, environ: dict[str, str]) -> int:
+def run_supervisor(config: Config) -> int:
+    # Forked before the event loop (and so before any gRPC thread) and after the heavy imports.
+    if config.proxy_mode == "shared":
+        import ztunnel.inpod.manager  # noqa: F401  (in the workers' shared memory)
+    fork_server = start_fork_server(config)
+
     async def main() -> int:
-        return await Supervisor(config, environ).run()
+        return await Supervisor(config, fork_server).run()
 
-    return uvloop.run(main())
-
-
-# -- a worker -------------------------------------------------------------------------------------
-
-
-async def _report(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
-    writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
-    await writer.drain()
-
-
-async def _worker(config: Config, index: int, fd: int) -> int:
-    loop = asyncio.get_running_loop()
-    reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    app = App(config)
-    # Only the traffic counters are reported to the parent: no /proc reads for process_* here.
-    app.metrics = Metrics(config.istio_version, process_metrics=False)
-    app.operator_endpoints = False
-    app.reuseport = True
     try:
-        await app.start()
-    except StartupError as e:
-        print(f"ztunnel worker {index}: {e}", file=sys.stderr, flush=True)
-        return 1
-
-    async def parent_gone() -> None:
-        # The parent writes nothing: EOF means it is gone, and a worker never outlives it.
-        await reader.read()
-        stop.set()
-
-    async def report_loop() -> None:
-        while not app.readiness.is_ready():
-            await asyncio.sleep(0.05)
-        await _report(writer, {"type": "ready", "pid": os.getpid()})
-        last: dict[str, Any] | None = None
-        while True:
-            snapshot = traffic_snapshot(app.metrics)
-            if snapshot != last:
-                await _report(writer, {"type": "metrics", "families": snapshot})
-                last = snapshot
-            await asyncio.sleep(SNAPSHOT_INTERVAL)
-
-    watchers = [loop.create_task(parent_gone()), loop.create_task(report_loop())]
-    try:
-        await stop.wait()
-        await app.drain()
-        with contextlib.suppress(OSError):
-            await _report(writer, {"type": "metrics", "families": traffic_snapshot(app.metrics)})
+        return uvloop.run(main())
     finally:
-        for task in watchers:
-            task.cancel()
-        writer.close()
-    return 0
+        fork_server[1].close()  # the fork server exits when its channel closes
+        _reap(fork_server[0])
 
 
-def run_worker(environ: dict[str, str]) -> int:
-    try:
-        index = int(environ[WORKER_INDEX_ENV])
-        fd = int(environ[WORKER_FD_ENV])
-    except (KeyError, ValueError):
-        print(
-            "ztunnel.workers: started by `ztunnel proxy` with ZTUNNEL_WORKER_THREADS, not by hand",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        config = Config.from_env(environ)
-    except ConfigError as e:
-        print(f"ztunnel worker {index}: {e}", file=sys.stderr)
-        return 1
-    setup_logging(config.log_format, config.log_level)
-    raise_fd_limit()
-    try:
-        return uvloop.run(_worker(config, index, fd))
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    raise SystemExit(run_worker(dict(os.environ)))
+def _reap(pid: int, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.01)

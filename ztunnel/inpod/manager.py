@@ -1,10 +1,11 @@
 """The workload proxy manager: in-pod mode's ZDS client and the per-pod proxies (SPEC §9).
 
 It connects to the node agent on `INPOD_UDS` (AF_UNIX, SOCK_SEQPACKET), says hello, and then answers
-each request of the agent, one at a time, driving `ZdsStateMachine`: for an `AddWorkload` it builds the
-pod's proxy instance with a socket factory bound to the pod's namespace, binds its listeners there and
-starts them before acknowledging; for a delete (or a pod missing from a snapshot) it drains that proxy
-at once. A pod whose proxy fails to start is NACKed and retried every 5 s. The connection is made again
+each request of the agent, one at a time, driving `ZdsStateMachine`: for an `AddWorkload` it has the
+pod's proxy started (its listeners bound inside the pod's namespace and accepting) before
+acknowledging; for a delete (or a pod missing from a snapshot) it drains that proxy at once. Where the
+proxies run is a `PodRuntime`: `LocalPods` builds `ProxyInstance`s in this process; with data-plane
+workers (`ztunnel/workers.py`) every worker runs one per pod and the ACK waits for all of them. A pod whose proxy fails to start is NACKed and retried every 5 s. The connection is made again
 with backoff (10 ms doubling to 15 s) whenever it drops; running proxies survive that. Readiness
 `workload proxy manager` is held until a snapshot is applied with nothing pending.
 """
@@ -17,7 +18,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from xds import zds
 from ztunnel.admin import Readiness, ReadinessHandle
@@ -36,6 +37,68 @@ RECONNECT_MAX = 15.0
 BuildProxy = Callable[[PodInfo, Netns], ProxyInstance]
 
 
+class PodRuntime(Protocol):
+    """Where the pods' proxies run."""
+
+    async def start(self, pod: PodInfo, netns: Netns) -> str | None:
+        """Bind and serve the pod's listeners inside `netns`; the error text if that failed."""
+        ...
+
+    async def stop(self, uid: str, deadline: float) -> None:
+        """Drain the pod's proxy: gracefully for up to `deadline` seconds, at once when 0."""
+        ...
+
+    def describe(self, uid: str) -> dict[str, Any]:
+        """What `/config_dump` shows of a running pod's proxy (listeners, connections)."""
+        ...
+
+
+class LocalPods:
+    """The pods' proxies as `ProxyInstance`s of this process."""
+
+    def __init__(self, build: BuildProxy) -> None:
+        self._build = build
+        self.instances: dict[str, ProxyInstance] = {}
+
+    async def start(self, pod: PodInfo, netns: Netns) -> str | None:
+        try:
+            instance = self._build(pod, netns)
+            socks = instance.bind_listeners()
+        except OSError as e:
+            return e.strerror or str(e)
+        try:
+            await instance.serve(socks)
+        except Exception as e:
+            await instance.drain(0, graceful=False)
+            return str(e)
+        self.instances[pod.uid] = instance
+        return None
+
+    async def stop(self, uid: str, deadline: float) -> None:
+        instance = self.instances.pop(uid, None)
+        if instance is None:
+            return
+        await instance.drain(deadline, graceful=deadline > 0)
+        self._release_identity(instance)
+
+    def _release_identity(self, stopped: ProxyInstance) -> None:
+        """Stop renewing the certificate of a stopped pod's identity, unless another pod shares it."""
+        identity = stopped.identity(stopped.find_local_workload())
+        for other in self.instances.values():
+            if other.identity(other.find_local_workload()) == identity:
+                return
+        stopped.secrets.forget(identity)
+
+    def describe(self, uid: str) -> dict[str, Any]:
+        instance = self.instances.get(uid)
+        if instance is None:
+            return {}
+        return {
+            "listeners": {k: f"{h}:{p}" for k, (h, p) in sorted(instance.addresses.items())},
+            "inboundConnections": len(instance.tracker),
+        }
+
+
 class ProtocolError(Exception):
     """The agent broke the protocol in a way the reference answers by exiting (status 1)."""
 
@@ -44,7 +107,7 @@ class ProtocolError(Exception):
 class PodProxy:
     pod: PodInfo
     netns: Netns
-    instance: ProxyInstance | None = None
+    running: bool = False
     error: str = ""
 
 
@@ -52,14 +115,14 @@ class WorkloadProxyManager:
     def __init__(
         self,
         uds_path: str,
-        build: BuildProxy,
+        pods: PodRuntime,
         readiness: Readiness,
         metrics: WorkloadManagerMetrics,
         *,
         retry_interval: float | None = None,
     ) -> None:
         self.uds_path = uds_path
-        self._build = build
+        self._pods = pods
         self._readiness = readiness
         self._ready_handle: ReadinessHandle | None = readiness.register(READINESS_TASK)
         self._metrics = metrics
@@ -166,19 +229,11 @@ class WorkloadProxyManager:
 
     async def _try_start(self, entry: PodProxy) -> str | None:
         """Bind and serve the pod's listeners inside its namespace; the error text if that failed."""
-        try:
-            instance = self._build(entry.pod, entry.netns)
-            socks = instance.bind_listeners()
-        except OSError as e:
-            entry.error = e.strerror or str(e)
-            return entry.error
-        try:
-            await instance.serve(socks)
-        except Exception as e:
-            await instance.drain(0, graceful=False)
-            entry.error = str(e)
-            return entry.error
-        entry.instance = instance
+        error = await self._pods.start(entry.pod, entry.netns)
+        if error is not None:
+            entry.error = error
+            return error
+        entry.running = True
         entry.error = ""
         self.proxies[entry.pod.uid] = entry
         self._metrics.started.inc()
@@ -194,23 +249,11 @@ class WorkloadProxyManager:
                 self._metrics.pending.set(len(self.pending))
             return
         log.info("pod deleted, stopping proxy: uid=%s", uid)
-        if entry.instance is not None:
-            await entry.instance.drain(deadline, graceful=deadline > 0)
-            self._release_identity(entry.instance)
+        if entry.running:
+            await self._pods.stop(uid, deadline)
         entry.netns.close()
         self._metrics.stopped.inc()
         self._metrics.active.set(len(self.proxies))
-
-    def _release_identity(self, stopped: ProxyInstance) -> None:
-        """Stop renewing the certificate of a stopped pod's identity, unless another pod shares it."""
-        identity = stopped.identity(stopped.find_local_workload())
-        for other in self.proxies.values():
-            if (
-                other.instance is not None
-                and other.instance.identity(other.instance.find_local_workload()) == identity
-            ):
-                return
-        stopped.secrets.forget(identity)
 
     async def _retry_pending(self) -> None:
         while True:
@@ -263,9 +306,8 @@ class WorkloadProxyManager:
                     },
                     "netnsInode": e.netns.key[1],
                 }
-                if e.instance is not None:
-                    item["listeners"] = {k: f"{h}:{p}" for k, (h, p) in sorted(e.instance.addresses.items())}
-                    item["inboundConnections"] = len(e.instance.tracker)
+                if e.running:
+                    item.update(self._pods.describe(uid))
                 if e.error:
                     item["error"] = e.error
                 state[uid] = item
