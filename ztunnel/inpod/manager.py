@@ -83,9 +83,9 @@ class LocalPods:
 
     def _release_identity(self, stopped: ProxyInstance) -> None:
         """Stop renewing the certificate of a stopped pod's identity, unless another pod shares it."""
-        identity = stopped.identity(stopped.find_local_workload())
+        identity = stopped.own_identity()
         for other in self.instances.values():
-            if other.identity(other.find_local_workload()) == identity:
+            if other.own_identity() == identity:
                 return
         stopped.secrets.forget(identity)
 
