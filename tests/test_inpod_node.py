@@ -133,6 +133,7 @@ class Ztunnel:
             FAKE_CA="true",
             CONNECTION_TERMINATION_DEADLINE="2s",
             LOG_LEVEL="info,access=info",
+            ZTUNNEL_WORKER_THREADS="2",
             ADMIN_ADDRESS=f"127.0.0.1:{self.ports[0]}",
             STATS_ADDRESS=f"0.0.0.0:{self.ports[1]}",
             READINESS_ADDRESS=f"0.0.0.0:{self.ports[2]}",
@@ -170,6 +171,9 @@ class Ztunnel:
 
     def ready(self) -> bool:
         return self.get(self.ports[2], "/healthz/ready")[0] == 200
+
+    def workers(self) -> list[dict]:  # type: ignore[type-arg]
+        return list(self.config_dump().get("workers", []))
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -211,6 +215,12 @@ def listening_ports(pod: Pod) -> set[int]:
 PROXY_PORTS = {15001, 15006, 15008}
 
 
+def listeners_per_port(pod: Pod, ports: set[int]) -> dict[int, int]:
+    out = pod.exec("ss", "-Hltn").stdout
+    found = [int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip()]
+    return {port: found.count(port) for port in ports}
+
+
 def start_echo(pod: Pod, app: str = ECHO_APP) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         ["ip", "netns", "exec", pod.netns.name, sys.executable, "-c", app],
@@ -233,6 +243,7 @@ class Mesh:
     config: Path
     control_plane: subprocess.Popen[str]
     xds: str
+    cp_log: list[str] = field(default_factory=list)
     ztunnels: dict[str, Ztunnel] = field(default_factory=dict)
     apps: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -270,7 +281,9 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
             line = cp.stdout.readline()
             assert line, "control plane exited: " + "".join(seen)
             seen.append(line)
-        threading.Thread(target=cp.stdout.read, daemon=True).start()  # never let its pipe fill
+        m.cp_log.extend(seen)
+        # Never let its pipe fill; what it logs counts the xDS streams and the certificates issued.
+        threading.Thread(target=lambda: m.cp_log.extend(iter(cp.stdout.readline, "")), daemon=True).start()
         yield m
     finally:
         for app in m.apps:
@@ -316,6 +329,8 @@ def test_one_node_captures_pod_traffic_over_hbone_with_policy(mesh: Mesh) -> Non
     # Each enrolled pod's listeners are open inside its namespace before its ADD returned.
     for pod in (client, intruder, server):
         assert listening_ports(pod) >= PROXY_PORTS, pod.name
+        # One listening socket per port and worker, SO_REUSEPORT among them.
+        assert listeners_per_port(pod, PROXY_PORTS) == {port: 2 for port in PROXY_PORTS}, pod.name
     assert not PROXY_PORTS & listening_ports(plain)
     assert "ZTUNNEL" in client.iptables_save() and "ZTUNNEL" not in plain.iptables_save()
 
@@ -528,3 +543,144 @@ def test_ztunnel_own_metrics_reached_from_a_pod_over_hbone(mesh: Mesh) -> None:
         )
         == 1
     )
+
+
+# -- two data-plane workers -------------------------------------------------------------------------
+
+# argv: ip port n. Holds n connections; on each line of stdin, sends one byte on every one still
+# open and prints a letter per connection: y (echoed) or x (closed, now or before).
+HOLDER_APP = """
+import socket, sys
+ip, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+conns = [socket.create_connection((ip, port), timeout=5) for _ in range(n)]
+print("open", flush=True)
+for _ in sys.stdin:
+    states = []
+    for i, c in enumerate(conns):
+        ok = False
+        if c is not None:
+            try:
+                c.sendall(b"p")
+                ok = c.recv(1) == b"p"
+            except OSError:
+                pass
+            if not ok:
+                c.close()
+                conns[i] = None
+        states.append("y" if ok else "x")
+    print("".join(states), flush=True)
+"""
+
+
+@dataclass
+class Holder:
+    proc: subprocess.Popen[str]
+
+    def ping(self) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("ping\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+
+def hold(mesh: Mesh, src: Pod, dst: Pod, n: int) -> Holder:
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", src.netns.name, sys.executable, "-c", HOLDER_APP, dst.ip, "8080", str(n)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    mesh.apps.append(proc)  # type: ignore[arg-type]
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "open"
+    holder = Holder(proc)
+    assert holder.ping() == "y" * n
+    return holder
+
+
+def per_worker(zt: Ztunnel, key: str) -> list[int]:
+    return [w[key] for w in zt.workers()]
+
+
+def test_two_workers_one_xds_stream_one_certificate_per_identity_both_serving(mesh: Mesh) -> None:
+    node = mesh.cluster.nodes[0]
+    # Certificates from the control plane's CA this time, so it counts the requests.
+    zt = start_node(mesh, node, mesh.xds, FAKE_CA="false", CA_ADDRESS=mesh.xds)
+    assert len({w["pid"] for w in zt.workers()}) == 2
+    client = node.add_pod("client", service_account="client")
+    server = node.add_pod("server", service_account="server")
+    mesh.push(mesh_yaml([client, server]))
+    mesh.wait_for_workloads(zt, [client, server])
+    mesh.apps.append(start_echo(server))
+    n = 24
+    for i in range(n):
+        assert talk(client, server, f"hello-{i}") == f"echo hello-{i}"
+    # The client pod's connections were spread over both workers' listeners in its namespace.
+    eventually(lambda: sum(per_worker(zt, "outboundOpened")) == n, "the outbound connections counted")
+    assert all(c > 0 for c in per_worker(zt, "outboundOpened")), zt.workers()
+    assert opened(zt.metrics(), reporter="destination", destination_workload="server") == n
+    log = "".join(mesh.cp_log)
+    assert len(re.findall(r"stream from \S+ \(peer .*\) opened", log)) == 1, log
+    for sa in ("client", "server"):
+        assert log.count(f"issued a certificate for spiffe://{TD}/ns/default/sa/{sa} ") == 1, log
+    certs = {c["identity"]: c["state"] for c in zt.config_dump()["certificates"]}
+    assert certs == {f"spiffe://{TD}/ns/default/sa/{sa}": "Available" for sa in ("client", "server")}
+
+
+def test_two_workers_a_policy_push_closes_held_connections_in_every_worker(mesh: Mesh) -> None:
+    node = mesh.cluster.nodes[0]
+    # One stream per pooled HBONE connection: the server pod's inbound spreads over both workers.
+    zt = start_node(mesh, node, mesh.xds, POOL_MAX_STREAMS_PER_CONNECTION="1")
+    client = node.add_pod("client", service_account="client")
+    server = node.add_pod("server", service_account="server")
+    mesh.push(mesh_yaml([client, server]))
+    mesh.wait_for_workloads(zt, [client, server])
+    mesh.apps.append(start_echo(server))
+    n = 12
+    holder = hold(mesh, client, server, n)
+    eventually(lambda: sum(per_worker(zt, "inboundOpened")) == n, "the inbound connections counted")
+    assert all(c > 0 for c in per_worker(zt, "inboundOpened")), zt.workers()
+
+    other = node.add_pod("other", service_account="other")
+    mesh.push(mesh_yaml([client, server, other], allow_to=server, allowed=other))
+    eventually(lambda: holder.ping() == "x" * n, "every held connection closed by the policy")
+    eventually(
+        lambda: len(access_log(zt, src=client.ip, direction="inbound", error="policy change")) == n,
+        "every closure logged",
+    )
+
+
+def test_two_workers_a_killed_worker_is_replaced_while_the_other_keeps_echoing(mesh: Mesh) -> None:
+    node = mesh.cluster.nodes[0]
+    zt = start_node(mesh, node, mesh.xds)
+    client = node.add_pod("client", service_account="client")
+    plain = node.add_pod("plain", enrolled=False)  # passed through: only the client's worker carries it
+    mesh.push(mesh_yaml([client, plain]))
+    mesh.wait_for_workloads(zt, [client])
+    mesh.apps.append(start_echo(plain))
+    n = 12
+    holder = hold(mesh, client, plain, n)
+    eventually(lambda: sum(per_worker(zt, "outboundOpened")) == n, "the held connections counted")
+    counts = per_worker(zt, "outboundOpened")
+    assert all(c > 0 for c in counts), counts
+    victim = zt.workers()[0]
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    statuses: list[int] = []
+
+    def replaced() -> bool:
+        statuses.append(zt.get(zt.ports[2], "/healthz/ready")[0])
+        w = zt.workers()[0]
+        return bool(w["pid"] != victim["pid"] and w["state"] == "ready")
+
+    eventually(lambda: zt.get(zt.ports[2], "/healthz/ready")[0] == 500, "readiness down")
+    # The other worker's connections keep echoing; new connections are served meanwhile.
+    assert holder.ping().count("y") == counts[1]
+    assert talk(client, plain, "meanwhile") == "echo meanwhile"
+    eventually(replaced, "the worker to be replaced", timeout=20)
+    assert statuses[:-1] and set(statuses[:-1]) == {500}, statuses
+    assert zt.ready()
+    # The replacement has every pod's listeners again (both sockets per port), and serves.
+    assert listeners_per_port(client, PROXY_PORTS) == {port: 2 for port in PROXY_PORTS}
+    assert holder.ping().count("y") == counts[1]
+    before = per_worker(zt, "outboundOpened")[0]
+    for i in range(12):
+        assert talk(client, plain, f"after-{i}") == f"echo after-{i}"
+    eventually(lambda: per_worker(zt, "outboundOpened")[0] > before, "the new worker serving")

@@ -411,12 +411,14 @@ class TrafficSums(Collector):
                 out[key] = out.get(key, 0.0) + value
         return out
 
-    def opened(self, worker: int) -> int:
+    def opened(self, worker: int, reporter: str | None = None) -> int:
+        """Connections the worker opened (by `reporter`: source = outbound, destination = inbound)."""
         return int(
             sum(
                 v
-                for (name, _), v in self.live.get(worker, {}).items()
+                for (name, labels), v in self.live.get(worker, {}).items()
                 if name == "istio_tcp_connections_opened"
+                and (reporter is None or ("reporter", reporter) in labels)
             )
         )
 
@@ -938,6 +940,8 @@ class Supervisor:
                 "state": s.state,
                 "restarts": s.restarts,
                 "connectionsOpened": self.sums.opened(s.index),
+                "inboundOpened": self.sums.opened(s.index, "destination"),
+                "outboundOpened": self.sums.opened(s.index, "source"),
             }
             for s in self.slots
         ]
@@ -985,9 +989,11 @@ class Supervisor:
             stop.cancel()
             with contextlib.suppress(UnboundLocalError):
                 synced.cancel()
-            log.info(
-                "shutting down: draining workers for up to %ss", self.config.connection_termination_deadline
-            )
+            if self._started.done() and self._started.exception() is None:
+                log.info(
+                    "shutting down: draining workers for up to %ss",
+                    self.config.connection_termination_deadline,
+                )
             await self._stop_workers()
             await self.app.drain()
             fork_reader.cancel()
