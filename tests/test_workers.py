@@ -551,3 +551,18 @@ def test_starts_in_a_row_with_xds(control_plane: ControlPlane) -> None:
             code = stop(proxy)
         assert code == 0, f"start {i + 1} of {runs}: exit {code}"
         assert "Check failed" not in proxy.output.text() and "skipping fork()" not in proxy.output.text()
+
+
+def test_the_worker_count_follows_the_cpu_limit_by_default(echo: None) -> None:
+    env = proxy_env(
+        "client", CLIENT, FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=CLIENT_ONLY, ZTUNNEL_CPU_LIMIT="12"
+    )
+    del env["ZTUNNEL_WORKER_THREADS"]
+    proxy = launch(env, CLIENT)
+    try:
+        wait_ready(proxy)
+        workers = proxy.workers()
+        assert [w["index"] for w in workers] == [0, 1, 2]  # 25 % of 12 CPUs
+        assert all(w["state"] == "ready" for w in workers)
+    finally:
+        stop(proxy)

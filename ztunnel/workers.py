@@ -874,6 +874,7 @@ class Supervisor:
         self._proxy_ready: ReadinessHandle | None = None
         self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._seq = 0
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- what the workers ask and are told --------------------------------------------------------
 
@@ -1100,9 +1101,19 @@ class Supervisor:
                     if message.seq and message.seq == slot.scrape_seq and scrape and not scrape.done():
                         scrape.set_result(None)
                 elif isinstance(message, CertificateRequest):
-                    asyncio.get_running_loop().create_task(self._answer_certificate(slot, message))
+                    task = asyncio.get_running_loop().create_task(self._answer_certificate(slot, message))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
                 elif isinstance(message, PodResult):
                     waiting = slot.pod_waiters.get(message.uid)
+                    if not waiting and message.error:
+                        # A pod handed to a new worker at its start: nobody waits for it, say it.
+                        log.warning(
+                            "data-plane worker %d failed to start the proxy of pod %s: %s",
+                            slot.index,
+                            message.uid,
+                            message.error,
+                        )
                     if waiting:
                         fut = waiting.pop(0)
                         if not waiting:
@@ -1135,15 +1146,16 @@ class Supervisor:
             self._started.set_exception(StartupError(failure))
             return
         ran = time.monotonic() - slot.started_at
-        slot.delay = RESTART_DELAY if ran >= STABLE_AFTER else min(slot.delay * 2, RESTART_DELAY_MAX)
+        delay = RESTART_DELAY if ran >= STABLE_AFTER else slot.delay
+        slot.delay = min(delay * 2, RESTART_DELAY_MAX)  # for the next time, should it die young again
         log.warning(
             "data-plane worker %d (pid %s) is gone%s; starting another in %.1fs",
             slot.index,
             slot.pid,
             f" ({failure})" if failure else "",
-            slot.delay,
+            delay,
         )
-        await asyncio.sleep(slot.delay)
+        await asyncio.sleep(delay)
         if self._stopping:
             slot.state = "stopped"
             return
