@@ -1,4 +1,4 @@
-"""One control process, N data-plane worker processes, in both modes (SPEC §7.3, §13.1).
+"""One control process and N data-plane worker processes, in both modes.
 
 CPython runs one core per process, so where the reference runs worker threads this runs worker
 processes. `ztunnel proxy` is always:
@@ -364,7 +364,7 @@ def apply_changes(state: ProxyState, changes: StateChanges) -> None:
 def traffic_snapshot(metrics: Metrics) -> dict[str, Any]:
     """The traffic counters of one process: `{family: {"help": …, "samples": [[labels, value]]}}`.
 
-    Labels travel as pairs, so the order SPEC §10.3 fixes survives the trip.
+    Labels travel as pairs, so the label order of the reference survives the trip.
     """
     out: dict[str, Any] = {}
     for family in metrics.registry.collect():

@@ -5,8 +5,9 @@ each request of the agent, one at a time, driving `ZdsStateMachine`: for an `Add
 pod's proxy started (its listeners bound inside the pod's namespace and accepting) before
 acknowledging; for a delete (or a pod missing from a snapshot) it drains that proxy at once. Where the
 proxies run is a `PodRuntime`: `LocalPods` builds `ProxyInstance`s in this process; with data-plane
-workers (`ztunnel/workers.py`) every worker runs one per pod and the ACK waits for all of them. A pod whose proxy fails to start is NACKed and retried every 5 s. The connection is made again
-with backoff (10 ms doubling to 15 s) whenever it drops; running proxies survive that. Readiness
+workers (`ztunnel/workers.py`) every worker runs one per pod and the ACK waits for all of them. A
+pod whose proxy fails to start is NACKed and retried every 5 s. The connection is made again with
+backoff (10 ms doubling to 15 s) whenever it drops; running proxies survive that. Readiness
 `workload proxy manager` is held until a snapshot is applied with nothing pending.
 """
 
