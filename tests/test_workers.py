@@ -566,3 +566,31 @@ def test_the_worker_count_follows_the_cpu_limit_by_default(echo: None) -> None:
         assert all(w["state"] == "ready" for w in workers)
     finally:
         stop(proxy)
+
+
+def test_a_log_filter_set_over_admin_reaches_every_worker(echo: None) -> None:
+    proxy = launch(proxy_env("client", CLIENT, FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=CLIENT_ONLY), CLIENT)
+
+    def post(query: str) -> str:
+        req = urllib.request.Request(f"http://{CLIENT}:15000/logging?{query}", method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return str(r.read().decode())
+
+    def completed() -> int:
+        return proxy.output.text().count('"connection complete"')
+
+    try:
+        wait_ready(proxy)
+        assert exchange(CLIENT, b"logged") == b"logged"
+        eventually(lambda: completed() == 1, "the first access-log line")
+        assert "access=off" in post("level=access=off")
+        for i in range(16):  # over both workers
+            assert exchange(CLIENT, f"quiet {i}".encode()) == f"quiet {i}".encode()
+        assert "access=info" in post("level=access=info")
+        assert exchange(CLIENT, b"logged again") == b"logged again"
+        # The quiet connections were over before this one began: only its line is new.
+        eventually(lambda: completed() >= 2, "the access-log line after the filter came back")
+        assert completed() == 2, proxy.output.text()
+        assert proxy.metric_total("istio_tcp_connections_opened_total") == 18
+    finally:
+        stop(proxy)

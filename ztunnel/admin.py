@@ -218,7 +218,7 @@ hint: mod_name:\tthe module name, i.e. ztunnel::proxy or access
 """
 
 
-def _logging(request: Request) -> Response:
+def _logging(request: Request, on_change: Callable[[str], object] | None = None) -> Response:
     level = request.query.get("level")
     reset = "reset" in request.query
     if level is None and not reset:
@@ -228,15 +228,19 @@ def _logging(request: Request) -> Response:
         new = logs.set_filter(spec, reset)
     except ValueError as e:
         return Response(400, f"Invalid level provided: {spec}: {e}\n{LOGGING_HELP}".encode())
+    if on_change is not None:
+        on_change(new)
     return Response(200, f"current log level is {new}\n".encode())
 
 
 def admin_server(
     config_dump: Callable[[], Mapping[str, Any]],
     shutdown: Callable[[], object],
+    on_log_filter: Callable[[str], object] | None = None,
 ) -> HttpServer:
     """The admin server. `config_dump` builds the `/config_dump` document; `shutdown` is called once the
-    `/quitquitquit` reply is written (an awaitable result is run as a task)."""
+    `/quitquitquit` reply is written (an awaitable result is run as a task); `on_log_filter` gets the
+    new filter after `/logging` changed it (with data-plane workers: to pass it on to them)."""
 
     def dump(_: Request) -> Response:
         return Response(200, json.dumps(config_dump(), indent=2).encode() + b"\n", "application/json")
@@ -246,7 +250,7 @@ def admin_server(
 
     routes: dict[str, Route] = {
         "/config_dump": Route(dump, None, "dump the current ztunnel configuration"),
-        "/logging": Route(_logging, POST, "query/change logging levels"),
+        "/logging": Route(lambda r: _logging(r, on_log_filter), POST, "query/change logging levels"),
         "/quitquitquit": Route(quit_, POST, "shut down the server"),
     }
 

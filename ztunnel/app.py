@@ -109,10 +109,12 @@ class App:
         self._serving: asyncio.Task[None] | None = None
         # With data-plane workers (ztunnel/workers.py) the parent's App runs without the data plane:
         # in in-pod mode its workload proxy manager starts the pods in `pod_runtime` (the workers),
-        # and every scrape first collects the workers' counters (`before_scrape`).
+        # every scrape first collects the workers' counters (`before_scrape`), and a log filter set
+        # over /logging is passed on to them (`on_log_filter`).
         self.data_plane = True
         self.pod_runtime: PodRuntime | None = None
         self.before_scrape: Callable[[], Awaitable[None]] | None = None
+        self.on_log_filter: Callable[[str], object] | None = None
         self.inpod: WorkloadProxyManager | None = None
         self._inpod_task: asyncio.Task[None] | None = None
         self.exit_code = 0
@@ -194,7 +196,7 @@ class App:
 
         operator_servers = (
             (readiness_server(self.readiness), cfg.readiness_address),
-            (admin_server(self.config_dump, self.shutdown), cfg.admin_address),
+            (admin_server(self.config_dump, self.shutdown, self.on_log_filter), cfg.admin_address),
             (stats_server(self.metrics, self.before_scrape), cfg.stats_address),
         )
         for server, (host, port) in operator_servers:

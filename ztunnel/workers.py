@@ -64,6 +64,7 @@ from hbone.tls import WorkloadCertificate
 from policy.model import Authorization
 from xds.localconfig import LocalConfig
 from xds.model import Service, Workload
+from ztunnel import logs
 from ztunnel.admin import ReadinessHandle
 from ztunnel.app import App, StartupError, socket_options
 from ztunnel.config import Config, WorkloadInfo
@@ -181,6 +182,13 @@ class Failed:
     """Worker -> parent: start-up failed (the worker exits)."""
 
     error: str
+
+
+@dataclass(frozen=True)
+class LogFilter:
+    """Parent -> worker: the log filter now in force (set over the admin `/logging`)."""
+
+    spec: str
 
 
 @dataclass(frozen=True)
@@ -652,6 +660,9 @@ class WorkerRuntime:
                 self.ca.answer(message)
             elif isinstance(message, Scrape):
                 await self.channel.send(Counters(message.seq, traffic_snapshot(self.metrics)))
+            elif isinstance(message, LogFilter):
+                with contextlib.suppress(ValueError):
+                    logs.set_filter(message.spec, True)
             else:
                 self.actions.put_nowait((message, fds))
 
@@ -857,6 +868,7 @@ class Supervisor:
         self.app.data_plane = False
         self.app.metrics = SummedMetrics(self.sums, config.istio_version)
         self.app.before_scrape = self.scrape
+        self.app.on_log_filter = self._publish_log_filter
         self._app_dump = self.app.config_dump
         # The admin server takes these bound methods at start-up; ours add the workers.
         self.app.config_dump = self.config_dump  # type: ignore[method-assign]
@@ -881,6 +893,10 @@ class Supervisor:
     def _publish(self, changes: StateChanges) -> None:
         for slot in self.slots:
             slot.send(changes)
+
+    def _publish_log_filter(self, spec: str) -> None:
+        for slot in self.slots:
+            slot.send(LogFilter(spec))
 
     def identity_of(self, name: str, namespace: str, service_account: str) -> Identity:
         w = self.state.find_local_workload(name, namespace, service_account, self.config.node_name)
@@ -1040,6 +1056,7 @@ class Supervisor:
         slot.started_at = time.monotonic()
         # What a new worker is told first: the whole store, the pods, and whether to accept yet.
         slot.send(self.state.snapshot())
+        slot.send(LogFilter(logs.current_filter()))
         for message, netns in self.pods.pods.values():
             slot.send(message, [netns.fd])
         if self.synced:
