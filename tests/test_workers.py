@@ -594,3 +594,22 @@ def test_a_log_filter_set_over_admin_reaches_every_worker(echo: None) -> None:
         assert proxy.metric_total("istio_tcp_connections_opened_total") == 18
     finally:
         stop(proxy)
+
+
+def test_a_stuck_worker_makes_the_proxy_unready_until_it_answers_again(echo: None) -> None:
+    proxy = launch(proxy_env("client", CLIENT, FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=CLIENT_ONLY), CLIENT)
+    try:
+        wait_ready(proxy)
+        stuck = proxy.workers()[1]
+        os.kill(stuck["pid"], signal.SIGSTOP)  # alive, its listeners open, but nothing runs
+        try:
+            eventually(lambda: proxy.readiness()[0] == 500, "readiness down", timeout=15)
+            assert proxy.workers()[1]["state"] == "unresponsive"
+            assert "proxy" in proxy.readiness()[1]
+        finally:
+            os.kill(stuck["pid"], signal.SIGCONT)
+        eventually(proxy.ready, "readiness back once it answers")
+        again = proxy.workers()[1]
+        assert (again["pid"], again["state"], again["restarts"]) == (stuck["pid"], "ready", 0)  # not replaced
+    finally:
+        stop(proxy)

@@ -30,7 +30,7 @@ with `SO_REUSEPORT`. In-pod mode does neither: a new ztunnel binding beside the 
 upgrade (`INPOD_PORT_REUSE`) is the point there.
 
 Readiness: the `proxy` task is pending until every worker's listeners accept, and again whenever a
-worker is down. A worker that dies is forked again (after 0.5 s, doubling up to 10 s while it keeps
+worker is down: dead, or its loop has not answered the parent's ping for 5 s. A worker that dies is forked again (after 0.5 s, doubling up to 10 s while it keeps
 dying young); the others keep serving. In in-pod mode a pod is ACKed only once every running worker
 has its listeners up, and a pod delete drains it in every worker. Workers die with the parent
 (`PR_SET_PDEATHSIG`, and they stop when their channel closes); the parent drains them on shutdown.
@@ -78,6 +78,8 @@ log = logging.getLogger("ztunnel.workers")
 
 SNAPSHOT_INTERVAL = 1.0
 SCRAPE_TIMEOUT = 1.0
+HEARTBEAT_INTERVAL = 1.0
+HEARTBEAT_TIMEOUT = 5.0
 TRAFFIC_PREFIX = "istio_tcp_"
 RESTART_DELAY = 0.5
 RESTART_DELAY_MAX = 10.0
@@ -170,6 +172,16 @@ class Counters:
 
     seq: int
     families: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Parent -> worker, every second: a worker whose loop does not answer for a while is down."""
+
+
+@dataclass(frozen=True)
+class Pong:
+    pass
 
 
 @dataclass(frozen=True)
@@ -660,6 +672,8 @@ class WorkerRuntime:
                 self.ca.answer(message)
             elif isinstance(message, Scrape):
                 await self.channel.send(Counters(message.seq, traffic_snapshot(self.metrics)))
+            elif isinstance(message, Ping):
+                await self.channel.send(Pong())
             elif isinstance(message, LogFilter):
                 with contextlib.suppress(ValueError):
                     logs.set_filter(message.spec, True)
@@ -768,7 +782,8 @@ def run_worker(config: Config, index: int, fd: int) -> int:
 class WorkerSlot:
     index: int
     pid: int | None = None
-    state: str = "starting"  # starting | ready | restarting | stopped
+    state: str = "starting"  # starting | ready | unresponsive | restarting | stopped
+    answered: float = 0.0  # when its loop last answered (monotonic)
     restarts: int = 0
     started_at: float = 0.0
     delay: float = RESTART_DELAY
@@ -997,6 +1012,7 @@ class Supervisor:
             for slot in self.slots:
                 await self._spawn(slot)
             synced = loop.create_task(self._wait_synced())
+            heartbeat = loop.create_task(self._heartbeat())
             await asyncio.wait([self._started, stop], return_when=asyncio.FIRST_COMPLETED)
             if self._started.done():
                 self._started.result()  # a worker's start-up error stops start-up
@@ -1006,6 +1022,7 @@ class Supervisor:
             stop.cancel()
             with contextlib.suppress(UnboundLocalError):
                 synced.cancel()
+                heartbeat.cancel()
             if self._started.done() and self._started.exception() is None:
                 log.info(
                     "shutting down: draining workers for up to %ss",
@@ -1034,6 +1051,25 @@ class Supervisor:
         for sock in socks.values():
             sock.close()  # the workers bind these addresses with SO_REUSEPORT; the locks stay
         await probe.drain(0, graceful=False)
+
+    async def _heartbeat(self) -> None:
+        """Readiness means every worker's loop runs: one that stops answering counts as down (its
+        listeners may be open, but nothing accepts) until it answers again or dies."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+            now = time.monotonic()
+            for slot in self.slots:
+                if slot.state == "ready" and now - slot.answered > HEARTBEAT_TIMEOUT:
+                    log.warning(
+                        "data-plane worker %d (pid %s) has not answered for %.0fs",
+                        slot.index,
+                        slot.pid,
+                        now - slot.answered,
+                    )
+                    slot.state = "unresponsive"
+                    self._update_readiness()
+                if slot.state in ("ready", "unresponsive"):
+                    slot.send(Ping())
 
     async def _wait_synced(self) -> None:
         if self.app.xds is not None:
@@ -1107,6 +1143,11 @@ class Supervisor:
                 message, fds = got
                 for fd in fds:
                     os.close(fd)
+                slot.answered = time.monotonic()
+                if slot.state == "unresponsive":
+                    log.warning("data-plane worker %d (pid %s) answers again", slot.index, slot.pid)
+                    slot.state = "ready"
+                    self._update_readiness()
                 if isinstance(message, Ready):
                     slot.state = "ready"
                     self._update_readiness()
