@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import random
 import socket
@@ -107,6 +108,15 @@ class DnsServer:
 
     def bind(self) -> None:
         """Bind UDP and TCP (an OSError, e.g. the port in use, is for the caller to report)."""
+        for _ in range(20 if self.address[1] == 0 else 1):
+            try:
+                return self._bind()
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE or self.address[1] != 0:
+                    raise
+        raise OSError(errno.EADDRINUSE, "no port free for both UDP and TCP")
+
+    def _bind(self) -> None:
         host, port = self.address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         udp = self.sockets.datagram(family)
@@ -114,7 +124,7 @@ class DnsServer:
             if self.sockets.options.reuseport:
                 udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             udp.bind((host, port))
-            # Port 0 (tests): TCP takes the port UDP was given.
+            # Port 0 (tests): TCP takes the port UDP was given (`bind` retries when TCP's is taken).
             tcp = self.sockets.listener(host, udp.getsockname()[1])
         except BaseException:
             udp.close()
