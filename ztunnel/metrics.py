@@ -235,7 +235,8 @@ class _HistogramFamily:
 
 
 class DnsMetrics:
-    """The DNS proxy's families (SPEC §10.2), labelled per query type, protocol and client."""
+    """The DNS proxy's families (SPEC §10.2), labelled per query type, protocol and client, and the
+    outbound path's on-demand resolutions of workload hostnames."""
 
     def __init__(self) -> None:
         self.requests = _CounterFamily(
@@ -251,6 +252,21 @@ class DnsMetrics:
             "Total number of DNS requests that failed upstream (unstable)",
             DNS_LABEL_NAMES,
         )
+        self.on_demand = _CounterFamily(
+            "istio_on_demand_dns",
+            "Number of requests for on-demand DNS resolution (unstable)",
+            (
+                "source_workload",
+                "source_canonical_service",
+                "source_canonical_revision",
+                "source_workload_namespace",
+                "source_principal",
+                "source_app",
+                "source_version",
+                "source_cluster",
+                "hostname",
+            ),
+        )
         self.upstream_duration = _HistogramFamily(
             "istio_dns_upstream_request_duration_seconds",
             "Total time in seconds taken to get a DNS response from upstream (unstable)",
@@ -259,7 +275,7 @@ class DnsMetrics:
         )
 
     def collect(self) -> Iterator[Metric]:
-        for f in (self.requests, self.upstream_requests, self.upstream_failures):
+        for f in (self.requests, self.upstream_requests, self.upstream_failures, self.on_demand):
             if f.cells:
                 yield f.family()
         if self.upstream_duration.cells:

@@ -13,7 +13,28 @@ from ztunnel.metrics import Metrics
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState
 
-__all__ = ["DnsServer", "dns_server"]
+__all__ = ["DnsServer", "dns_address", "dns_server", "resolver_settings"]
+
+
+def dns_address(config: Config) -> tuple[str, int]:
+    """`ISTIO_META_DNS_PROXY_ADDR`, default 127.0.0.1:15053; a dedicated proxy given a
+    PROXY_BIND_ADDRESS (several proxies on one host) defaults to that address instead (ours)."""
+    bind = config.proxy_bind_address
+    explicit = "DNS_PROXY_ADDR" in config.istio_meta
+    if not explicit and config.proxy_mode == "dedicated" and bind and bind not in ("0.0.0.0", "::"):
+        return bind, config.dns_proxy_addr[1]
+    return config.dns_proxy_addr
+
+
+def resolver_settings(config: Config, search: tuple[str, ...]) -> ResolverSettings:
+    """In-pod, the client's Kubernetes search list is stripped; a dedicated proxy strips `search`,
+    the list of its own resolv.conf."""
+    return ResolverSettings(
+        cluster_domain=config.cluster_domain,
+        search_domains=None if config.proxy_mode == "shared" else search,
+        ipv6_enabled=config.ipv6_enabled,
+        preferred_namespace=config.prefered_service_namespace,
+    )
 
 
 def dns_server(
@@ -24,15 +45,14 @@ def dns_server(
     metrics: Metrics,
     resolv_conf: str = RESOLV_CONF,
 ) -> DnsServer:
-    """The DNS server of one proxy instance, configured as the reference's: in-pod, the client's
-    Kubernetes search list is stripped; a dedicated proxy strips the search list of its resolv.conf."""
+    """The DNS server of one proxy instance, forwarding to the nameservers of `resolv_conf`."""
     upstream = read_resolv_conf(resolv_conf)
-    settings = ResolverSettings(
-        cluster_domain=config.cluster_domain,
-        search_domains=None if config.proxy_mode == "shared" else upstream.search,
-        ipv6_enabled=config.ipv6_enabled,
-        preferred_namespace=config.prefered_service_namespace,
-    )
     return DnsServer(
-        config.dns_proxy_addr, state, client, sockets, metrics.dns(), Forwarder(upstream, sockets), settings
+        dns_address(config),
+        state,
+        client,
+        sockets,
+        metrics.dns(),
+        Forwarder(upstream, sockets),
+        resolver_settings(config, upstream.search),
     )
