@@ -14,6 +14,7 @@ import struct
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import dns.flags
 import dns.message
@@ -41,52 +42,49 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
-    """dnsmasq on 127.0.0.1:<port>: authoritative for `upstream.test`, with a TXT and an MX of a mesh
-    name (types the proxy does not answer itself)."""
-    (dnsmasq,) = require_tools("dnsmasq", hint="Debian package dnsmasq-base")
-    workdir = tmp_path_factory.mktemp("dnsmasq")
+def _start_dnsmasq(dnsmasq: str, workdir: Path, ip: str, port: int) -> subprocess.Popen[bytes]:
     hosts = workdir / "hosts"
     hosts.write_text("192.0.2.7 known.upstream.test\n")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            dnsmasq,
-            "--keep-in-foreground",
-            "--no-resolv",
-            "--no-hosts",
-            f"--addn-hosts={hosts}",
-            "--bind-interfaces",
-            "--listen-address=127.0.0.1",
-            "--except-interface=nonexistent",
-            f"--port={port}",
-            "--local=/upstream.test/",
-            "--local=/cluster.local/",
-            f"--txt-record=web.ns1.svc.cluster.local,{UPSTREAM_TXT}",
-            "--mx-host=mx.upstream.test,mail.upstream.test,10",
-            "--user=" + ("root" if os.geteuid() == 0 else os.environ.get("USER", "nobody")),
-            f"--pid-file={workdir / 'pid'}",
-            "--log-facility=-",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        query = dns.message.make_query("known.upstream.test.", "A").to_wire()
+    return subprocess.Popen(
+        [dnsmasq, "--keep-in-foreground", "--no-resolv", "--no-hosts", f"--addn-hosts={hosts}",
+         "--bind-interfaces", f"--listen-address={ip}", f"--port={port}",
+         "--local=/upstream.test/", "--local=/cluster.local/",
+         f"--txt-record=web.ns1.svc.cluster.local,{UPSTREAM_TXT}",
+         "--mx-host=mx.upstream.test,mail.upstream.test,10",
+         "--user=" + ("root" if os.geteuid() == 0 else os.environ.get("USER", "nobody")),
+         f"--pid-file={workdir / 'pid'}", "--log-facility=-"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """dnsmasq on a loopback address of its own: authoritative for `upstream.test`, with a TXT and an
+    MX of a mesh name (types the proxy does not answer itself)."""
+    (dnsmasq,) = require_tools("dnsmasq", hint="Debian package dnsmasq-base")
+    workdir = tmp_path_factory.mktemp("dnsmasq")
+    query = dns.message.make_query("known.upstream.test.", "A").to_wire()
+    errors = []
+    for _ in range(5):  # a port some other test holds: another address and port
+        ip, port = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}.53", random.randint(20000, 60000)
+        proc = _start_dnsmasq(dnsmasq, workdir, ip, port)
         for _ in range(100):
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 s.settimeout(0.1)
                 try:
-                    s.sendto(query, ("127.0.0.1", port))
+                    s.sendto(query, (ip, port))
                     s.recv(512)
                     break
                 except OSError:
                     if proc.poll() is not None:
-                        pytest.fail(f"dnsmasq exited: {proc.stderr.read().decode() if proc.stderr else ''}")
-        else:
-            pytest.fail("dnsmasq did not answer")
-        yield ("127.0.0.1", port)
+                        break
+        if proc.poll() is None:
+            break
+        errors.append(proc.stderr.read().decode() if proc.stderr else "")
+    else:
+        pytest.fail(f"dnsmasq did not start: {errors}")
+    try:
+        yield (ip, port)
     finally:
         proc.terminate()
         proc.wait(5)
