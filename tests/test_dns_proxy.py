@@ -45,6 +45,12 @@ services:
      ports: {{80: {port}}}}}
   - {{name: mesh-only, namespace: ns1, hostname: mesh-only.example, vips: ["/240.0.0.1"], ports: {{80: {port}}}}}
   - {{name: web, namespace: ns2, hostname: web.ns2.svc.cluster.local, vips: ["/10.96.0.20"], ports: {{80: 80}}}}
+  - {{name: by-name, namespace: ns1, hostname: by-name.example, vips: ["/240.0.0.9"], ports: {{80: {local_port}}}}}
+"""
+# A workload known by hostname only (no IPs): reached through on-demand DNS.
+BY_NAME = """
+  - {{uid: t//Pod/ns1/by-name, name: by-name, namespace: ns1, serviceAccount: x, trustDomain: cluster.local,
+     hostname: localhost, workloadIps: [], protocol: TCP, services: {{"ns1/by-name.example": {{80: {local_port}}}}}}}
 """
 
 
@@ -52,13 +58,17 @@ services:
 async def mesh() -> AsyncIterator[tuple[App, int]]:
     echo = await start_echo(ECHO_IP, 0)
     port = echo.server.sockets[0].getsockname()[1]
-    local = MESH.format(client=CLIENT_IP, echo=ECHO_IP, port=port)
-    app = await start_proxy(proxy_env("ns1", "client", "client", CLIENT_IP, local))
+    local_echo = await start_echo("127.0.0.1", 0)
+    local_port = local_echo.server.sockets[0].getsockname()[1]
+    text = MESH.format(client=CLIENT_IP, echo=ECHO_IP, port=port, local_port=local_port)
+    text = text.replace("services:\n", BY_NAME.format(local_port=local_port).lstrip("\n") + "services:\n", 1)
+    app = await start_proxy(proxy_env("ns1", "client", "client", CLIENT_IP, text))
     try:
         yield app, port
     finally:
         await app.drain()
         echo.server.close()
+        local_echo.server.close()
 
 
 async def _http_get(host: str, port: int, path: str) -> tuple[int, str]:
@@ -94,6 +104,21 @@ async def test_socks5_reaches_a_mesh_name_by_its_vip(mesh: tuple[App, int]) -> N
     assert status == 200
     assert 'destination_service="mesh-only.example"' in body
     assert app.proxies[0].addresses["dns"] == (CLIENT_IP, 15053)
+
+
+async def test_on_demand_dns_is_counted(mesh: tuple[App, int]) -> None:
+    code, reader, writer = await socks5_connect((CLIENT_IP, 15080), "240.0.0.9", 80)
+    assert code == 0
+    writer.write(b"by name")
+    assert await reader.readexactly(7) == b"by name"
+    writer.close()
+    _, body = await _http_get(CLIENT_IP, 15020, "/metrics")
+    assert (
+        'istio_on_demand_dns_total{source_workload="client",source_canonical_service="client-app",'
+        'source_canonical_revision="v1",source_workload_namespace="ns1",'
+        'source_principal="spiffe://cluster.local/ns/ns1/sa/client",source_app="client-app",'
+        'source_version="v1",source_cluster="unknown",hostname="localhost"} 1'
+    ) in body, body
 
 
 async def test_dns_beside_proxied_traffic_under_garbage(mesh: tuple[App, int]) -> None:
@@ -134,7 +159,7 @@ async def test_dns_beside_proxied_traffic_under_garbage(mesh: tuple[App, int]) -
 
 async def test_dns_capture_off_means_no_dns_port() -> None:
     echo = await start_echo(ECHO_IP, 0)
-    local = MESH.format(client=CLIENT_IP, echo=ECHO_IP, port=1)
+    local = MESH.format(client=CLIENT_IP, echo=ECHO_IP, port=1, local_port=1)
     app = await start_proxy(
         proxy_env("ns1", "client", "client", CLIENT_IP, local, ISTIO_META_DNS_CAPTURE="false")
     )
@@ -190,7 +215,7 @@ def system(tmp_path: Path) -> Iterator[str]:
     own_resolv = tmp_path / "ztunnel-resolv.conf"
     own_resolv.write_text(f"nameserver {upstream_ip}\n{SEARCH}")
     local = tmp_path / "mesh.yaml"
-    local.write_text(MESH.format(client=proxy_ip, echo=echo_ip, port=8080))
+    local.write_text(MESH.format(client=proxy_ip, echo=echo_ip, port=8080, local_port=8080))
     env = {
         **os.environ,
         **proxy_env("ns1", "client", "client", proxy_ip, ""),
