@@ -6,7 +6,8 @@ the metrics, the forwarder) and touches no globals, so it runs wherever the list
 proxy creates its sockets inside the pod's namespace, and data-plane workers share the port through
 the factory's SO_REUSEPORT.
 
-Bad input costs only itself: a message too short for a header is dropped; one that does not parse,
+Bad input costs only itself: a message too short for a header, or a FORMERR reply (answering it
+could loop between two servers), is dropped; one that does not parse,
 a response, or one with other than one question gets FORMERR; other opcodes NOTIMP; a TCP client
 that does not send a whole message within the request timeout is closed. Work waiting on upstreams
 or on the client workload is bounded; above the bound, queries get SERVFAIL at once.
@@ -25,7 +26,6 @@ from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import dns.exception
 import dns.flags
 import dns.message
 import dns.opcode
@@ -176,11 +176,12 @@ class DnsServer:
             return data[:2] + (variants[0] if len(variants) == 1 else random.choice(variants))
         if len(data) < HEADER:
             return None
+        if data[2] & 0x80 and data[3] & 0x0F == dns.rcode.FORMERR:
+            # An error reply like ours: answering it could start a loop between two servers.
+            return None
         try:
             query = dns.message.from_wire(data)
-        except dns.exception.DNSException:
-            return _error_reply(data, dns.rcode.FORMERR)
-        except Exception:  # dnspython raises a few non-DNSException errors on hostile input
+        except Exception:  # DNSException mostly; dnspython raises a few others on hostile input
             return _error_reply(data, dns.rcode.FORMERR)
         if query.flags & dns.flags.QR:
             return _error_reply(data, dns.rcode.FORMERR)
