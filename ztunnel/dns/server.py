@@ -35,7 +35,7 @@ import dns.rdatatype
 from xds.model import Workload
 from ztunnel.dns.forwarder import Forwarder, UpstreamError
 from ztunnel.dns.resolver import MIN_UDP_PAYLOAD, ResolverSettings, answer, question_name, response_for
-from ztunnel.logs import log_fields
+from ztunnel.logs import Bare, log_fields
 from ztunnel.metrics import UNKNOWN, CounterCell, DnsMetrics
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState
@@ -334,7 +334,7 @@ class DnsServer:
             {
                 **self._client_fields(client, query),
                 "result": result if endpoints else "no records",
-                "endpoints": endpoints,
+                "endpoints": Bare("[" + ", ".join(endpoints) + "]"),
             },
         )
 
