@@ -15,7 +15,6 @@ import heapq
 import itertools
 import logging
 import random
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,11 +24,11 @@ from importlib import resources
 from typing import Any, Protocol
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import NameOID
 
-from hbone.identity import Identity
+from hbone.identity import Identity, build_leaf
 from hbone.tls import WorkloadCertificate
 
 log = logging.getLogger(__name__)
@@ -97,48 +96,8 @@ class FakeCA:
         not_before = (now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
         not_after = not_before + FAKE_CA_VALIDITY
         key = ec.generate_private_key(ec.SECP256R1())
-        serial = 0
-        while serial == 0:
-            serial = secrets.randbits(159)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(_ORG)
-            .issuer_name(self._root.subject)
-            .public_key(key.public_key())
-            .serial_number(serial)
-            .not_valid_before(not_before)
-            .not_valid_after(not_after)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=True,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                critical=False,
-            )
-            .add_extension(
-                # RFC 5280 §4.2.1.6: not critical, the subject is not empty.
-                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]),
-                critical=False,
-            )
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False
-            )
-            # The leaf's subject equals the root's (O=cluster.local, as the reference's fake CA);
-            # without its own key identifier OpenSSL takes it for self-signed.
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(self._key, hashes.SHA256())
+        cert = build_leaf(
+            [str(identity)], key.public_key(), self._root, self._key, not_before, not_after, subject=_ORG
         )
         return WorkloadCertificate(
             identity=identity,
