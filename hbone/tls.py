@@ -150,8 +150,9 @@ class TlsCredentials:
     def build(cls, cert: WorkloadCertificate, policy: TlsPolicy | None = None) -> TlsCredentials:
         """Build both contexts for `cert`; raise ValueError or ssl.SSLError on unusable material."""
         policy = policy or TlsPolicy()
+        server, client = _server_context(cert, policy), _client_context(cert, policy)
         roots = tuple(c for pem in cert.roots_pem for c in x509.load_pem_x509_certificates(pem))
-        return cls(cert, _server_context(cert, policy), _client_context(cert, policy), policy, roots)
+        return cls(cert, server, client, policy, roots)
 
     @classmethod
     def from_pem(
