@@ -13,12 +13,19 @@ import socket
 import ssl
 from collections.abc import Sequence
 
-from hbone.errors import ConnectionClosed, H2HandshakeError, HboneError, HttpStatusError, TlsHandshakeError
+from hbone.errors import (
+    CertificateRevoked,
+    ConnectionClosed,
+    H2HandshakeError,
+    HboneError,
+    HttpStatusError,
+    TlsHandshakeError,
+)
 from hbone.h2conn import H2Session
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import TlsCredentials
+from hbone.tls import REVOKED, TlsCredentials
 
 
 class HboneConnection:
@@ -154,7 +161,12 @@ async def settle(
     except BaseException:
         transport.abort()
         raise
-    release = tls.watch(ssl_object, session.abort)
+
+    def revoked(err: CertificateRevoked) -> None:
+        session.extra[REVOKED] = err  # read by whoever relays over the connection's streams
+        session.abort(err)
+
+    release = tls.watch(ssl_object, revoked)
     session.closed.add_done_callback(lambda _: release())
     session.start()
     loop = asyncio.get_running_loop()

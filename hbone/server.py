@@ -12,28 +12,17 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
+from hbone.address import Address, canonical_addr
 from hbone.errors import CertificateRevoked, ConnectionClosed, HboneError, TlsHandshakeError
 from hbone.h2conn import H2Session, Headers
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import TlsCredentials
+from hbone.tls import REVOKED, TlsCredentials
 
 log = logging.getLogger("hbone")
-
-Address = tuple[str, int]
-
-
-def canonical_addr(addr: Any) -> Address:
-    """(host, port) of a socket address; an IPv4-mapped IPv6 address becomes the IPv4 one."""
-    if not addr:
-        return ("", 0)
-    host, port = str(addr[0]), int(addr[1])
-    if host.startswith("::ffff:") and "." in host:
-        host = host[len("::ffff:") :]
-    return (host, port)
 
 
 class ConnectRequest:
@@ -84,6 +73,7 @@ TlsErrorHook = Callable[[Address, Address, Exception], None]
 def _revoked(session: H2Session, err: CertificateRevoked) -> None:
     # A new CRL revoked the client: GOAWAY at once, then the connection is cut with its streams.
     log.warning("hbone: closing connection from %s: %s", session.peer_identity, err)
+    session.extra[REVOKED] = err  # read by whoever relays over the connection's streams
     session.goaway()
     session.abort(err)
 

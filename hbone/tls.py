@@ -55,6 +55,9 @@ TLS12_CIPHERS = ":".join(
         "ECDHE-RSA-AES128-GCM-SHA256",
     )
 )
+# `get_extra_info` key of a session's streams once a new CRL tore the session down: the
+# `CertificateRevoked` saying why (what the proxy reports as response flag CERT_REVOKED).
+REVOKED = "revoked_by_crl"
 # Sessions kept for re-checks on a CRL change; past this, new ones are counted as untracked.
 MAX_TRACKED_SESSIONS = 1 << 20
 
