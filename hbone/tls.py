@@ -327,8 +327,10 @@ class Revocation:
         """Why `chain` (leaf first) is revoked, or None when no valid CRL lists one of its certificates."""
         for i, cert in enumerate(chain):
             crls = self._by_issuer.get(cert.issuer)
-            if not crls or cert.issuer == cert.subject:
-                continue  # no CRL for this issuer, or a self-signed anchor (no CRL revokes that)
+            # No CRL for this issuer, or a trust anchor (which no CRL revokes). Not "issuer ==
+            # subject": the fake CA's leaves carry their root's subject.
+            if not crls or cert in roots or (i == len(chain) - 1 and i > 0 and cert.issuer == cert.subject):
+                continue
             issuer = _find_issuer(cert, chain[i + 1 :], roots)
             if issuer is None:
                 continue  # a CRL we cannot authenticate does not decide anything
