@@ -1,12 +1,14 @@
 """Certificate revocation with real proxies on loopback (fake CA, SOCKS5 in, echo app behind the
 server's proxy): a CRL_PATH change tears down the revoked peer's open connections, inbound and
 outbound, leaves the others alone, refuses the revoked peer's new handshakes, and says so in the
-metrics (`CERT_REVOKED`, `istio_crl_policy_rejections_total`) and the logs."""
+metrics (`CERT_REVOKED`, `istio_crl_policy_rejections_total`) and the logs. And `TLS12_ENABLED`:
+a proxy serves TLS 1.2 only when it is set."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import ssl
 from collections.abc import AsyncIterator
 from importlib import resources
 from pathlib import Path
@@ -17,11 +19,13 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from hbone.identity import Identity
+from hbone.tls import TlsCredentials, TlsPolicy
 from tests.certs import CA, make_crl
 from tests.mesh import Echo, proxy_env, socks5_connect, start_echo, start_proxy
 from tests.test_e2e import metric
 from tests.waiting import eventually_async
 from ztunnel.app import App
+from ztunnel.identity import FakeCA
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -208,3 +212,38 @@ async def test_outbound_reload_drops_the_tunnel_to_a_revoked_server(
         "the refused connection recorded with CERT_REVOKED",
     )
     assert crl_rejections(frontend) == 2
+
+
+async def _tls12_handshake(ip: str) -> str:
+    """A TLS 1.2-only client with a fake-CA workload certificate against a proxy's 15008; returns
+    the negotiated version or the error."""
+    client = TlsCredentials.build(
+        FakeCA().issue(Identity("cluster.local", "demo", "frontend")), TlsPolicy(tls12=True)
+    ).client
+    client.maximum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        _reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(ip, 15008, ssl=client, server_hostname=""), 10
+        )
+    except (ssl.SSLError, ConnectionError) as e:
+        return f"refused: {e}"
+    version = writer.get_extra_info("ssl_object").version()
+    writer.close()
+    return str(version)
+
+
+async def test_tls12_enabled_serves_tls12_and_the_default_refuses_it(
+    apps: list[App],
+    proxy_logs,  # type: ignore[no-untyped-def]
+) -> None:
+    default = await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG))
+    apps.append(default)
+    refused = await _tls12_handshake(SERVER)
+    assert refused.startswith("refused:"), refused
+    await eventually_async(
+        lambda: "tls handshake error: [SSL: UNSUPPORTED_PROTOCOL]" in proxy_logs.getvalue(),
+        "the proxy's log of the refused TLS 1.2 handshake",
+    )
+    lenient = await start_proxy(proxy_env("demo", "other", "other", OTHER, CONFIG, TLS12_ENABLED="true"))
+    apps.append(lenient)
+    assert await _tls12_handshake(OTHER) == "TLSv1.2"
