@@ -179,7 +179,8 @@ class HboneServer:
         try:
             creds = self._credentials
             if not isinstance(creds, TlsCredentials):
-                creds = await asyncio.wait_for(creds(), self._handshake_timeout)
+                async with asyncio.timeout(self._handshake_timeout):  # no task per handshake
+                    creds = await creds()
         except asyncio.CancelledError:
             sock.close()
             raise

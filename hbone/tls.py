@@ -329,7 +329,7 @@ class Revocation:
             crls = self._by_issuer.get(cert.issuer)
             # No CRL for this issuer, or a trust anchor (which no CRL revokes). Not "issuer ==
             # subject": the fake CA's leaves carry their root's subject.
-            if not crls or cert in roots or (i == len(chain) - 1 and i > 0 and cert.issuer == cert.subject):
+            if not crls or cert in roots:
                 continue
             issuer = _find_issuer(cert, chain[i + 1 :], roots)
             if issuer is None:
