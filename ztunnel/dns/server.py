@@ -1,5 +1,6 @@
 """The DNS proxy's server for one proxy instance: UDP and TCP on one address, answers from the
-resolver (kept ready in a cache keyed by the query's bytes), the rest forwarded upstream.
+resolver (kept ready, keyed by the query's bytes and by its question, until the store changes), the
+rest forwarded upstream.
 
 It is given everything it uses (the state store, the client workload's source, the socket factory,
 the metrics, the forwarder) and touches no globals, so it runs wherever the listeners run: a pod's
@@ -7,8 +8,8 @@ proxy creates its sockets inside the pod's namespace, and data-plane workers sha
 the factory's SO_REUSEPORT.
 
 Bad input costs only itself: a message too short for a header, or a FORMERR reply (answering it
-could loop between two servers), is dropped; one that does not parse,
-a response, or one with other than one question gets FORMERR; other opcodes NOTIMP; a TCP client
+could loop between two servers), is dropped; one that does not parse, a response, or one with other
+than one question gets FORMERR; other opcodes NOTIMP; a TCP client
 that does not send a whole message within the request timeout is closed. Work waiting on upstreams
 or on the client workload is bounded; above the bound, queries get SERVFAIL at once.
 """
@@ -302,13 +303,10 @@ class DnsServer:
         return cell
 
     def _wire(self, response: dns.message.Message, query: dns.message.Message, protocol: str) -> bytes:
-        limit = (
-            0
-            if protocol == "tcp"
-            else max(query.payload, MIN_UDP_PAYLOAD)
-            if query.edns >= 0
-            else MIN_UDP_PAYLOAD
-        )
+        """Over UDP, at most what the client can take (its EDNS payload, else 512): TC set beyond."""
+        limit = 0
+        if protocol == "udp":
+            limit = max(query.payload, MIN_UDP_PAYLOAD) if query.edns >= 0 else MIN_UDP_PAYLOAD
         return response.to_wire(max_size=limit, prefer_truncation=True)
 
     def _client_fields(self, client: Workload, query: dns.message.Message) -> dict[str, object]:
