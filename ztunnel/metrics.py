@@ -235,7 +235,7 @@ class _HistogramFamily:
 
 
 class DnsMetrics:
-    """The DNS proxy's families (SPEC §10.2), labelled per query type, protocol and client, and the
+    """The DNS proxy's families (the reference's names), labelled per query type, protocol and client, and the
     outbound path's on-demand resolutions of workload hostnames."""
 
     def __init__(self) -> None:
