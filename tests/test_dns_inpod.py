@@ -130,7 +130,7 @@ def test_pod_dns_is_captured_and_answered_or_forwarded(mesh: Mesh, tmp_path: Pat
         assert done.stdout.strip() == "10.96.7.7", done.stdout + done.stderr
         done = in_pod(client, pod_resolv, dig, "+tcp", "@10.96.0.10", "nothere.upstream.test")
         assert "status: NXDOMAIN" in done.stdout, done.stdout
-        # Each query logged at debug under the `dns` target with the reference's fields, the pod as the client.
+        # Each query logged at debug under the `dns` target (the reference's fields), the pod as client.
         out = zt.output()
         assert (
             'src.workload="client" src.namespace="ns1" query="a" domain="echo.ns1.svc.cluster.local" result="success" endpoints=[10.96.7.7]'

@@ -235,8 +235,8 @@ class _HistogramFamily:
 
 
 class DnsMetrics:
-    """The DNS proxy's families (the reference's names), labelled per query type, protocol and client, and the
-    outbound path's on-demand resolutions of workload hostnames."""
+    """The DNS proxy's families (the reference's names), labelled per query type, protocol and
+    client, and the outbound path's on-demand resolutions of workload hostnames."""
 
     def __init__(self) -> None:
         self.requests = _CounterFamily(
