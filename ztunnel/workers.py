@@ -60,7 +60,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hbone.identity import Identity
-from hbone.tls import WorkloadCertificate
+from hbone.tls import TlsPolicy, WorkloadCertificate
 from policy.model import Authorization
 from xds.localconfig import LocalConfig
 from xds.model import Service, Workload
@@ -68,6 +68,7 @@ from ztunnel import logs
 from ztunnel.admin import ReadinessHandle
 from ztunnel.app import App, StartupError, socket_options
 from ztunnel.config import Config, WorkloadInfo
+from ztunnel.crl import CrlWatcher
 from ztunnel.identity import CaError, CertificateUnavailable, SecretManager
 from ztunnel.metrics import Metrics, render_openmetrics
 from ztunnel.proxy.instance import ProxyInstance
@@ -600,7 +601,10 @@ class WorkerRuntime:
         # Only the traffic counters are reported to the parent: no /proc reads for process_* here.
         self.metrics = Metrics(config.istio_version, process_metrics=False)
         self.ca = ParentCa(channel)
-        self.secrets = SecretManager(self.ca)
+        # The CRL is a local file, not control-plane state: each worker watches it for its contexts.
+        self.crl = CrlWatcher.load(config.crl_path, self.metrics) if config.crl_path else None
+        tls = TlsPolicy(tls12=config.tls12_enabled, revocation=self.crl.revocation if self.crl else None)
+        self.secrets = SecretManager(self.ca, tls=tls)
         self.options = socket_options(config, workers=True)
         self.proxies: list[tuple[ProxyInstance, dict[str, socket.socket]]] = []
         self.pods: Any = None  # in-pod mode: LocalPods
@@ -736,6 +740,8 @@ class WorkerRuntime:
         drains += [self._pod_stop(uid, deadline) for uid in list(self.netns)]
         await asyncio.gather(*drains, return_exceptions=True)
         await self.secrets.close()
+        if self.crl is not None:
+            await self.crl.close()
 
     async def _push_counters(self) -> None:
         """About once a second when they changed, so a worker killed outright loses at most that."""
@@ -761,6 +767,8 @@ def run_worker(config: Config, index: int, fd: int) -> int:
             signal.SIGTERM,
             lambda: worker.actions.put_nowait((Stop(config.connection_termination_deadline), [])),
         )
+        if worker.crl is not None:
+            worker.crl.start()
         try:
             worker.bind()
         except OSError as e:

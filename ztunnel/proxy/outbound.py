@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from hbone.address import canonical_addr, canonical_host, format_addr
 from hbone.client import HboneConnection
-from hbone.errors import HboneError, HttpStatusError, TlsHandshakeError
+from hbone.errors import CertificateRevoked, HboneError, HttpStatusError, TlsHandshakeError
 from hbone.identity import Identity
 from hbone.inner import open_inner
 from hbone.pool import Pool, PoolKey
@@ -30,6 +30,7 @@ from hbone.stream import HboneStream
 from xds.model import IPAddress, Workload
 from ztunnel import baggage
 from ztunnel.admission import RECURSIVE_CALL, is_self_call, parse_ip
+from ztunnel.metrics import UNKNOWN
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
 from ztunnel.route import NoRoute, Protocol, Route, pick_resolved, route
@@ -90,6 +91,8 @@ def classify_upstream_error(e: BaseException, protocol: Protocol) -> UpstreamFai
         if protocol is Protocol.HBONE:
             return UpstreamFailure(NETWORK_POLICY_HINT, "NETWORK_POLICY", Outcome.UNREACHABLE)
         return UpstreamFailure(describe(e), "CONNECT", Outcome.UNREACHABLE)
+    if isinstance(e, CertificateRevoked):  # a CRL in force lists the server's chain
+        return UpstreamFailure(str(e), "CERT_REVOKED", Outcome.FAILED)
     if isinstance(e, TlsHandshakeError):  # IdentityMismatch included
         return UpstreamFailure(str(e), "TLS_FAILURE", Outcome.FAILED)
     if isinstance(e, OSError):  # a reset stream or a closed HTTP/2 connection included
@@ -145,6 +148,9 @@ class Outbound:
         if r.needs_dns:
             # A workload known by hostname only.
             hostname = str(r.next_hop[0])
+            proxy.metrics.dns().on_demand.cell(
+                on_demand_labels(local, _uri(proxy.identity(local)), hostname)
+            ).inc()
             try:
                 r = r.resolved(await self._resolve_workload(hostname, dst_ip.version))
             except OSError as e:
@@ -207,13 +213,13 @@ class Outbound:
         assert r.inner_authority is not None
         proxy = self.proxy
         try:
-            cert = await proxy.secrets.get(own)
+            credentials = await proxy.secrets.credentials(own)
         except BaseException:
             outer.abort()
             raise
         inner = await open_inner(
             outer,
-            cert,
+            credentials,
             _identities(r.final_identities),
             proxy.settings,
             max_streams=proxy.config.pool_max_streams_per_connection,
@@ -231,10 +237,10 @@ class Outbound:
     async def _dial_hbone(self, key: PoolKey) -> HboneConnection:
         proxy = self.proxy
         sock = await proxy.sockets.connect(key.dst, source_ip=key.src_ip, timeout=CONNECT_TIMEOUT)
-        cert = await proxy.secrets.get(key.src_identity)
+        credentials = await proxy.secrets.credentials(key.src_identity)
         return await HboneConnection.open(
             sock,
-            cert,
+            credentials,
             key.dst_identities,
             proxy.settings,
             max_streams=proxy.config.pool_max_streams_per_connection,
@@ -259,6 +265,25 @@ class Outbound:
 
 # Held connections keep these values for their lifetime: one shared copy each, not one per connection.
 @functools.lru_cache(maxsize=4096)
+def on_demand_labels(local: Workload, principal: str, hostname: str) -> tuple[str, ...]:
+    """The `istio_on_demand_dns_total` labels: the source workload's, then the hostname."""
+    src = Peer(local, principal)
+    return tuple(
+        v or UNKNOWN
+        for v in (
+            src.workload_name,
+            src.app,
+            src.version,
+            src.ns,
+            principal,
+            src.app,
+            src.version,
+            src.cluster_id,
+            hostname,
+        )
+    )
+
+
 def _identities(uris: tuple[str, ...]) -> tuple[Identity, ...]:
     return tuple(i for i in map(Identity.try_parse, uris) if i is not None)
 
