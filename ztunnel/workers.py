@@ -56,7 +56,7 @@ from typing import Any
 
 import uvloop
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from hbone.identity import Identity
@@ -70,7 +70,13 @@ from ztunnel.app import App, StartupError, socket_options
 from ztunnel.config import Config, WorkloadInfo
 from ztunnel.crl import CrlWatcher
 from ztunnel.identity import CaError, CertificateUnavailable, SecretManager
-from ztunnel.metrics import Metrics, render_openmetrics
+from ztunnel.metrics import (
+    OPENMETRICS_CONTENT_TYPE,
+    TEXT_CONTENT_TYPE,
+    Metrics,
+    render_openmetrics,
+    wants_openmetrics,
+)
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState
@@ -81,7 +87,8 @@ SNAPSHOT_INTERVAL = 1.0
 SCRAPE_TIMEOUT = 1.0
 HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_TIMEOUT = 5.0
-TRAFFIC_PREFIX = "istio_tcp_"
+# The families the workers count (the parent shows their sums): connections, DNS, CRL refusals.
+DATA_PLANE_PREFIXES = ("istio_tcp_", "istio_dns_", "istio_on_demand_dns", "istio_crl_")
 RESTART_DELAY = 0.5
 RESTART_DELAY_MAX = 10.0
 # A worker that ran at least this long before dying is restarted after the shortest delay again.
@@ -94,7 +101,6 @@ _MORE, _LAST = b"\x01", b"\x00"
 PR_SET_PDEATHSIG = 1
 
 LabelPairs = tuple[tuple[str, str], ...]
-SampleKey = tuple[str, LabelPairs]  # (family name, labels in emission order)
 
 
 # -- the messages --------------------------------------------------------------------------------
@@ -383,41 +389,42 @@ def apply_changes(state: ProxyState, changes: StateChanges) -> None:
 
 
 def traffic_snapshot(metrics: Metrics) -> dict[str, Any]:
-    """The traffic counters of one process: `{family: {"help": …, "samples": [[labels, value]]}}`.
+    """The data-plane counters of one process (connections, DNS, CRL refusals; histograms too):
+    `{family: {"type": …, "help": …, "samples": [[sample name, labels, value]]}}`.
 
     Labels travel as pairs, so the label order of the reference survives the trip.
     """
     out: dict[str, Any] = {}
     for family in metrics.registry.collect():
-        if family.type != "counter" or not family.name.startswith(TRAFFIC_PREFIX):
+        if family.type not in ("counter", "histogram") or not family.name.startswith(DATA_PLANE_PREFIXES):
             continue
-        samples = [[list(s.labels.items()), s.value] for s in family.samples if s.name.endswith("_total")]
+        samples = [
+            [s.name, list(s.labels.items()), s.value]
+            for s in family.samples
+            if not s.name.endswith("_created")
+        ]
         if samples:
-            out[family.name] = {"help": family.documentation, "samples": samples}
+            out[family.name] = {"type": family.type, "help": family.documentation, "samples": samples}
     return out
+
+
+SampleKey = tuple[str, str, LabelPairs]  # (family, sample name, labels in emission order)
 
 
 class TrafficSums(Collector):
     """The parent's view of the workers' counters: latest report per live worker + retired totals."""
 
     def __init__(self) -> None:
-        self.help: dict[str, str] = {}
+        self.meta: dict[str, tuple[str, str]] = {}  # family -> (type, help)
         self.live: dict[int, dict[SampleKey, float]] = {}
         self.retired: dict[SampleKey, float] = {}
 
-    @staticmethod
-    def _parse(snapshot: dict[str, Any]) -> tuple[dict[SampleKey, float], dict[str, str]]:
-        values: dict[SampleKey, float] = {}
-        helps: dict[str, str] = {}
-        for name, family in snapshot.items():
-            helps[name] = str(family.get("help", ""))
-            for labels, value in family["samples"]:
-                values[(name, tuple((str(k), str(v)) for k, v in labels))] = float(value)
-        return values, helps
-
     def report(self, worker: int, snapshot: dict[str, Any]) -> None:
-        values, helps = self._parse(snapshot)
-        self.help.update(helps)
+        values: dict[SampleKey, float] = {}
+        for name, family in snapshot.items():
+            self.meta[name] = (str(family.get("type", "counter")), str(family.get("help", "")))
+            for sample, labels, value in family["samples"]:
+                values[(name, str(sample), tuple((str(k), str(v)) for k, v in labels))] = float(value)
         self.live[worker] = values
 
     def retire(self, worker: int) -> None:
@@ -437,7 +444,7 @@ class TrafficSums(Collector):
         return int(
             sum(
                 v
-                for (name, labels), v in self.live.get(worker, {}).items()
+                for (name, _, labels), v in self.live.get(worker, {}).items()
                 if name == "istio_tcp_connections_opened"
                 and (reporter is None or ("reporter", reporter) in labels)
             )
@@ -447,15 +454,32 @@ class TrafficSums(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        families: dict[str, CounterMetricFamily] = {}
-        for (name, labels), value in sorted(self.totals().items()):
+        families: dict[str, Metric] = {}
+        # Samples in the order the workers report them (a histogram's buckets ascending).
+        for (name, sample, labels), value in self.totals().items():
             family = families.get(name)
             if family is None:
-                family = families[name] = CounterMetricFamily(
-                    name, self.help.get(name, ""), labels=[k for k, _ in labels]
-                )
-            family.add_metric([v for _, v in labels], value)
-        yield from families.values()
+                kind, documentation = self.meta.get(name, ("counter", ""))
+                family = families[name] = Metric(name, documentation, kind)
+            family.add_sample(sample, dict(labels), value)
+        yield from (families[name] for name in sorted(families))
+
+
+class _SummedView(Collector):
+    """The parent's own families, except those the workers' sums replace, then the sums."""
+
+    def __init__(self, own: CollectorRegistry, sums: TrafficSums) -> None:
+        self.own = own
+        self.sums = sums
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        summed = list(self.sums.collect())
+        names = {f.name for f in summed}
+        yield from (f for f in self.own.collect() if f.name not in names)
+        yield from summed
 
 
 class SummedMetrics(Metrics):
@@ -464,15 +488,12 @@ class SummedMetrics(Metrics):
     def __init__(self, sums: TrafficSums, istio_version: str) -> None:
         super().__init__(istio_version=istio_version)
         self.sums = sums
-        self._sum_registry = CollectorRegistry(auto_describe=False)
-        self._sum_registry.register(sums)
+        self._view = CollectorRegistry(auto_describe=False)
+        self._view.register(_SummedView(self.registry, sums))
 
     def render(self, accept_header: str | None) -> tuple[bytes, str]:
-        own, content_type = super().render(accept_header)
-        end = b"# EOF\n"
-        if own.endswith(end):
-            own = own[: -len(end)]
-        return own + render_openmetrics(self._sum_registry), content_type
+        content_type = OPENMETRICS_CONTENT_TYPE if wants_openmetrics(accept_header) else TEXT_CONTENT_TYPE
+        return render_openmetrics(self._view), content_type
 
 
 # -- the fork server -----------------------------------------------------------------------------
