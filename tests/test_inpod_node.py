@@ -684,3 +684,24 @@ def test_two_workers_a_killed_worker_is_replaced_while_the_other_keeps_echoing(m
     for i in range(12):
         assert talk(client, plain, f"after-{i}") == f"echo after-{i}"
     eventually(lambda: per_worker(zt, "outboundOpened")[0] > before, "the new worker serving")
+
+
+def test_two_workers_a_pod_is_acked_only_once_every_worker_listens(mesh: Mesh) -> None:
+    node = mesh.cluster.nodes[0]
+    zt = start_node(mesh, node, mesh.xds)
+    stuck = zt.workers()[1]
+    os.kill(stuck["pid"], signal.SIGSTOP)  # alive, but it cannot open the pod's listeners
+    try:
+        result, pod = node.try_add_pod("slow", service_account="slow")
+        # NACKed within the agent's deadline, so the ADD fails with ztunnel's reason.
+        assert not result.ok and "worker 1: no answer in time" in str(result), str(result)
+    finally:
+        os.kill(stuck["pid"], signal.SIGCONT)
+    # Undone in every worker (the one that did open them, and the late one once it runs again).
+    eventually(lambda: not PROXY_PORTS & listening_ports(pod), "the half-started listeners gone")
+    # The runtime cleans up and tries again: now both workers listen before the ACK.
+    node.cni_del(pod)
+    assert node.cni_add(pod).ok
+    assert listeners_per_port(pod, PROXY_PORTS) == {port: 2 for port in PROXY_PORTS}
+    assert zt.config_dump()["workloadState"][pod.uid]["state"] == "Up"
+    assert zt.workers()[1]["pid"] == stuck["pid"]  # not replaced: it answers again

@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import errno
 import logging
 import os
@@ -86,6 +87,7 @@ log = logging.getLogger("ztunnel.workers")
 SNAPSHOT_INTERVAL = 1.0
 SCRAPE_TIMEOUT = 1.0
 HEARTBEAT_INTERVAL = 1.0
+POD_ANSWER_TIMEOUT = 4.0
 HEARTBEAT_TIMEOUT = 5.0
 # The families the workers count (the parent shows their sums): connections, DNS, CRL refusals.
 DATA_PLANE_PREFIXES = ("istio_tcp_", "istio_dns_", "istio_on_demand_dns", "istio_crl_")
@@ -152,12 +154,14 @@ class PodAdd:
     namespace: str
     service_account: str
     netns_key: tuple[int, int]
+    seq: int = 0  # echoed in the PodResult; 0: nobody waits for it
 
 
 @dataclass(frozen=True)
 class PodDel:
     uid: str
     deadline: float = 0.0
+    seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ class PodResult:
 
     uid: str
     error: str = ""
+    seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -719,7 +724,7 @@ class WorkerRuntime:
             await self._pod_add(message, fds)
         elif isinstance(message, PodDel):
             await self._pod_stop(message.uid, message.deadline)
-            await self.channel.send(PodResult(message.uid))
+            await self.channel.send(PodResult(message.uid, seq=message.seq))
         else:
             for fd in fds:
                 os.close(fd)
@@ -731,12 +736,12 @@ class WorkerRuntime:
         if len(fds) != 1 or self.pods is None:
             for fd in fds:
                 os.close(fd)
-            await self.channel.send(PodResult(message.uid, "no network namespace"))
+            await self.channel.send(PodResult(message.uid, "no network namespace", message.seq))
             return
         current = self.netns.get(message.uid)
         if current is not None and current.key == message.netns_key:
             os.close(fds[0])  # already running in that namespace
-            await self.channel.send(PodResult(message.uid))
+            await self.channel.send(PodResult(message.uid, seq=message.seq))
             return
         if current is not None:
             await self._pod_stop(message.uid, 0.0)
@@ -747,7 +752,7 @@ class WorkerRuntime:
             self.netns[message.uid] = netns
         else:
             netns.close()
-        await self.channel.send(PodResult(message.uid, error or ""))
+        await self.channel.send(PodResult(message.uid, error or "", message.seq))
 
     async def _pod_stop(self, uid: str, deadline: float) -> None:
         netns = self.netns.pop(uid, None)
@@ -819,7 +824,7 @@ class WorkerSlot:
     channel: Channel | None = None
     outbox: asyncio.Queue[tuple[object, list[int]]] = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    pod_waiters: dict[str, list[asyncio.Future[str]]] = field(default_factory=dict)
+    pod_waiters: dict[int, asyncio.Future[str]] = field(default_factory=dict)  # by request seq
     scrape: asyncio.Future[None] | None = None
     scrape_seq: int = 0
     gone: asyncio.Event = field(default_factory=asyncio.Event)
@@ -851,7 +856,7 @@ class WorkerPods:
         if not errors:
             return None
         del self.pods[pod.uid]
-        await self.supervisor.ask_all(PodDel(pod.uid))
+        self.supervisor.tell_all(PodDel(pod.uid))  # undone where it did start; the NACK goes now
         return "; ".join(errors)
 
     async def stop(self, uid: str, deadline: float) -> None:
@@ -949,17 +954,28 @@ class Supervisor:
 
     async def ask_all(self, message: PodAdd | PodDel, fds: Sequence[int] = ()) -> dict[int, str]:
         """Send a pod message to every running worker and wait for each one's result."""
+        self._seq += 1
+        seq = self._seq
+        message = dataclasses.replace(message, seq=seq)
         waits: dict[int, asyncio.Future[str]] = {}
         for slot in self.slots:
             if not slot.alive:
                 continue  # a worker being replaced gets every pod when it starts
             fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-            slot.pod_waiters.setdefault(message.uid, []).append(fut)
+            slot.pod_waiters[seq] = fut
             waits[slot.index] = fut
             slot.send(message, fds)
         if waits:
-            await asyncio.wait(waits.values())
-        return {i: f.result() for i, f in waits.items()}
+            # Inside the node agent's own deadline for an answer: a pod a worker is slow to start is
+            # NACKed, and retried (a worker already running it then just says so).
+            await asyncio.wait(waits.values(), timeout=POD_ANSWER_TIMEOUT)
+        for slot in self.slots:
+            slot.pod_waiters.pop(seq, None)
+        return {i: f.result() if f.done() else "no answer in time" for i, f in waits.items()}
+
+    def tell_all(self, message: PodDel) -> None:
+        for slot in self.slots:
+            slot.send(message)
 
     async def scrape(self) -> None:
         """Before /metrics: every worker's current counters (a worker that does not answer within
@@ -981,8 +997,11 @@ class Supervisor:
         try:
             cert = await secrets.get(request.identity)
             deadline = time.monotonic() + NEWER_CERT_WAIT
-            while cert.chain_pem[0] == request.known and time.monotonic() < deadline:
+            while (
+                cert.chain_pem[0] == request.known and _past_half_life(cert) and time.monotonic() < deadline
+            ):
                 # The worker rotates at the same half-life as we do: give our rotation a moment.
+                # (Before that, the worker just forgot it, e.g. a pod stopped and came back.)
                 await asyncio.sleep(0.2)
                 cert = await secrets.get(request.identity)
             reply = CertificateReply(request.identity, cert)
@@ -1192,21 +1211,17 @@ class Supervisor:
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
                 elif isinstance(message, PodResult):
-                    waiting = slot.pod_waiters.get(message.uid)
-                    if not waiting and message.error:
-                        # A pod handed to a new worker at its start: nobody waits for it, say it.
+                    fut = slot.pod_waiters.pop(message.seq, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(message.error)
+                    elif message.error:
+                        # E.g. a pod handed to a new worker at its start: nobody waits, so say it.
                         log.warning(
                             "data-plane worker %d failed to start the proxy of pod %s: %s",
                             slot.index,
                             message.uid,
                             message.error,
                         )
-                    if waiting:
-                        fut = waiting.pop(0)
-                        if not waiting:
-                            del slot.pod_waiters[message.uid]
-                        if not fut.done():
-                            fut.set_result(message.error)
                 elif isinstance(message, Failed):
                     failure = message.error
         except OSError:
@@ -1217,10 +1232,9 @@ class Supervisor:
                 if task is not asyncio.current_task():
                     task.cancel()
             # A worker that is gone holds up no pod: its replacement gets every pod when it starts.
-            for waiting in slot.pod_waiters.values():
-                for fut in waiting:
-                    if not fut.done():
-                        fut.set_result("")
+            for fut in slot.pod_waiters.values():
+                if not fut.done():
+                    fut.set_result("")
             slot.pod_waiters.clear()
             self.sums.retire(slot.index)
             slot.gone.set()
@@ -1267,6 +1281,11 @@ class Supervisor:
             if slot.alive and slot.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(slot.pid, signal.SIGKILL)
+
+
+def _past_half_life(cert: WorkloadCertificate) -> bool:
+    start, end = cert.not_before.timestamp(), cert.not_after.timestamp()
+    return time.time() >= start + (end - start) / 2
 
 
 def run_supervisor(config: Config) -> int:
