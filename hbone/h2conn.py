@@ -406,7 +406,7 @@ class H2Session(asyncio.BufferedProtocol):
         self.streams.clear()
         self._pending.clear()
         for stream in streams:
-            stream._on_connection_lost(reason)
+            stream.session_lost(reason)
         if not self.remote_settings.done():
             self.remote_settings.set_exception(reason)
             self.remote_settings.exception()  # retrieved: a failed open() reports it itself
@@ -449,7 +449,7 @@ class H2Session(asyncio.BufferedProtocol):
                 self._data_left -= take
                 stream = self._data_stream
                 assert stream is not None
-                stream._on_data(piece, take)
+                stream.received_data(piece, take)
                 if self._dead:
                     return
                 continue
@@ -537,7 +537,7 @@ class H2Session(asyncio.BufferedProtocol):
         if stream is None:
             self.ack(event.stream_id, event.flow_controlled_length)  # type: ignore[arg-type]
             return
-        stream._on_data(event.data, event.flow_controlled_length)  # type: ignore[arg-type]
+        stream.received_data(event.data, event.flow_controlled_length)  # type: ignore[arg-type]
 
     def _on_window_updated(self, event: ev.WindowUpdated) -> None:
         if not self._pending:
@@ -547,17 +547,17 @@ class H2Session(asyncio.BufferedProtocol):
         else:
             stream = self._pending.get(event.stream_id)  # type: ignore[arg-type]
             if stream is not None:
-                stream._pump()
+                stream.window_available()
 
     def _on_stream_ended(self, event: ev.StreamEnded) -> None:
         stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
         if stream is not None:
-            stream._on_remote_end()
+            stream.received_end()
 
     def _on_stream_reset(self, event: ev.StreamReset) -> None:
         stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
         if stream is not None:
-            stream._on_reset(int(event.error_code))  # type: ignore[arg-type]
+            stream.received_reset(int(event.error_code))  # type: ignore[arg-type]
 
     def _on_request_received(self, event: ev.RequestReceived) -> None:
         sid: int = event.stream_id  # type: ignore[assignment]
@@ -574,7 +574,7 @@ class H2Session(asyncio.BufferedProtocol):
     def _on_response_received(self, event: ev.ResponseReceived) -> None:
         stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
         if stream is not None:
-            stream._on_response(decode_headers(event.headers))  # type: ignore[arg-type]
+            stream.received_response(decode_headers(event.headers))  # type: ignore[arg-type]
 
     def _on_remote_settings(self, event: ev.RemoteSettingsChanged) -> None:
         if not self.remote_settings.done():
@@ -592,7 +592,7 @@ class H2Session(asyncio.BufferedProtocol):
         refused = ConnectionClosed("stream refused: peer sent GOAWAY")
         for sid, stream in list(self.streams.items()):
             if sid > last and self._h2._stream_id_is_outbound(sid):
-                stream._on_connection_lost(refused)
+                stream.session_lost(refused)
         self._maybe_close_idle()
 
     # -- keepalive -----------------------------------------------------------------------------
@@ -665,8 +665,7 @@ class H2Session(asyncio.BufferedProtocol):
             self._h2.send_headers(sid, headers)
         except H2Error as e:
             raise HboneError(f"cannot open stream: {e}") from e
-        stream = HboneStream(self, sid, high_water=self.settings.client_send_buffer)
-        stream._expect_response()
+        stream = HboneStream(self, sid, high_water=self.settings.client_send_buffer, client_side=True)
         self.streams[sid] = stream
         self.kick()
         return stream
@@ -808,7 +807,7 @@ class H2Session(asyncio.BufferedProtocol):
         for stream in list(self._pending.values()):
             if self._write_paused or self._dead:
                 return
-            stream._pump()
+            stream.window_available()
 
     def forget(self, stream: HboneStream) -> None:
         self.streams.pop(stream.stream_id, None)
