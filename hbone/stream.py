@@ -44,7 +44,9 @@ class StreamSession(Protocol):
 
     def send_data(self, stream_id: int, data: bytes | memoryview) -> int: ...
 
-    def send_headers(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool) -> bool: ...
+    def send_headers(
+        self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool, *, flush: bool = True
+    ) -> bool: ...
 
     def end_stream(self, stream_id: int) -> None: ...
 
@@ -222,7 +224,7 @@ class HboneStream(asyncio.Transport):
         self._lost_exc: Exception | None = None
         self._lost_delivered = False
         self.responded = False  # server side: a response was sent
-        self.on_abandoned: Callable[[], None] | None = None
+        self.on_abandoned: Callable[[], object] | None = None
 
     def __repr__(self) -> str:
         return f"<HboneStream id={self.stream_id} state={self._state.name}>"
@@ -377,8 +379,10 @@ class HboneStream(asyncio.Transport):
         if self._state is _CLOSED:
             return  # reset by the client meanwhile
         end = status != 200
+        # A 200 goes out at the end of this loop turn, with the first bytes if the caller writes
+        # them now (e.g. what the app sent while being dialled).
         if not self._session.send_headers(
-            self.stream_id, [(":status", str(status)), *headers], end_stream=end
+            self.stream_id, [(":status", str(status)), *headers], end_stream=end, flush=end
         ):
             end = True  # the stream is gone (reset by the client): nothing more to send or read
         if end:
