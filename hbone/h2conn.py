@@ -811,7 +811,7 @@ class H2Session(asyncio.BufferedProtocol):
             self._flush_always()
 
     def open_stream(self, headers: list[tuple[str, str]], *, flush: bool = True) -> HboneStream:
-        """Send a request's HEADERS; `flush=False` leaves them queued for the stream's first write."""
+        """Send a request's HEADERS; `flush=False` leaves them queued for the caller's first write."""
         if not self.is_usable():
             raise self.close_reason or ConnectionClosed("connection is not usable (closing)")
         try:
@@ -823,15 +823,13 @@ class H2Session(asyncio.BufferedProtocol):
         self.streams[sid] = stream
         if flush:
             self.kick()
-        else:
-            self._flush_soon()
         return stream
 
     def send_headers(
         self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool, *, flush: bool = True
     ) -> bool:
-        """Queue HEADERS; `flush=False` sends them at the end of this loop turn, with whatever the
-        stream writes meanwhile (one TLS record and one syscall for a 200 and the first data)."""
+        """Queue HEADERS and flush; `flush=False` leaves them queued for the caller's next flush
+        (one TLS record and one syscall for a 200 and the first data)."""
         if self._dead:
             return False
         try:
@@ -840,8 +838,6 @@ class H2Session(asyncio.BufferedProtocol):
             return False
         if flush:
             self.kick()
-        else:
-            self._flush_soon()
         return True
 
     def send_data(self, stream_id: int, data: bytes | memoryview) -> int:

@@ -379,12 +379,15 @@ class HboneStream(asyncio.Transport):
         if self._state is _CLOSED:
             return  # reset by the client meanwhile
         end = status != 200
-        # A 200 goes out at the end of this loop turn, with the first bytes if the caller writes
-        # them now (e.g. what the app sent while being dialled).
         if not self._session.send_headers(
             self.stream_id, [(":status", str(status)), *headers], end_stream=end, flush=end
         ):
             end = True  # the stream is gone (reset by the client): nothing more to send or read
+        elif not end:
+            # The 200 leaves with the first delivery callback, after the caller has set its
+            # protocol: the bytes that came with the request, and the answer they get at once,
+            # share its TLS record and syscall.
+            self._schedule_delivery()
         if end:
             if not self._state.remote_ended:
                 # RFC 9113 §8.1: a complete response before the request ended; stop the request.
