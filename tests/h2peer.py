@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import hpack
 
-from hbone.tls import WorkloadCertificate, client_context
+from hbone.tls import TlsCredentials, WorkloadCertificate
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 3, 4, 6, 7, 8, 9
@@ -77,7 +77,7 @@ class RawH2:
     async def connect(
         cls, addr: tuple[str, int], cert: WorkloadCertificate, *, rcvbuf: int | None = None
     ) -> RawH2:
-        ctx: ssl.SSLContext = client_context(cert)
+        ctx: ssl.SSLContext = TlsCredentials.build(cert).client
         if rcvbuf is not None:
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -142,9 +142,7 @@ class RawH2Server:
     """A TLS listener on 127.0.0.1 whose connections are `RawH2` peers (server side: no preface)."""
 
     def __init__(self, cert: WorkloadCertificate) -> None:
-        from hbone.tls import server_context
-
-        self.context = server_context(cert)
+        self.context = TlsCredentials.build(cert).server
         self.peers: asyncio.Queue[RawH2] = asyncio.Queue()
         self.server: asyncio.Server | None = None
         self.addr: tuple[str, int] = ("127.0.0.1", 0)

@@ -21,7 +21,7 @@ from hbone.errors import HttpStatusError
 from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import server_context
+from hbone.tls import TlsCredentials
 from tests import h2peer
 from tests.certs import issue, make_ca, spiffe
 from tests.h2peer import RawH2, frame, ping, rst
@@ -75,7 +75,7 @@ class Target:
         self.tls_errors: list[Exception] = []
         self.release = asyncio.Event()
         self.server = HboneServer(
-            server_context(self.server_cert),
+            TlsCredentials.build(self.server_cert),
             self._handle,
             settings,
             "cluster.local",
@@ -108,7 +108,9 @@ class Target:
         sock = socket.socket()
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, self.addr)
-        conn = await HboneConnection.open(sock, self.client_cert, [self.server_cert.identity], H2Settings())
+        conn = await HboneConnection.open(
+            sock, TlsCredentials.build(self.client_cert), [self.server_cert.identity], H2Settings()
+        )
         self.conns.append(conn)
         return conn
 

@@ -20,7 +20,7 @@ from hbone.h2conn import H2Session
 from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import server_context
+from hbone.tls import TlsCredentials
 from tests import h2peer
 from tests.certs import CA, issue, make_ca, spiffe
 
@@ -122,7 +122,7 @@ class Loopback:
         self.client_cert = issue(ca(), CLIENT_ID)
         self.tls_errors: list[Exception] = []
         self.server = HboneServer(
-            server_context(self.server_cert),
+            TlsCredentials.build(self.server_cert),
             handler,
             settings,
             "cluster.local",
@@ -144,7 +144,10 @@ class Loopback:
 
     async def connect(self, settings: H2Settings | None = None) -> HboneConnection:
         conn = await HboneConnection.open(
-            await self.dial(), self.client_cert, [self.server_cert.identity], settings or self.client_settings
+            await self.dial(),
+            TlsCredentials.build(self.client_cert),
+            [self.server_cert.identity],
+            settings or self.client_settings,
         )
         self.conns.append(conn)
         return conn
@@ -249,7 +252,9 @@ async def test_settings_on_the_wire(loopback) -> None:
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, raw_server.addr)
         opening = asyncio.create_task(
-            HboneConnection.open(sock, lb.client_cert, [lb.server_cert.identity], H2Settings())
+            HboneConnection.open(
+                sock, TlsCredentials.build(lb.client_cert), [lb.server_cert.identity], H2Settings()
+            )
         )
         server_side = await asyncio.wait_for(raw_server.peers.get(), 5)
         preface = await asyncio.wait_for(server_side.reader.readexactly(24), 5)
@@ -684,7 +689,7 @@ async def test_keepalive_tears_down_when_peer_stops_answering(loopback) -> None:
         # A PING answered late under load is no timeout: 2 s, well inside the 5 s waited for the close.
         quick = H2Settings(ping_interval=0.05, ping_timeout=2.0)
         opening = asyncio.create_task(
-            HboneConnection.open(sock, lb.client_cert, [lb.server_cert.identity], quick)
+            HboneConnection.open(sock, TlsCredentials.build(lb.client_cert), [lb.server_cert.identity], quick)
         )
         peer = await asyncio.wait_for(raw_server.peers.get(), 5)
         await asyncio.wait_for(peer.reader.readexactly(24), 5)

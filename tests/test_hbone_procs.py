@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from hbone.identity import Identity
+from hbone.tls import WorkloadCertificate
 from tests import h2peer
 from tests.h2peer import RawH2, rst
 from tests.mesh import Echo, proxy_env, socks5_connect, start_echo
@@ -174,7 +175,7 @@ def open_fds(proxy: Proxy) -> int:
     return len(os.listdir(f"/proc/{proxy.process.pid}/fd"))
 
 
-def attacker_cert() -> h2peer.WorkloadCertificate:
+def attacker_cert() -> WorkloadCertificate:
     # The proxies' fake CA (FAKE_CA=true) signs with one embedded root: a mesh identity of ours.
     return FakeCA().issue(Identity("cluster.local", "demo", "attacker"))
 
