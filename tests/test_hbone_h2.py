@@ -23,6 +23,7 @@ from hbone.stream import HboneStream
 from hbone.tls import TlsCredentials
 from tests import h2peer
 from tests.certs import CA, issue, make_ca, spiffe
+from tests.waiting import eventually_async
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -422,6 +423,9 @@ async def test_unread_data_is_not_acknowledged(loopback) -> None:
     payload = os.urandom(5 * 1024 * 1024)  # more than the 4 MiB stream window
 
     async def handler(req: ConnectRequest) -> None:
+        if req.authority.endswith(":81"):
+            await echo_handler(req)
+            return
         req.respond(200)
         req.stream.write(payload)
         req.stream.write_eof()
@@ -439,7 +443,11 @@ async def test_unread_data_is_not_acknowledged(loopback) -> None:
         if streams and streams[0].get_write_buffer_size() == len(payload) - 4194304:
             break
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)
+    # A round trip on another stream: a WINDOW_UPDATE sent before it would have reached the
+    # server, and let it send more, before this echo comes back.
+    other, other_sink = await open_stream(conn, "127.0.0.1:81")
+    other.write(b"ping")
+    await other_sink.wait_for(4)
     assert sink.count == 0
     assert streams[0].get_write_buffer_size() == len(payload) - 4194304
     stream.resume_reading()
@@ -488,8 +496,7 @@ async def test_eof_received_returning_false_closes_the_stream(loopback) -> None:
     stream.write_eof()
     await asyncio.wait_for(sink.eof, 5)
     assert await asyncio.wait_for(sink.lost, 5) is None
-    await asyncio.sleep(0.01)
-    assert lost == [None]
+    await eventually_async(lambda: lost == [None], "the server protocol's connection_lost", 5)
 
 
 async def transfer_8mib(lb: Loopback) -> None:
