@@ -132,7 +132,8 @@ class _H2Connection(H2Connection):
         # Output is a list of buffers: small frames accumulate in `_data_to_send` (as in h2), large
         # DATA payloads are queued as they are, sparing the three copies of h2's serialisation.
         self._chunks: list[bytes | bytearray | memoryview] = []
-        # RST_STREAMs the peer's frames made us send (frames on closed streams, refused streams).
+        # RST_STREAMs the peer's frames made us send (frames on streams it closed, refused streams);
+        # frames still in flight on a stream we reset are the peer's right, not counted.
         self.provoked_resets = 0
 
     def _prepare_for_sending(self, frames: list[Frame]) -> None:
@@ -198,15 +199,22 @@ class _H2Connection(H2Connection):
             if type(frame) is not HeadersFrame:
                 raise
             self._refuse_stream(frame)
+            self.provoked_resets += 1
             events = []
         else:
             for f in frames:
                 if type(f) is RstStreamFrame:
-                    self.provoked_resets += 1  # e.g. DATA on a stream we closed
+                    self._count_provoked(f.stream_id)  # e.g. DATA on a stream the peer reset
             self._prepare_for_sending(frames)
             return events
-        self.provoked_resets += 1
+        self._count_provoked(frame.stream_id)
         return events
+
+    def _count_provoked(self, stream_id: int) -> None:
+        stream = self.streams.get(stream_id)
+        closed_by = stream.closed_by if stream is not None else self._closed_streams.get(stream_id)
+        if closed_by is not StreamClosedBy.SEND_RST_STREAM:
+            self.provoked_resets += 1
 
     def _refuse_stream(self, frame: HeadersFrame) -> None:
         """A new stream past our MAX_CONCURRENT_STREAMS: RST_STREAM(REFUSED_STREAM) on it alone

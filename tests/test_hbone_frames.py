@@ -280,3 +280,26 @@ def test_oversized_frame_header_alone_ends_the_session(claimed: int) -> None:
         assert h.transport.closed
 
     run(case())
+
+
+def test_data_in_flight_on_a_stream_we_reset_is_no_attack() -> None:
+    """A client uploading while the server resets its streams (the app went away) sends DATA that
+    crosses the RST_STREAM: each is answered, none counts towards the rapid-reset limit."""
+
+    async def case() -> None:
+        client = H2Connection(H2Configuration(client_side=True, header_encoding=None))
+        client.initiate_connection()
+        h = Harness()
+        limit = H2Settings().max_resets
+        for n in range(3):
+            sid = client.get_next_available_stream_id()
+            client.send_headers(sid, [(":method", "CONNECT"), (":authority", "127.0.0.1:80")])
+            h.feed(client.data_to_send(), [])
+            h.requests[-1].reset()  # the server side gives up on it
+            for _ in range(limit // 2):
+                client.send_data(sid, b"x")
+            h.feed(client.data_to_send(), [7, 100, 1000])
+            assert h.session.close_reason is None, (n, h.session.close_reason)
+        await settle()
+
+    run(case())

@@ -69,6 +69,9 @@ def test_stream_internals() -> None:
     assert stream._actual_content_length == 0
     assert isinstance(stream._inbound_window_manager, h2.windows.WindowManager)
     assert isinstance(stream.outbound_flow_control_window, int)
+    assert stream.closed_by is None
+    server.reset_stream(sid)
+    assert stream.closed_by is StreamClosedBy.SEND_RST_STREAM
 
 
 def test_window_manager_internals_and_their_threshold() -> None:
