@@ -28,6 +28,18 @@ DATA frames, the bulk of the traffic, take a direct path; everything else goes t
   frame is a protocol error; HTTP/2 lets the streams below the GOAWAY's last stream id finish, so
   GOAWAY is sent and received here without that transition, and the session refuses new streams.
 * output is a list of buffers (see `take_output`), and `queue_data` writes a DATA frame into it.
+* a new stream past our MAX_CONCURRENT_STREAMS is refused alone (RST_STREAM REFUSED_STREAM) where h2
+  would end the connection, and the resets the peer's frames make us send are counted.
+The private internals relied on are pinned by `tests/test_hbone_h2_internals.py`.
+
+Abuse limits (`hbone.settings.H2Settings`) are enforced by the session, per connection: a frame
+larger than our maximum frame size and an oversized header block are refused at their frame
+header, before anything is buffered or decoded; streams the peer resets before they are answered,
+plus the resets it provokes, are counted per window (rapid reset); breaking a limit is a GOAWAY
+naming it, a warning, and the end of that connection only. Requests are handed to `on_request` at
+the end of the batch that opened them, so a stream reset in the same batch never starts any work.
+While the transport is over its high-water mark, reading stops once the replies to what is read
+pile up. A torn-down session ignores every later byte.
 """
 
 from __future__ import annotations
