@@ -55,7 +55,14 @@ def _control_plane(args: argparse.Namespace) -> int:
     if not _setup_logging("control-plane"):
         return 1
     try:
-        return run(args.config, args.listen, args.tls, args.ca_dir)
+        return run(
+            args.config,
+            args.listen,
+            args.tls,
+            args.ca_dir,
+            auth_token=args.auth_token,
+            cluster_id=args.cluster_id,
+        )
     except ControlPlaneError as e:
         print(f"ztunnel: control-plane: {e}", file=sys.stderr)
         return 1
