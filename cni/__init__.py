@@ -46,3 +46,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"how long a pod's ADD waits for a ztunnel to connect before failing (default {DEFAULT_ZTUNNEL_WAIT:g})",
     )
+    install = parser.add_argument_group(
+        "plugin install", "put ztunnel-cni on the node and chain it into the primary network configuration"
+    )
+    install.add_argument(
+        "--cni-bin-dir", metavar="DIR", help="the node's CNI bin directory, e.g. /opt/cni/bin"
+    )
+    install.add_argument(
+        "--cni-conf-dir", metavar="DIR", help="the node's CNI conf directory, e.g. /etc/cni/net.d"
+    )
+    install.add_argument(
+        "--node-cni-socket",
+        metavar="PATH",
+        help="the CNI socket's path as the node sees it, written into the chained configuration "
+        "(default: --cni-socket)",
+    )
+    install.add_argument(
+        "--uninstall",
+        action="store_true",
+        help="take ztunnel-cni out of the conf directory's configurations, delete it from the bin directory, exit",
+    )
