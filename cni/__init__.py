@@ -17,6 +17,7 @@ DEFAULT_ZDS_SOCKET = "/var/run/ztunnel/ztunnel.sock"
 DEFAULT_CNI_SOCKET = "/var/run/ztunnel/cni-agent.sock"
 DEFAULT_STATE_FILE = "/var/run/ztunnel/cni-agent-pods.json"
 DEFAULT_ZTUNNEL_WAIT = 10.0
+DEFAULT_EXCLUDE_NAMESPACES = "kube-system,istio-system"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="the CNI socket's path as the node sees it, written into the chained configuration "
         "(default: --cni-socket)",
+    )
+    install.add_argument(
+        "--exclude-namespaces",
+        default=DEFAULT_EXCLUDE_NAMESPACES,
+        metavar="NS,NS",
+        help="namespaces whose pods the chained plugin passes through, as istio-cni's exclusions "
+        f"(default {DEFAULT_EXCLUDE_NAMESPACES}; ztunnel's own must be among them)",
     )
     install.add_argument(
         "--uninstall",

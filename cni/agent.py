@@ -111,7 +111,9 @@ def _install_config(args: argparse.Namespace, cni_socket: Path) -> InstallConfig
     if not bin_dir or not conf_dir:
         raise AgentError("--cni-bin-dir and --cni-conf-dir go together")
     node_socket = getattr(args, "node_cni_socket", None) or str(cni_socket)
-    return InstallConfig(Path(bin_dir), Path(conf_dir), node_socket)
+    excluded = getattr(args, "exclude_namespaces", None) or ""
+    namespaces = tuple(n.strip() for n in excluded.split(",") if n.strip())
+    return InstallConfig(Path(bin_dir), Path(conf_dir), node_socket, exclude_namespaces=namespaces)
 
 
 def run_agent(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ class InstallConfig:
     conf_dir: Path
     agent_socket: str  # the agent's CNI socket as the node sees it (the plugin runs on the node)
     interpreter: str = DEFAULT_INTERPRETER
+    exclude_namespaces: tuple[str, ...] = ()  # pods the plugin passes through
 
 
 def plugin_executable(interpreter: str = DEFAULT_INTERPRETER) -> bytes:
@@ -75,8 +76,11 @@ def primary_conf(conf_dir: Path) -> Path | None:
     return conf_dir / names[0] if names else None
 
 
-def plugin_entry(agent_socket: str) -> dict[str, Any]:
-    return {"type": PLUGIN_TYPE, "agentSocket": agent_socket}
+def plugin_entry(agent_socket: str, exclude_namespaces: tuple[str, ...] = ()) -> dict[str, Any]:
+    entry: dict[str, Any] = {"type": PLUGIN_TYPE, "agentSocket": agent_socket}
+    if exclude_namespaces:
+        entry["excludeNamespaces"] = list(exclude_namespaces)
+    return entry
 
 
 def chained(conf: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +188,7 @@ class ChainKeeper:
         except FileNotFoundError:
             return wrote  # replaced under us; the next call sees the new one
         try:
-            new = chained(conf, plugin_entry(self.config.agent_socket))
+            new = chained(conf, plugin_entry(self.config.agent_socket, self.config.exclude_namespaces))
         except ValueError as e:
             raise InstallError(f"{primary}: not a CNI network configuration ({e})") from None
         target = primary if primary.suffix == ".conflist" else primary.with_suffix(".conflist")

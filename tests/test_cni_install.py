@@ -249,7 +249,11 @@ def test_the_agent_installs_the_plugin_and_a_pod_runs_through_the_chained_list(
 
     node.start_agent(*install_args)
     eventually(lambda: plugin_types(primary) == ["bridge", "portmap", "ztunnel-cni"], "the plugin chained")
-    assert read_json(primary)["plugins"][-1]["agentSocket"] == str(node.cni_socket)
+    assert read_json(primary)["plugins"][-1] == {
+        "type": "ztunnel-cni",
+        "agentSocket": str(node.cni_socket),
+        "excludeNamespaces": ["kube-system", "istio-system"],
+    }
     local = tmp_path / "local.yaml"
     local.write_text("workloads: []\n")
     ztunnel_log = tmp_path / "ztunnel.log"
@@ -279,6 +283,13 @@ def test_the_agent_installs_the_plugin_and_a_pod_runs_through_the_chained_list(
         pod_ip = str(result["ips"][0]["address"]).split("/")[0]
         assert pod.exec("ip", "-4", "-o", "addr", "show", "eth0").stdout.split()[3].startswith(pod_ip)
         assert "15001" in pod.iptables_save()  # the pod's redirection, written by the agent
+
+        # A pod of an excluded namespace (ztunnel's own, say) gets its network and no redirection.
+        system = node.new_pod("coredns", namespace="kube-system")
+        system.result = run_list(node, primary, cni_path, "ADD", system)
+        assert system.result is not None and system.result["ips"]
+        assert "15001" not in system.iptables_save()
+        assert "coredns" not in node.agent_output()
 
         # The primary CNI rewrites its file (e.g. on its own upgrade): the agent chains it again.
         write_json(primary, original)

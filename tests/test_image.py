@@ -375,7 +375,11 @@ def mesh(node: Node, image: str) -> Mesh:
 
     def chained() -> bool:
         plugins = json.loads((conf_dir / "10-bridge.conflist").read_text())["plugins"]
-        return plugins[-1] == {"type": "ztunnel-cni", "agentSocket": "/var/run/ztunnel/cni-agent.sock"}
+        return plugins[-1] == {
+            "type": "ztunnel-cni",
+            "agentSocket": "/var/run/ztunnel/cni-agent.sock",
+            "excludeNamespaces": ["kube-system", "istio-system"],
+        }
 
     eventually(chained, lambda: f"the agent chaining its plugin:\n{agent_log.read_text()}", timeout=30)
     assert os.access(bin_dir / "ztunnel-cni", os.X_OK)
