@@ -356,14 +356,16 @@ def mesh(node: Node, image: str) -> Mesh:
     node.run_image(
         image,
         agent_log,
-        [
-            "ztunnel",
-            "cni-agent",
-            "--cni-bin-dir",
-            "/host/opt/cni/bin",
-            "--cni-conf-dir",
-            "/host/etc/cni/net.d",
-        ],
+        read_only_root(
+            [
+                "ztunnel",
+                "cni-agent",
+                "--cni-bin-dir",
+                "/host/opt/cni/bin",
+                "--cni-conf-dir",
+                "/host/etc/cni/net.d",
+            ]
+        ),
         env={"LOG_LEVEL": "info"},
         volumes=[
             f"{zds_dir}:{RUN}/ztunnel",
@@ -382,8 +384,31 @@ def mesh(node: Node, image: str) -> Mesh:
         }
 
     eventually(chained, lambda: f"the agent chaining its plugin:\n{agent_log.read_text()}", timeout=30)
-    assert os.access(bin_dir / "ztunnel-cni", os.X_OK)
+    assert "root file system is read-only" in agent_log.read_text()
+    # The plugin copied out of the image runs on the node, with the node's python3.
+    version = subprocess.run(
+        [str(bin_dir / "ztunnel-cni")],
+        input=b"{}",
+        env={"PATH": "/usr/bin:/bin", "CNI_COMMAND": "VERSION"},
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    assert version.returncode == 0 and "1.0.0" in json.loads(version.stdout)["supportedVersions"], version
     return Mesh(node, token, root, zds_dir, conf_dir, cp_log)
+
+
+def read_only_root(command: list[str]) -> list[str]:
+    """`command` with readOnlyRootFilesystem, as the kubelet gives it: the root mounted read-only
+    (needs SYS_ADMIN, which both DaemonSets have), /tmp a tmpfs (every run_image has one)."""
+    return [
+        "sh",
+        "-c",
+        "mount -o remount,bind,ro / && ! touch /probe 2>/dev/null && echo 'root file system is read-only' "
+        '&& exec "$@"',
+        "sh",
+        *command,
+    ]
 
 
 def descendants(pid: int) -> list[int]:
@@ -420,15 +445,7 @@ def test_the_chart_s_container_becomes_ready_and_carries_a_connection(
     log = node.dir / "ztunnel.log"
     command = ["ztunnel", "proxy", "ztunnel"]  # the chart's args after the image's entry point
     if read_only:
-        # readOnlyRootFilesystem, as the kubelet does it: the root mounted read-only, /tmp a tmpfs.
-        command = [
-            "sh",
-            "-c",
-            "mount -o remount,bind,ro / && ! touch /probe 2>/dev/null && echo 'root file system is read-only' "
-            '&& exec "$@"',
-            "sh",
-            *command,
-        ]
+        command = read_only_root(command)
     ztunnel = node.run_image(
         image,
         log,
