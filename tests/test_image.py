@@ -103,6 +103,7 @@ import asyncio, socket, sys
 from hbone.client import HboneConnection
 from hbone.identity import Identity
 from hbone.settings import H2Settings
+from hbone.tls import TlsCredentials
 from xds.client import AuthToken
 from ztunnel.caclient import GrpcCaClient
 
@@ -125,7 +126,7 @@ async def main(ca, root, token, cluster, src, dst, authority):
     sock.bind((src, 0))
     await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (dst, 15008)), 10)
     expected = [Identity.parse("spiffe://cluster.local/ns/istio-system/sa/ztunnel")]
-    conn = await HboneConnection.open(sock, cert, expected, H2Settings())
+    conn = await HboneConnection.open(sock, TlsCredentials.build(cert), expected, H2Settings())
     stream = await asyncio.wait_for(conn.connect(authority), 10)
     sink = Collect()
     stream.set_protocol(sink)
