@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: --cni-socket)",
     )
     install.add_argument(
+        "--node-python",
+        default="/usr/bin/env python3",
+        metavar="PATH",
+        help="the interpreter line of the copied plugin: the node's python3, 3.11 or later (default: %(default)s)",
+    )
+    install.add_argument(
         "--exclude-namespaces",
         default=DEFAULT_EXCLUDE_NAMESPACES,
         metavar="NS,NS",

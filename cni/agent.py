@@ -54,7 +54,14 @@ from cni.events import (
     Reply,
     decode_event,
 )
-from cni.install import ChainKeeper, InstallConfig, InstallError, install_plugin, uninstall
+from cni.install import (
+    DEFAULT_INTERPRETER,
+    ChainKeeper,
+    InstallConfig,
+    InstallError,
+    install_plugin,
+    uninstall,
+)
 from cni.pods import Pod
 from cni.ztunnels import ZtunnelConnection, ZtunnelGone
 from xds import zds
@@ -115,7 +122,10 @@ def _install_config(args: argparse.Namespace, cni_socket: Path) -> InstallConfig
     node_socket = getattr(args, "node_cni_socket", None) or str(cni_socket)
     excluded = getattr(args, "exclude_namespaces", None) or ""
     namespaces = tuple(n.strip() for n in excluded.split(",") if n.strip())
-    return InstallConfig(Path(bin_dir), Path(conf_dir), node_socket, exclude_namespaces=namespaces)
+    interpreter = getattr(args, "node_python", None) or DEFAULT_INTERPRETER
+    return InstallConfig(
+        Path(bin_dir), Path(conf_dir), node_socket, interpreter=interpreter, exclude_namespaces=namespaces
+    )
 
 
 def run_agent(args: argparse.Namespace) -> int:

@@ -110,6 +110,28 @@ def test_the_copied_plugin_runs_on_its_own(dirs: tuple[Path, Path], tmp_path: Pa
     assert "1.0.0" in json.loads(done.stdout)["supportedVersions"]
 
 
+def test_the_plugin_refuses_an_exclusion_list_that_is_not_one(
+    dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    bin_dir, conf_dir = dirs
+    plugin = install_plugin(InstallConfig(bin_dir, conf_dir, SOCKET, interpreter=sys.executable))
+    assert plugin.read_bytes().startswith(f"#!{sys.executable}\n".encode())
+    conf = {"cniVersion": "1.0.0", "name": "k8s", "type": "ztunnel-cni", "excludeNamespaces": "kube-system"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "CNI_COMMAND": "ADD",
+        "CNI_CONTAINERID": "c1",
+        "CNI_NETNS": "/x",
+        "CNI_IFNAME": "eth0",
+    }
+    done = subprocess.run(
+        [str(plugin)], input=json.dumps(conf).encode(), env=env, capture_output=True, timeout=30, check=False
+    )
+    assert done.returncode == 1
+    error = json.loads(done.stdout)
+    assert error["msg"] == "network configuration: excludeNamespaces must be a list of strings"
+
+
 def test_a_rewrite_is_chained_again_and_a_new_primary_takes_the_plugin(dirs: tuple[Path, Path]) -> None:
     bin_dir, conf_dir = dirs
     first = conf_dir / "10-bridge.conflist"
