@@ -1,5 +1,5 @@
-"""Putting `ztunnel-cni` on the node, as istio-cni's installer does (CONTRACT §7, `ztunnel cni-agent`
-with `--cni-bin-dir` and `--cni-conf-dir`).
+"""Putting `ztunnel-cni` on the node, as istio-cni's installer does (`ztunnel cni-agent` with
+`--cni-bin-dir` and `--cni-conf-dir`; `--uninstall` to take it off).
 
 Install writes the plugin into the host's CNI bin directory and chains it, last, into the node's
 primary network configuration: the lexically first `.conflist`, `.conf` or `.json` file of the CNI
