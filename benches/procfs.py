@@ -69,3 +69,15 @@ def total_cpu(pids: Iterable[int]) -> float:
 
 def total_rss_kib(pids: Iterable[int]) -> int:
     return sum(rss_kib(p) for p in pids)
+
+
+def open_fds(pid: int) -> int:
+    """Open file descriptors of a process; 0 once it is gone."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+
+
+def total_fds(pids: Iterable[int]) -> int:
+    return sum(open_fds(p) for p in pids)
