@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         data["targets"] = targets
         data["notes"] = topo.notes
         data["topology"] = topo.name
+        if isinstance(topo, CaptureTopology):
+            data["namespaces"] = [ns.name for ns in topo.namespaces]
         data["workers"] = args.workers
         data["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
         data["elapsed_s"] = time.monotonic() - started

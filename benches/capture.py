@@ -108,7 +108,10 @@ class CaptureTopology:
         self._listening.append((echo, ns, ("127.0.0.1", ECHO_PORT)))
         # iperf3 is not probed with a connect (a control connection without a test upsets it):
         # its log says when it listens.
-        self.others += [echo, self._spawn(f"iperf3-{mode}", ns, ["iperf3", "-s", "-p", str(IPERF_PORT)])]
+        self.others += [
+            echo,
+            self._spawn(f"iperf3-{mode}", ns, ["iperf3", "-s", "--forceflush", "-p", str(IPERF_PORT)]),
+        ]
 
     def _ztunnel(self, name: str, ns: Netns, config: Path, extra: dict[str, str]) -> Process:
         env = ztunnel_env(name, config, self.workers)

@@ -30,8 +30,9 @@ Commands (each bounded in count and time):
   by a 1-byte echo) and keep them idle until `release`;
 * `integrity {entry, streams, size}`: random bytes through the echo port on `streams` connections
   at once, SHA-256 of what was sent and of what came back;
-* `concurrent {entry, count, size}`: `count` connections open at once, each echoing `size` bytes of
-  its own when opened and again once all are open, every byte compared;
+* `concurrent {entry, count, size, keep}`: `count` connections open at once, each echoing `size`
+  bytes of its own when opened and again once all are open, every byte compared; with `keep` they
+  stay open until `release`;
 * `soak_start {entry, streams, stream_rate, churn_rate, idle}` / `soak_stats` / `soak_stop`: the
   soak's mix in the background (echoing streams at a bounded rate, a bounded churn of short
   connections, idle held connections probed now and then), with its counters;
@@ -440,9 +441,12 @@ async def run_integrity(entry: Entry, streams: int, size: int) -> dict[str, Any]
     }
 
 
-async def run_concurrent(entry: Entry, count: int, size: int) -> dict[str, Any]:
+async def run_concurrent(
+    entry: Entry, count: int, size: int, keep: list[socket.socket] | None = None
+) -> dict[str, Any]:
     """`count` connections open at the same time, every byte of each compared, twice: when it opens
-    and again once all are open (so every one is proven while the others are held)."""
+    and again once all are open (so every one is proven while the others are held). With `keep`,
+    they stay open, added to it (`release` closes them)."""
     sem = asyncio.Semaphore(256)  # opening rate only; they all stay open together
     socks: list[socket.socket] = []
     errors: list[str] = []
@@ -485,8 +489,11 @@ async def run_concurrent(entry: Entry, count: int, size: int) -> dict[str, Any]:
         held = len(socks)
         await asyncio.wait_for(asyncio.gather(*(again(s) for s in socks)), 300)
     finally:
-        for s in socks:
-            s.close()
+        if keep is not None:
+            keep.extend(socks)
+        else:
+            for s in socks:
+                s.close()
     return {
         "count": count,
         "held": held,
@@ -640,7 +647,8 @@ async def serve_commands() -> None:
             elif name == "integrity":
                 result = await run_integrity(entry, cmd["streams"], cmd["size"])
             elif name == "concurrent":
-                result = await run_concurrent(entry, cmd["count"], cmd.get("size", 64))
+                keep = gen.held if cmd.get("keep") else None
+                result = await run_concurrent(entry, cmd["count"], cmd.get("size", 64), keep)
             elif name == "soak_start":
                 if soak is not None:
                     raise ValueError("a soak is already running")

@@ -109,7 +109,20 @@ def run_soak(
         f"soak ({topology}): hbone, {s.duration:g}s, a sample every {s.interval:g}s; first "
         f"{s.concurrent} connections at once, every byte checked"
     )
-    conc = gen.call("concurrent", entry=mode.entry, count=s.concurrent, size=s.concurrent_size)
+    before = _sample(mode, 0.0, {})
+    conc = gen.call("concurrent", entry=mode.entry, count=s.concurrent, size=s.concurrent_size, keep=True)
+    time.sleep(0.3)  # the last echoes' buffers are freed
+    held = _sample(mode, 0.0, {})
+    gen.call("release")
+    # The proxies close their ends as the closes arrive: the mix starts once they have.
+    settle = time.monotonic() + 15
+    while _sample(mode, 0.0, {})["fds_total"] > before["fds_total"] + 50 and time.monotonic() < settle:
+        time.sleep(0.2)
+    if conc.get("held"):
+        grown = held["rss_total_kib"] - before["rss_total_kib"]
+        conc["rss_before_kib"], conc["rss_held_kib"] = before["rss_kib"], held["rss_kib"]
+        conc["fds_held"] = held["fds"]
+        conc["rss_per_conn_kib"] = grown / conc["held"]
     if "error" in conc:
         errors.append(f"concurrent: {conc['error']}")
     elif not conc["ok"]:
@@ -120,7 +133,8 @@ def run_soak(
     else:
         progress(
             f"  {conc['held']} connections held at once, {conc['bytes_verified']:,} bytes verified, "
-            f"opened in {conc['open_seconds']:.1f}s"
+            f"opened in {conc['open_seconds']:.1f}s; the proxies' RSS grew {conc['rss_per_conn_kib']:.1f} KiB "
+            "per held connection"
         )
     started = gen.call(
         "soak_start",
