@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,7 +43,7 @@ from benches.topology import (
     Mode,
     Process,
     SetupError,
-    _http_get,
+    http_get,
     stunnel_certs,
     stunnel_conf,
     with_workers,
@@ -138,7 +139,7 @@ class CaptureTopology:
         except (NetnsError, redirect.RedirectError) as e:
             raise SetupError(f"capture topology: {e}") from None
 
-    def _start(self, tools: Path, capture: Any) -> list[Mode]:
+    def _start(self, tools: Path, capture: Callable[[str], None]) -> list[Mode]:
         d_cli, d_srv = self._pair("direct", 1)
         t_cli, t_srv = self._pair("tcp", 2)
         h_cli, h_srv = self._pair("hbone", 3)
@@ -239,7 +240,7 @@ class CaptureTopology:
             if not proc.alive():
                 raise SetupError(f"{proc.name} exited with {proc.popen.returncode}: see {proc.log_path}")
             with contextlib.suppress(OSError), ns.inside():
-                if _http_get("http://127.0.0.1:15021/healthz/ready", 0.5) == 200:
+                if http_get("http://127.0.0.1:15021/healthz/ready", 0.5) == 200:
                     return
             time.sleep(0.05)
         raise SetupError(f"{proc.name} not ready after {timeout}s: see {proc.log_path}")

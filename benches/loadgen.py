@@ -48,6 +48,7 @@ import json
 import os
 import resource
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -121,8 +122,6 @@ def _blocking_open(entry: Entry, target: Address, timeout: float = 10.0) -> sock
 
 def _run_tool(argv: list[str], timeout: float) -> dict[str, Any]:
     """Runs a C tool (or iperf3) and returns the JSON it printed; its failure as an exception."""
-    import subprocess
-
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     try:
         result: dict[str, Any] = json.loads(done.stdout)

@@ -152,7 +152,7 @@ class Mode:
     fresh_gen: LoadGenerator | None = None
 
 
-def _http_get(url: str, timeout: float) -> int:
+def http_get(url: str, timeout: float) -> int:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return int(r.status)
@@ -381,7 +381,7 @@ class Topology:
             if not proc.alive():
                 raise SetupError(f"{proc.name} exited with {proc.popen.returncode}: see {proc.log_path}")
             with contextlib.suppress(OSError):
-                if _http_get(f"http://{ip}:15021/healthz/ready", 0.5) == 200:
+                if http_get(f"http://{ip}:15021/healthz/ready", 0.5) == 200:
                     return
             time.sleep(0.05)
         raise SetupError(f"{proc.name} not ready after {timeout}s: see {proc.log_path}")
