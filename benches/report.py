@@ -74,6 +74,8 @@ def table(summary: dict[str, Any], modes: list[str]) -> str:
     header = ["figure", "unit", *modes]
     rows = [header]
     for f in FIGURES:
+        if all(summary["value"][m][f.key] is None for m in modes):
+            continue  # not measured in this run (e.g. `--worker-counts ''`)
         row = [f.label, f.unit]
         for m in modes:
             v = summary["value"][m][f.key]
