@@ -159,6 +159,7 @@ class Matrix:
         self.rounds: list[dict[str, dict[str, float | None]]] = []
         self.integrity: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
         self.memory: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
+        self.conn_cpu: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
         self.errors: list[str] = []
 
     def _call(self, mode: Mode, figure: str, cmd: str, *, fresh: bool = False, **args: Any) -> dict[str, Any]:
@@ -296,6 +297,15 @@ class Matrix:
         )
         # The 3 warm-up connections are counted too: their CPU is inside the interval.
         cpu = procfs.total_cpu(pids) - before
+        # The cost must not grow with the TIME_WAIT sockets around (the kernel's port search):
+        # how many there were, in each proxy's namespace, is kept beside each measurement.
+        self.conn_cpu[mode.name].append(
+            {
+                "connections": res["count"] + 3,
+                "cpu_s": cpu,
+                "time_wait": {p.name: procfs.time_wait(p.popen.pid) for p in mode.processes},
+            }
+        )
         if res["errors"]:
             self.errors.append(f"{mode.name}: conn_cpu_us: {res['errors']} failed ({res['first_error']})")
         out["conn_cpu_us"] = cpu / (res["count"] + 3) * 1e6 if res["count"] else None
@@ -400,6 +410,7 @@ class Matrix:
             "summary": self.summary(),
             "integrity": self.integrity,
             "memory": self.memory,
+            "conn_cpu": self.conn_cpu,
             "errors": self.errors,
         }
 

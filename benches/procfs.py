@@ -81,3 +81,16 @@ def open_fds(pid: int) -> int:
 
 def total_fds(pids: Iterable[int]) -> int:
     return sum(open_fds(p) for p in pids)
+
+
+def time_wait(pid: int) -> int:
+    """TCP sockets in TIME_WAIT in the network namespace of `pid` (its /proc/<pid>/net view)."""
+    n = 0
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f, None)  # the header
+                n += sum(1 for line in f if line.split()[3:4] == ["06"])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return n

@@ -100,6 +100,9 @@ def test_capture_topology_runs_the_matrix_through_iptables_redirect(tmp_path: Pa
     hbone = data["summary"]["value"]["hbone"]
     assert hbone["cpu_s_per_gb"] > 0.2, hbone
     assert hbone["conn_cpu_us"] > 20, hbone
+    [cpu] = data["conn_cpu"]["hbone"]
+    assert set(cpu["time_wait"]) == {"ztunnel-client", "ztunnel-server"}
+    assert cpu["connections"] > 3 and cpu["cpu_s"] > 0
     # Nothing of the run is left behind: the namespaces it names are gone.
     assert data["namespaces"]
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
