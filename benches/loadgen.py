@@ -68,6 +68,7 @@ class Entry:
     proxy: Address | None = None
     tools: str | None = None  # the C tools binary: rr and connrate run in C
     iperf3: Address | None = None  # an iperf3 server: throughput runs are iperf3's
+    half_close: bool = True  # integrity: the client half-closes and reads to the echo's EOF
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Entry:
@@ -79,6 +80,7 @@ class Entry:
             proxy=(proxy[0], int(proxy[1])) if proxy else None,
             tools=raw.get("tools"),
             iperf3=(iperf3[0], int(iperf3[1])) if iperf3 else None,
+            half_close=bool(raw.get("half_close", True)),
         )
 
     def dial(self, target: Address) -> tuple[Address, bytes, int]:
@@ -418,12 +420,18 @@ async def run_integrity(entry: Entry, streams: int, size: int) -> dict[str, Any]
 
             async def send() -> None:
                 await loop.sock_sendall(sock, data)
-                sock.shutdown(socket.SHUT_WR)
+                if entry.half_close:
+                    sock.shutdown(socket.SHUT_WR)
 
             sender = asyncio.ensure_future(send())
             h = hashlib.sha256()
             n = 0
-            while chunk := await loop.sock_recv(sock, 1 << 20):
+            # With a half-close, read to the EOF (the path must carry it back after the data);
+            # without, exactly what was sent.
+            while entry.half_close or n < size:
+                chunk = await loop.sock_recv(sock, 1 << 20)
+                if not chunk:
+                    break
                 h.update(chunk)
                 n += len(chunk)
             await sender
