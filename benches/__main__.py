@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="soak: connections held at once in the byte-checked concurrency test first (default 10000)",
     )
     p.add_argument("--soak-idle", type=int, help="soak: idle connections held during the mix (default 1000)")
+    p.add_argument("--dns", action="store_true", help="only the dns figure (benches/dns.py), vs dnsmasq")
     return p
 
 
@@ -87,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     if settings.rounds < 1 or settings.seconds <= 0 or settings.hold < 1:
         print("benches: --rounds, --seconds and --hold must be positive", file=sys.stderr)
         return 2
+    if args.dns:
+        from benches.dns import run_figure
+
+        return run_figure(settings.seconds, args.out)
     # Children inherit the limit: 1,000 held connections take four descriptors each along the path.
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
