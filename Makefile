@@ -6,9 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
-DEBIAN_PACKAGES := iptables iproute2 nghttp2-proxy tinyproxy stunnel4 openssl curl containernetworking-plugins util-linux bind9-dnsutils dnsmasq-base dnsperf
+DEBIAN_PACKAGES := iptables iproute2 nghttp2-proxy tinyproxy stunnel4 openssl curl containernetworking-plugins util-linux bind9-dnsutils dnsmasq-base dnsperf buildah debootstrap iperf3 gcc libc6-dev
 
-.PHONY: demo test lint typecheck unit debs proto clean
+.PHONY: demo test lint typecheck unit debs proto clean image
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ unit: $(TEST_STAMP) debs
 	$(PY) -m pytest -q -rs
 
 test: lint typecheck unit
+
+# The node image (Containerfile), with buildah; without registry access on a debootstrap base.
+# IMAGE, BASE_IMAGE and IMAGE_CACHE (default /var/cache/ztunnel-image) are passed through.
+image:
+	sh deploy/build-image.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

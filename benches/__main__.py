@@ -14,14 +14,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from benches.capture import CaptureTopology
 from benches.matrix import BenchError, Matrix, Settings
 from benches.report import plot, table, targets_report, write_json
+from benches.soak import SoakSettings, parse_duration, run_soak
 from benches.topology import LoadGenerator, SetupError, Topology
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m benches", description="ztunnel load-test harness (loopback only)"
+        prog="python -m benches", description="ztunnel load-test harness (loopback or iptables capture)"
+    )
+    p.add_argument(
+        "--topology",
+        choices=("loopback", "capture"),
+        default="loopback",
+        help="loopback: SOCKS5 on 127.x (default); capture (root): network namespaces, iptables REDIRECT "
+        "to 15001, C load tools and iperf3",
     )
     p.add_argument("--quick", action="store_true", help="one short round (under a minute): a smoke test")
     p.add_argument("--rounds", type=int, help="rounds (default 3; --quick: 1)")
@@ -36,8 +45,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stunnel", action="store_true", help="leave out the stunnel anchor")
     p.add_argument("--workers", type=int, help="run every ztunnel with ZTUNNEL_WORKER_THREADS=N")
     p.add_argument(
+        "--worker-counts",
+        default=None,
+        help="worker counts of the hbone throughput figures, comma-separated (default 1,2,4; '' for none)",
+    )
+    p.add_argument(
         "--keep-logs", action="store_true", help="keep the processes' logs (their folder is printed)"
     )
+    p.add_argument(
+        "--soak",
+        type=parse_duration,
+        metavar="DURATION",
+        help="instead of the matrix: a soak of the hbone mode for DURATION (e.g. 30m, 90s)",
+    )
+    p.add_argument("--soak-interval", type=parse_duration, help="soak: seconds between samples (default 60s)")
+    p.add_argument(
+        "--soak-concurrent",
+        type=int,
+        help="soak: connections held at once in the byte-checked concurrency test first (default 10000)",
+    )
+    p.add_argument("--soak-idle", type=int, help="soak: idle connections held during the mix (default 1000)")
     p.add_argument("--dns", action="store_true", help="only the dns figure (benches/dns.py), vs dnsmasq")
     return p
 
@@ -50,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in (("rounds", args.rounds), ("seconds", args.seconds), ("hold", args.hold))
         if v is not None
     }
+    if args.worker_counts is not None:
+        try:
+            overrides["worker_counts"] = tuple(int(n) for n in args.worker_counts.split(",") if n.strip())
+        except ValueError:
+            print("benches: --worker-counts takes numbers separated by commas", file=sys.stderr)
+            return 2
     if overrides:
         settings = dataclasses.replace(settings, **overrides)
     if settings.rounds < 1 or settings.seconds <= 0 or settings.hold < 1:
@@ -63,22 +96,44 @@ def main(argv: list[str] | None = None) -> int:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
+    if args.topology == "capture" and os.geteuid() != 0:
+        print("benches: --topology capture needs root (network namespaces, iptables)", file=sys.stderr)
+        return 2
+
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="ztunnel-bench-"))
-    topo = Topology(workdir, workers=args.workers, with_stunnel=not args.no_stunnel)
+    topo: Topology | CaptureTopology
+    if args.topology == "capture":
+        topo = CaptureTopology(workdir, workers=args.workers, with_stunnel=not args.no_stunnel)
+    else:
+        topo = Topology(workdir, workers=args.workers, with_stunnel=not args.no_stunnel)
     gen: LoadGenerator | None = None
     ok = False
     try:
         modes = topo.start()
         for note in topo.notes:
             print(f"note: {note}")
+        if args.topology == "loopback":
+            gen = LoadGenerator(workdir / "loadgen.log")
+            for m in modes:
+                m.gen = gen
+        if args.soak is not None:
+            soak = SoakSettings.from_args(args.soak, args.soak_interval, args.soak_concurrent, args.soak_idle)
+            ok = run_soak(topo.name, modes, soak, args.out, progress=lambda s: print(s, flush=True))
+            return 0 if ok else 1
         print(
-            f"modes: {', '.join(m.name for m in modes)} on {topo.net}.0/24; {settings.rounds} round(s), "
-            f"{settings.seconds:g}s per rate figure, {settings.hold} idle connections held",
+            f"modes: {', '.join(m.name for m in modes)} ({topo.name}: {topo.where}); {settings.rounds} "
+            f"round(s), {settings.seconds:g}s per rate figure, {settings.hold} idle connections held",
             flush=True,
         )
-        gen = LoadGenerator(workdir / "loadgen.log")
-        matrix = Matrix(modes, gen, settings, progress=lambda s: print(s, flush=True))
+        matrix = Matrix(
+            modes,
+            gen,
+            settings,
+            progress=lambda s: print(s, flush=True),
+            set_workers=topo.set_workers,
+            workers=args.workers,
+        )
         matrix.run()
         names = [m.name for m in modes]
         data = matrix.to_json()
@@ -90,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         data["targets"] = targets
         data["notes"] = topo.notes
+        data["topology"] = topo.name
+        if isinstance(topo, CaptureTopology):
+            data["namespaces"] = [ns.name for ns in topo.namespaces]
         data["workers"] = args.workers
         data["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
         data["elapsed_s"] = time.monotonic() - started

@@ -12,6 +12,10 @@ connects straight to those addresses (the sink itself, or stunnel's client end);
 `discard` as the CONNECT targets. The SOCKS5 greeting, the CONNECT request and the first payload
 byte are sent in one write (the proxy keeps bytes that follow the request), so a new connection
 costs the client one round trip, as with a TLS tunnel whose client end is a plain TCP listener.
+An entry may also name the C tools (`"tools": path`, `benches/tools.c`), which then run the
+round trips and the connection loops, and an iperf3 server (`"iperf3": [host, port]`), which then
+takes the throughput runs: in the capture topology the generator runs inside the client's network
+namespace and these do the per-byte and per-connection work in C.
 
 Commands (each bounded in count and time):
 
@@ -26,6 +30,12 @@ Commands (each bounded in count and time):
   by a 1-byte echo) and keep them idle until `release`;
 * `integrity {entry, streams, size}`: random bytes through the echo port on `streams` connections
   at once, SHA-256 of what was sent and of what came back;
+* `concurrent {entry, count, size, keep}`: `count` connections open at once, each echoing `size`
+  bytes of its own when opened and again once all are open, every byte compared; with `keep` they
+  stay open until `release`;
+* `soak_start {entry, streams, stream_rate, churn_rate, idle}` / `soak_stats` / `soak_stop`: the
+  soak's mix in the background (echoing streams at a bounded rate, a bounded churn of short
+  connections, idle held connections probed now and then), with its counters;
 * `quit`.
 """
 
@@ -38,6 +48,7 @@ import json
 import os
 import resource
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -55,15 +66,21 @@ class Entry:
     echo: Address
     discard: Address
     proxy: Address | None = None
+    tools: str | None = None  # the C tools binary: rr and connrate run in C
+    iperf3: Address | None = None  # an iperf3 server: throughput runs are iperf3's
+    half_close: bool = True  # integrity: the client half-closes and reads to the echo's EOF
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Entry:
-        proxy = raw.get("proxy")
+        proxy, iperf3 = raw.get("proxy"), raw.get("iperf3")
         return cls(
             kind=raw["kind"],
             echo=(raw["echo"][0], int(raw["echo"][1])),
             discard=(raw["discard"][0], int(raw["discard"][1])),
             proxy=(proxy[0], int(proxy[1])) if proxy else None,
+            tools=raw.get("tools"),
+            iperf3=(iperf3[0], int(iperf3[1])) if iperf3 else None,
+            half_close=bool(raw.get("half_close", True)),
         )
 
     def dial(self, target: Address) -> tuple[Address, bytes, int]:
@@ -105,7 +122,24 @@ def _blocking_open(entry: Entry, target: Address, timeout: float = 10.0) -> sock
     return sock
 
 
+def _run_tool(argv: list[str], timeout: float) -> dict[str, Any]:
+    """Runs a C tool (or iperf3) and returns the JSON it printed; its failure as an exception."""
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    try:
+        result: dict[str, Any] = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise ConnectionError(
+            f"{os.path.basename(argv[0])} exited {done.returncode}: {done.stderr.strip()[-500:]}"
+        ) from None
+    if "error" in result:
+        raise ConnectionError(f"{os.path.basename(argv[0])}: {result['error']}")
+    return result
+
+
 def run_rr(entry: Entry, seconds: float, max_count: int) -> dict[str, Any]:
+    if entry.tools is not None and entry.kind == "direct":
+        host, port = entry.echo
+        return _run_tool([entry.tools, "rr", host, str(port), str(seconds), str(max_count)], seconds + 30)
     sock = _blocking_open(entry, entry.echo)
     try:
         for _ in range(50):  # warm-up: the first round trips pay for lazy set-up on the path
@@ -225,7 +259,30 @@ class _Blaster(asyncio.Protocol):
             self.done.set_exception(exc or ConnectionError("closed before the sink's count"))
 
 
+async def run_iperf3(server: Address, streams: int, seconds: float) -> dict[str, Any]:
+    """iperf3's client against `server`: the rate is the bytes the server received over its time."""
+    # iperf3 takes whole seconds.
+    argv = ["iperf3", "-c", server[0], "-p", str(server[1]), "-P", str(streams)]
+    argv += ["-t", str(max(1, round(seconds))), "-J"]
+    result = await asyncio.get_running_loop().run_in_executor(None, _run_tool, argv, seconds + 60)
+    end = result["end"]
+    received, sent = end["sum_received"], end["sum_sent"]
+    total = int(received["bytes"])
+    return {
+        "bytes": total,
+        "seconds": float(received["seconds"]),
+        "bytes_per_s": total / float(received["seconds"]),
+        # A TCP stream cannot gain bytes; iperf3 stops counting at its deadline, so fewer is normal.
+        "intact": 0 < total <= int(sent["bytes"]),
+        "sent": [int(sent["bytes"])],
+        "received": [total],
+        "tool": "iperf3",
+    }
+
+
 async def run_throughput(entry: Entry, streams: int, seconds: float, chunk_size: int) -> dict[str, Any]:
+    if entry.iperf3 is not None:
+        return await run_iperf3(entry.iperf3, streams, seconds)
     loop = asyncio.get_running_loop()
     chunk = os.urandom(chunk_size)
     blasters: list[_Blaster] = []
@@ -299,6 +356,11 @@ async def _bounded(
 
 
 async def run_connrate(entry: Entry, seconds: float, concurrency: int, max_count: int) -> dict[str, Any]:
+    if entry.tools is not None and entry.kind == "direct":
+        host, port = entry.echo
+        argv = [entry.tools, "connrate", host, str(port), str(seconds), str(concurrency), str(max_count)]
+        return await asyncio.get_running_loop().run_in_executor(None, _run_tool, argv, seconds + 60)
+
     async def one() -> None:
         sock = await _open(entry, entry.echo, b"x")
         try:
@@ -358,12 +420,18 @@ async def run_integrity(entry: Entry, streams: int, size: int) -> dict[str, Any]
 
             async def send() -> None:
                 await loop.sock_sendall(sock, data)
-                sock.shutdown(socket.SHUT_WR)
+                if entry.half_close:
+                    sock.shutdown(socket.SHUT_WR)
 
             sender = asyncio.ensure_future(send())
             h = hashlib.sha256()
             n = 0
-            while chunk := await loop.sock_recv(sock, 1 << 20):
+            # With a half-close, read to the EOF (the path must carry it back after the data);
+            # without, exactly what was sent.
+            while entry.half_close or n < size:
+                chunk = await loop.sock_recv(sock, 1 << 20)
+                if not chunk:
+                    break
                 h.update(chunk)
                 n += len(chunk)
             await sender
@@ -380,9 +448,177 @@ async def run_integrity(entry: Entry, streams: int, size: int) -> dict[str, Any]
     }
 
 
+async def run_concurrent(
+    entry: Entry, count: int, size: int, keep: list[socket.socket] | None = None
+) -> dict[str, Any]:
+    """`count` connections open at the same time, every byte of each compared, twice: when it opens
+    and again once all are open (so every one is proven while the others are held). With `keep`,
+    they stay open, added to it (`release` closes them)."""
+    sem = asyncio.Semaphore(256)  # opening rate only; they all stay open together
+    socks: list[socket.socket] = []
+    errors: list[str] = []
+    mismatched = 0
+
+    async def echo(sock: socket.socket, data: bytes) -> bool:
+        await asyncio.get_running_loop().sock_sendall(sock, data)
+        return await _sock_recv_exactly(sock, len(data)) == data
+
+    async def open_one() -> None:
+        nonlocal mismatched
+        async with sem:
+            data = os.urandom(size)
+            try:
+                sock = await _open(entry, entry.echo)
+            except OSError as e:
+                errors.append(repr(e))
+                return
+            socks.append(sock)
+            try:
+                if not await echo(sock, data):
+                    mismatched += 1
+            except OSError as e:
+                errors.append(repr(e))
+
+    async def again(sock: socket.socket) -> None:
+        nonlocal mismatched
+        async with sem:
+            try:
+                if not await echo(sock, os.urandom(size)):
+                    mismatched += 1
+            except OSError as e:
+                errors.append(repr(e))
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(open_one() for _ in range(count))), 300)
+        opened = loop.time() - t0
+        held = len(socks)
+        await asyncio.wait_for(asyncio.gather(*(again(s) for s in socks)), 300)
+    finally:
+        if keep is not None:
+            keep.extend(socks)
+        else:
+            for s in socks:
+                s.close()
+    return {
+        "count": count,
+        "held": held,
+        "bytes_verified": 2 * size * held if not errors and not mismatched else None,
+        "mismatched": mismatched,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else "",
+        "open_seconds": opened,
+        "seconds": loop.time() - t0,
+        "ok": held == count and not errors and not mismatched,
+    }
+
+
+class Soak:
+    """The soak's mix, running in the background until `stop()`: every byte sent is compared."""
+
+    def __init__(self, entry: Entry, streams: int, stream_rate: float, churn_rate: float, idle: int) -> None:
+        self.entry = entry
+        self.counters = {
+            "stream_bytes": 0,
+            "churn_connections": 0,
+            "idle_held": 0,
+            "idle_probes": 0,
+            "errors": 0,
+            "mismatched": 0,
+        }
+        self.first_error = ""
+        self.idle: list[socket.socket] = []
+        self.tasks = [asyncio.ensure_future(self._stream(stream_rate)) for _ in range(streams)]
+        self.tasks.append(asyncio.ensure_future(self._churn(churn_rate)))
+        self.tasks.append(asyncio.ensure_future(self._idle(idle)))
+
+    def _error(self, e: BaseException) -> None:
+        self.counters["errors"] += 1
+        self.first_error = self.first_error or repr(e)
+
+    async def _echo(self, sock: socket.socket, data: bytes) -> None:
+        await asyncio.get_running_loop().sock_sendall(sock, data)
+        if await _sock_recv_exactly(sock, len(data)) != data:
+            self.counters["mismatched"] += 1
+
+    async def _stream(self, rate: float) -> None:
+        """A long-lived connection echoing 16 KiB pieces at `rate` bytes/s; reopened after an error."""
+        piece = 16 * 1024
+        while True:
+            try:
+                sock = await _open(self.entry, self.entry.echo)
+            except OSError as e:
+                self._error(e)
+                await asyncio.sleep(1)
+                continue
+            try:
+                while True:
+                    await self._echo(sock, os.urandom(piece))
+                    self.counters["stream_bytes"] += piece
+                    await asyncio.sleep(piece / rate)
+            except OSError as e:
+                self._error(e)
+            finally:
+                sock.close()
+
+    async def _churn(self, rate: float) -> None:
+        """Short connections (connect, 8 bytes, echo, close) at `rate` per second."""
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            try:
+                sock = await _open(self.entry, self.entry.echo)
+                try:
+                    await self._echo(sock, os.urandom(8))
+                finally:
+                    sock.close()
+                self.counters["churn_connections"] += 1
+            except OSError as e:
+                self._error(e)
+            next_at += 1 / rate
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+
+    async def _idle(self, count: int) -> None:
+        """`count` idle connections, each echoing a byte once a minute or so (one probed every
+        60/count s), replaced when one fails."""
+        while True:
+            while len(self.idle) < count:
+                try:
+                    sock = await _open(self.entry, self.entry.echo)
+                    await self._echo(sock, b"i")
+                    self.idle.append(sock)
+                except OSError as e:
+                    self._error(e)
+                    await asyncio.sleep(0.5)
+            self.counters["idle_held"] = len(self.idle)
+            for sock in list(self.idle):
+                await asyncio.sleep(60 / max(count, 1))
+                try:
+                    await self._echo(sock, b"p")
+                    self.counters["idle_probes"] += 1
+                except OSError as e:
+                    self._error(e)
+                    self.idle.remove(sock)
+                    sock.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "first_error": self.first_error}
+
+    async def stop(self) -> dict[str, Any]:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for sock in self.idle:
+            sock.close()
+        self.idle.clear()
+        return self.stats()
+
+
 async def serve_commands() -> None:
     loop = asyncio.get_running_loop()
     gen = Generator()
+    soak: Soak | None = None
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     print(json.dumps({"ready": True}), flush=True)
@@ -397,6 +633,12 @@ async def serve_commands() -> None:
                 return
             if name == "release":
                 result = gen.release()
+            elif name in ("soak_stats", "soak_stop"):
+                if soak is None:
+                    raise ValueError("no soak is running")
+                result = soak.stats() if name == "soak_stats" else await soak.stop()
+                if name == "soak_stop":
+                    soak = None
             elif entry is None:
                 raise ValueError(f"command {name!r} needs an entry")
             elif name == "throughput":
@@ -411,6 +653,14 @@ async def serve_commands() -> None:
                 result = await gen.hold(entry, cmd["count"], cmd.get("concurrency", 64))
             elif name == "integrity":
                 result = await run_integrity(entry, cmd["streams"], cmd["size"])
+            elif name == "concurrent":
+                keep = gen.held if cmd.get("keep") else None
+                result = await run_concurrent(entry, cmd["count"], cmd.get("size", 64), keep)
+            elif name == "soak_start":
+                if soak is not None:
+                    raise ValueError("a soak is already running")
+                soak = Soak(entry, cmd["streams"], cmd["stream_rate"], cmd["churn_rate"], cmd["idle"])
+                result = {"started": True}
             else:
                 raise ValueError(f"unknown command {name!r}")
         except Exception as e:

@@ -4,7 +4,8 @@ Each round measures every figure for every mode, figure by figure, with the orde
 rotated from one round to the next, so a noisy moment (another job on the machine) lands on
 different modes in different rounds. Every figure is also kept as a ratio to `direct` from the
 same round; the summary is the median over rounds of the values and of those ratios. The memory
-figures are the exception: they are measured once, in the first round.
+figures are the exception: they are measured once, in the first round. The worker figures restart
+the `hbone` pair of ztunnels with each worker count, last in each round, and put them back after.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Figure:
     unit: str
     higher_is_better: bool
     meaning: str
+    modes: tuple[str, ...] | None = None  # the modes it is measured for (None: every mode)
 
 
 FIGURES: tuple[Figure, ...] = (
@@ -53,6 +55,14 @@ FIGURES: tuple[Figure, ...] = (
         "/s",
         True,
         "the same where every connection needs its own TLS handshake",
+    ),
+    Figure(
+        "conn_cpu_us",
+        "proxy CPU per new connection",
+        "µs",
+        False,
+        "CPU of the mode's proxy processes (all of them) per connection: one client, sequential "
+        "connect, 1 byte, echo, close, pool warm",
     ),
     Figure(
         "cpu_s_per_gb",
@@ -83,6 +93,18 @@ FIGURES: tuple[Figure, ...] = (
         "the largest proxy's resident memory, idle again at the end of the round (10^6 bytes)",
     ),
 )
+WORKER_COUNTS = (1, 2, 4)
+FIGURES += tuple(
+    Figure(
+        f"throughput_w{n}",
+        f"throughput, 8 streams, {n} worker{'s' if n > 1 else ''}",
+        "MB/s",
+        True,
+        f"throughput_8 with both hbone ztunnels at ZTUNNEL_WORKER_THREADS={n} (direct: measured beside it)",
+        ("direct", "hbone"),
+    )
+    for n in WORKER_COUNTS
+)
 FIGURE_KEYS = tuple(f.key for f in FIGURES)
 
 
@@ -95,6 +117,7 @@ class Settings:
     integrity_streams: int = 4
     integrity_size: int = 2 * 1024 * 1024
     max_count: int = 200_000  # per rate measurement, whatever the time
+    worker_counts: tuple[int, ...] = WORKER_COUNTS  # empty: no worker figures
 
     @classmethod
     def quick(cls) -> Settings:
@@ -120,21 +143,29 @@ class Matrix:
     def __init__(
         self,
         modes: list[Mode],
-        gen: LoadGenerator,
+        gen: LoadGenerator | None,
         settings: Settings,
         progress: Callable[[str], None] = print,
+        set_workers: Callable[[Mode, int | None], None] | None = None,
+        workers: int | None = None,
     ) -> None:
         self.modes = modes
         self.gen = gen
+        # Restarts a mode's ztunnels with another worker count; `workers` is the run's own.
+        self.set_workers = set_workers
+        self.workers = workers
         self.settings = settings
         self.progress = progress
         self.rounds: list[dict[str, dict[str, float | None]]] = []
         self.integrity: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
         self.memory: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
+        self.conn_cpu: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
         self.errors: list[str] = []
 
-    def _call(self, mode: Mode, figure: str, cmd: str, **args: Any) -> dict[str, Any]:
-        result = self.gen.call(cmd, **args)
+    def _call(self, mode: Mode, figure: str, cmd: str, *, fresh: bool = False, **args: Any) -> dict[str, Any]:
+        gen = (mode.fresh_gen if fresh else None) or mode.gen or self.gen
+        assert gen is not None, f"{mode.name} has no load generator"
+        result = gen.call(cmd, **args)
         if "error" in result:
             raise BenchError(f"{mode.name}: {figure}: {result['error']}")
         return result
@@ -161,10 +192,12 @@ class Matrix:
                 self._rr,
                 self._connrate,
                 self._handshakes,
+                self._conn_cpu,
                 self._loaded,
             ):
                 for mode in order:
                     step(mode, values[mode.name])
+            self._workers(order, values)
             self.rounds.append(values)
             self.progress(self.round_report(r, time.monotonic() - t0))
 
@@ -237,6 +270,7 @@ class Matrix:
             mode,
             "handshake_per_s",
             "connrate",
+            fresh=True,
             entry=mode.fresh_entry,
             seconds=s.seconds,
             concurrency=s.connrate_concurrency,
@@ -245,6 +279,59 @@ class Matrix:
         if res["errors"]:
             self.errors.append(f"{mode.name}: handshake_per_s: {res['errors']} failed ({res['first_error']})")
         out["handshake_per_s"] = res["per_s"]
+
+    def _conn_cpu(self, mode: Mode, out: dict[str, float | None]) -> None:
+        pids = self._pids(mode)
+        if not pids:
+            return
+        s = self.settings
+        before = procfs.total_cpu(pids)
+        res = self._call(
+            mode,
+            "conn_cpu_us",
+            "connrate",
+            entry=mode.entry,
+            seconds=s.seconds,
+            concurrency=1,
+            max_count=s.max_count,
+        )
+        # The 3 warm-up connections are counted too: their CPU is inside the interval.
+        cpu = procfs.total_cpu(pids) - before
+        # The cost must not grow with the TIME_WAIT sockets around (the kernel's port search):
+        # how many there were, in each proxy's namespace, is kept beside each measurement.
+        self.conn_cpu[mode.name].append(
+            {
+                "connections": res["count"] + 3,
+                "cpu_s": cpu,
+                "time_wait": {p.name: procfs.time_wait(p.popen.pid) for p in mode.processes},
+            }
+        )
+        if res["errors"]:
+            self.errors.append(f"{mode.name}: conn_cpu_us: {res['errors']} failed ({res['first_error']})")
+        out["conn_cpu_us"] = cpu / (res["count"] + 3) * 1e6 if res["count"] else None
+
+    def _workers(self, order: list[Mode], values: dict[str, dict[str, float | None]]) -> None:
+        """throughput_8 of `hbone` with each worker count, and of `direct` measured beside it."""
+        s = self.settings
+        if self.set_workers is None or not s.worker_counts:
+            return
+        measured = [m for m in order if m.name in ("direct", "hbone")]
+        hbone = next((m for m in measured if m.name == "hbone"), None)
+        if hbone is None:
+            return
+        try:
+            for n in s.worker_counts:
+                self.set_workers(hbone, n)
+                for mode in measured:
+                    key = f"throughput_w{n}"
+                    res = self._call(mode, key, "throughput", entry=mode.entry, streams=8, seconds=s.seconds)
+                    values[mode.name][key] = res["bytes_per_s"] / 1e6
+                    if not res["intact"]:
+                        self.errors.append(
+                            f"{mode.name}: {key}: the sink counted {res['received']}, sent {res['sent']}"
+                        )
+        finally:
+            self.set_workers(hbone, self.workers)
 
     def _memory(self, mode: Mode, out: dict[str, float | None]) -> None:
         s = self.settings
@@ -323,6 +410,7 @@ class Matrix:
             "summary": self.summary(),
             "integrity": self.integrity,
             "memory": self.memory,
+            "conn_cpu": self.conn_cpu,
             "errors": self.errors,
         }
 

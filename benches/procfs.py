@@ -69,3 +69,28 @@ def total_cpu(pids: Iterable[int]) -> float:
 
 def total_rss_kib(pids: Iterable[int]) -> int:
     return sum(rss_kib(p) for p in pids)
+
+
+def open_fds(pid: int) -> int:
+    """Open file descriptors of a process; 0 once it is gone."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+
+
+def total_fds(pids: Iterable[int]) -> int:
+    return sum(open_fds(p) for p in pids)
+
+
+def time_wait(pid: int) -> int:
+    """TCP sockets in TIME_WAIT in the network namespace of `pid` (its /proc/<pid>/net view)."""
+    n = 0
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f, None)  # the header
+                n += sum(1 for line in f if line.split()[3:4] == ["06"])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return n

@@ -102,17 +102,37 @@ def pick_net() -> str:
 
 @dataclass
 class Process:
-    """One process under test; its CPU and memory include any worker processes it started."""
+    """One process under test; its CPU and memory include any worker processes it started.
+
+    `argv` and `env` are kept so the process can be restarted (another worker count)."""
 
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
 
     def pids(self) -> list[int]:
         return procfs.tree(self.popen.pid) if self.popen.poll() is None else []
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (a ztunnel drains and exits), SIGKILL after `timeout`."""
+        if self.popen.poll() is None:
+            self.popen.terminate()
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(timeout=5)
+
+    def restart(self, env: dict[str, str]) -> None:
+        self.stop()
+        self.env = env
+        with self.log_path.open("ab") as log:
+            self.popen = subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @dataclass
@@ -126,9 +146,13 @@ class Mode:
     # mode has no TLS), so the handshake figure is the connection figure.
     fresh_entry: dict[str, Any] | None = None
     note: str = ""
+    # The mode's own load generators (capture topology: one inside each client namespace); None:
+    # the harness's shared one.
+    gen: LoadGenerator | None = None
+    fresh_gen: LoadGenerator | None = None
 
 
-def _http_get(url: str, timeout: float) -> int:
+def http_get(url: str, timeout: float) -> int:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return int(r.status)
@@ -150,12 +174,79 @@ def _can_connect(addr: tuple[str, int]) -> bool:
         return False
 
 
+def ztunnel_env(name: str, config: Path, workers: int | None) -> dict[str, str]:
+    """The environment of a bench ztunnel: dedicated mode, the fake CA, the local config file, and
+    nothing inherited that would change its behaviour (control plane, pool, worker settings)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("XDS_", "CA_", "PROXY_", "LOCAL_XDS", "POOL_", "HTTP2_", "ZTUNNEL_"))
+    }
+    env.update(
+        PROXY_MODE="dedicated",
+        PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
+        XDS_ADDRESS="",
+        FAKE_CA="true",
+        LOCAL_XDS_PATH=str(config),
+        LOG_LEVEL=os.environ.get("BENCH_LOG_LEVEL", "info"),
+        CONNECTION_TERMINATION_DEADLINE="2s",
+    )
+    return with_workers(env, workers)
+
+
+def with_workers(env: dict[str, str] | None, workers: int | None) -> dict[str, str]:
+    """`env` with `ZTUNNEL_WORKER_THREADS=workers`, or without it when None (one process)."""
+    out = {k: v for k, v in (env or {}).items() if k != "ZTUNNEL_WORKER_THREADS"}
+    if workers:
+        out["ZTUNNEL_WORKER_THREADS"] = str(workers)
+    return out
+
+
+def stunnel_certs(workdir: Path) -> Path:
+    """Client and server certificates for stunnel from a fresh fake CA, in `workdir/stunnel-certs`."""
+    from hbone.identity import Identity
+    from ztunnel.identity import FakeCA
+
+    ca = FakeCA()
+    certs = workdir / "stunnel-certs"
+    certs.mkdir(exist_ok=True)
+    os.chmod(certs, 0o700)
+    (certs / "root.pem").write_bytes(ca.root_pem)
+    for side in ("client", "server"):
+        cert = ca.issue(Identity("cluster.local", "bench", f"stunnel-{side}"))
+        (certs / f"{side}.pem").write_bytes(b"".join(cert.chain_pem))
+        key = certs / f"{side}.key"
+        key.write_bytes(cert.key_pem)
+        os.chmod(key, 0o600)
+    return certs
+
+
+def stunnel_conf(workdir: Path, side: str, forwards: list[tuple[str, str]]) -> Path:
+    """stunnel's config for one `side` ("client": plain in, TLS out; "server": TLS in, plain out),
+    one section per (accept, connect) pair; certificates from `stunnel_certs`."""
+    certs = workdir / "stunnel-certs"
+    extra = "client = yes\n" if side == "client" else "requireCert = yes\n"
+    conf = [f"output = {workdir / f'stunnel-{side}.log'}\nforeground = yes\npid =\n"]
+    for i, (accept, connect) in enumerate(forwards):
+        conf.append(
+            f"[{side}-{i}]\naccept = {accept}\nconnect = {connect}\n"
+            f"cert = {certs / f'{side}.pem'}\nkey = {certs / f'{side}.key'}\nCAfile = {certs / 'root.pem'}\n"
+            f"verifyChain = yes\nsslVersionMin = TLSv1.3\nsessionResume = no\n{extra}"
+        )
+    path = workdir / f"stunnel-{side}.conf"
+    path.write_text("".join(conf))
+    return path
+
+
 class Topology:
     """Starts and stops everything; `modes` lists what is up."""
+
+    name = "loopback"
 
     def __init__(self, workdir: Path, *, workers: int | None = None, with_stunnel: bool = True) -> None:
         self.workdir = workdir
         self.net = pick_net()
+        self.where = f"SOCKS5 on {self.net}.0/24"
         self.workers = workers
         self.with_stunnel = with_stunnel
         self.ztunnels: dict[str, Process] = {}
@@ -225,7 +316,14 @@ class Topology:
             self.modes.append(
                 Mode(
                     "stunnel",
-                    {"kind": "direct", "echo": [c, ECHO_PORT], "discard": [c, DISCARD_PORT]},
+                    # No half-close in the integrity check: stunnel may drop the echo's tail
+                    # after the client's EOF (see capture.py).
+                    {
+                        "kind": "direct",
+                        "echo": [c, ECHO_PORT],
+                        "discard": [c, DISCARD_PORT],
+                        "half_close": False,
+                    },
                     list(self.stunnels),
                     note="every connection is a full TLS 1.3 handshake (no resumption)",
                 )
@@ -261,34 +359,28 @@ class Topology:
             raise SetupError(f"sink did not start: see {path}")
 
     def _start_ztunnel(self, name: str, ip: str, config: Path, extra: dict[str, str]) -> Process:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("XDS_", "CA_", "PROXY_", "LOCAL_XDS", "POOL_", "HTTP2_", "ZTUNNEL_"))
-        }
+        env = ztunnel_env(name, config, self.workers)
         env.update(
-            PROXY_MODE="dedicated",
-            PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
-            XDS_ADDRESS="",
-            FAKE_CA="true",
-            LOCAL_XDS_PATH=str(config),
             PROXY_BIND_ADDRESS=ip,
             UNSTABLE_ENABLE_SOCKS5="true",
             SOCKS5_ADDRESS=f"{ip}:15080",
             ADMIN_ADDRESS=f"{ip}:15000",
             STATS_ADDRESS=f"{ip}:15020",
             READINESS_ADDRESS=f"{ip}:15021",
-            LOG_LEVEL=os.environ.get("BENCH_LOG_LEVEL", "info"),
-            CONNECTION_TERMINATION_DEADLINE="2s",
         )
-        if self.workers:
-            env["ZTUNNEL_WORKER_THREADS"] = str(self.workers)
         env.update(extra)
         path, log = self._log(f"ztunnel-{name}")
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "ztunnel", "proxy"], env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-        return Process(f"ztunnel-{name}", popen, path)
+        argv = [sys.executable, "-m", "ztunnel", "proxy"]
+        popen = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return Process(f"ztunnel-{name}", popen, path, argv, env)
+
+    def set_workers(self, mode: Mode, workers: int | None) -> None:
+        """Restarts the mode's ztunnels with `ZTUNNEL_WORKER_THREADS=workers` (None: unset)."""
+        ips = {self.ztunnels[n].name: self.ip(i) for n, i in (("server", SERVER), ("client", CLIENT))}
+        for proc in mode.processes:
+            proc.restart(with_workers(proc.env, workers))
+        for proc in mode.processes:
+            self._wait_ztunnel(proc, ips[proc.name])
 
     def _wait_ztunnel(self, proc: Process, ip: str, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -296,7 +388,7 @@ class Topology:
             if not proc.alive():
                 raise SetupError(f"{proc.name} exited with {proc.popen.returncode}: see {proc.log_path}")
             with contextlib.suppress(OSError):
-                if _http_get(f"http://{ip}:15021/healthz/ready", 0.5) == 200:
+                if http_get(f"http://{ip}:15021/healthz/ready", 0.5) == 200:
                     return
             time.sleep(0.05)
         raise SetupError(f"{proc.name} not ready after {timeout}s: see {proc.log_path}")
@@ -312,48 +404,11 @@ class Topology:
         raise SetupError(f"{proc.name} not listening on {addr} after {timeout}s: see {proc.log_path}")
 
     def _start_stunnel(self) -> None:
-        from hbone.identity import Identity
-        from ztunnel.identity import FakeCA
-
-        ca = FakeCA()
-        certs = self.workdir / "stunnel-certs"
-        certs.mkdir(exist_ok=True)
-        os.chmod(certs, 0o700)
-        root = certs / "root.pem"
-        root.write_bytes(ca.root_pem)
-        for side in ("client", "server"):
-            cert = ca.issue(Identity("cluster.local", "bench", f"stunnel-{side}"))
-            (certs / f"{side}.pem").write_bytes(b"".join(cert.chain_pem))
-            key = certs / f"{side}.key"
-            key.write_bytes(cert.key_pem)
-            os.chmod(key, 0o600)
+        stunnel_certs(self.workdir)
         server, client, sink = self.ip(STUNNEL_SERVER), self.ip(STUNNEL_CLIENT), self.ip(SERVER)
-        common = (
-            "foreground = yes\npid =\n"
-            "[{name}]\n"
-            "accept = {accept}\nconnect = {connect}\n"
-            "cert = {cert}\nkey = {key}\nCAfile = {root}\n"
-            "verifyChain = yes\nsslVersionMin = TLSv1.3\nsessionResume = no\n{extra}"
-        )
-        for side, extra, accept_ip, connect_ip in (
-            ("server", "requireCert = yes\n", server, sink),
-            ("client", "client = yes\n", client, server),
-        ):
-            conf = [f"output = {self.workdir / f'stunnel-{side}.log'}\n"]
-            for i, port in enumerate((ECHO_PORT, DISCARD_PORT)):
-                section = common.format(
-                    name=f"{side}-{port}",
-                    accept=f"{accept_ip}:{port}",
-                    connect=f"{connect_ip}:{port}",
-                    cert=certs / f"{side}.pem",
-                    key=certs / f"{side}.key",
-                    root=root,
-                    extra=extra,
-                )
-                # Global options only once, before the first section.
-                conf.append(section if i == 0 else section[section.index("[") :])
-            path = self.workdir / f"stunnel-{side}.conf"
-            path.write_text("".join(conf))
+        for side, accept_ip, connect_ip in (("server", server, sink), ("client", client, server)):
+            forwards = [(f"{accept_ip}:{p}", f"{connect_ip}:{p}") for p in (ECHO_PORT, DISCARD_PORT)]
+            path = stunnel_conf(self.workdir, side, forwards)
             log_path, log = self._log(f"stunnel-{side}-stderr")
             popen = subprocess.Popen([STUNNEL, str(path)], stdout=log, stderr=subprocess.STDOUT)  # type: ignore[list-item]
             self.stunnels.append(Process(f"stunnel-{side}", popen, log_path))
@@ -389,12 +444,13 @@ class Topology:
 
 
 class LoadGenerator:
-    """The load generator process, one JSON command and answer at a time."""
+    """The load generator process, one JSON command and answer at a time; `prefix` runs it
+    elsewhere (`ip netns exec <ns>`)."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, prefix: list[str] | None = None) -> None:
         self._log = log_path.open("wb")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "benches.loadgen"],
+            [*(prefix or []), sys.executable, "-m", "benches.loadgen"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

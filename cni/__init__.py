@@ -17,6 +17,7 @@ DEFAULT_ZDS_SOCKET = "/var/run/ztunnel/ztunnel.sock"
 DEFAULT_CNI_SOCKET = "/var/run/ztunnel/cni-agent.sock"
 DEFAULT_STATE_FILE = "/var/run/ztunnel/cni-agent-pods.json"
 DEFAULT_ZTUNNEL_WAIT = 10.0
+DEFAULT_EXCLUDE_NAMESPACES = "kube-system,istio-system"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,4 +51,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-dns-capture",
         action="store_true",
         help="leave pods' DNS alone (by default UDP and TCP to port 53 go to the DNS proxy on 15053)",
+    )
+    install = parser.add_argument_group(
+        "plugin install", "put ztunnel-cni on the node and chain it into the primary network configuration"
+    )
+    install.add_argument(
+        "--cni-bin-dir", metavar="DIR", help="the node's CNI bin directory, e.g. /opt/cni/bin"
+    )
+    install.add_argument(
+        "--cni-conf-dir", metavar="DIR", help="the node's CNI conf directory, e.g. /etc/cni/net.d"
+    )
+    install.add_argument(
+        "--node-cni-socket",
+        metavar="PATH",
+        help="the CNI socket's path as the node sees it, written into the chained configuration "
+        "(default: --cni-socket)",
+    )
+    install.add_argument(
+        "--node-python",
+        default="/usr/bin/env python3",
+        metavar="PATH",
+        help="the interpreter line of the copied plugin: the node's python3, 3.11 or later (default: %(default)s)",
+    )
+    install.add_argument(
+        "--exclude-namespaces",
+        default=DEFAULT_EXCLUDE_NAMESPACES,
+        metavar="NS,NS",
+        help="namespaces whose pods the chained plugin passes through, as istio-cni's exclusions "
+        f"(default {DEFAULT_EXCLUDE_NAMESPACES}; ztunnel's own must be among them)",
+    )
+    install.add_argument(
+        "--uninstall",
+        action="store_true",
+        help="take ztunnel-cni out of the conf directory's configurations, delete it from the bin directory, exit",
     )

@@ -54,6 +54,14 @@ from cni.events import (
     Reply,
     decode_event,
 )
+from cni.install import (
+    DEFAULT_INTERPRETER,
+    ChainKeeper,
+    InstallConfig,
+    InstallError,
+    install_plugin,
+    uninstall,
+)
 from cni.pods import Pod
 from cni.ztunnels import ZtunnelConnection, ZtunnelGone
 from xds import zds
@@ -61,6 +69,7 @@ from xds import zds
 log = logging.getLogger("cni.agent")
 
 REQUEST_READ_TIMEOUT = 10.0  # for the plugin to send its one line
+CHAIN_CHECK_INTERVAL = 1.0  # how soon a primary CNI's rewrite of its configuration is chained again
 ACCEPTS_PER_SECOND = 5
 _MAX_UNIX_PATH = 107
 
@@ -75,6 +84,7 @@ class AgentConfig:
     cni_socket: Path
     state_file: Path
     ztunnel_wait: float
+    install: InstallConfig | None = None
     dns_capture: bool = True
 
     @classmethod
@@ -93,6 +103,7 @@ class AgentConfig:
             cni_socket=path("--cni-socket", DEFAULT_CNI_SOCKET),
             state_file=path("--state-file", DEFAULT_STATE_FILE),
             ztunnel_wait=float(wait),
+            install=_install_config(args, path("--cni-socket", DEFAULT_CNI_SOCKET)),
             dns_capture=not getattr(args, "no_dns_capture", False),
         )
         if config.zds_socket == config.cni_socket:
@@ -100,10 +111,49 @@ class AgentConfig:
         return config
 
 
+def _install_config(args: argparse.Namespace, cni_socket: Path) -> InstallConfig | None:
+    bin_dir, conf_dir = getattr(args, "cni_bin_dir", None), getattr(args, "cni_conf_dir", None)
+    if bin_dir is None and conf_dir is None:
+        if getattr(args, "uninstall", False):
+            raise AgentError("--uninstall needs --cni-bin-dir and --cni-conf-dir")
+        return None
+    if not bin_dir or not conf_dir:
+        raise AgentError("--cni-bin-dir and --cni-conf-dir go together")
+    node_socket = getattr(args, "node_cni_socket", None) or str(cni_socket)
+    excluded = getattr(args, "exclude_namespaces", None) or ""
+    namespaces = tuple(n.strip() for n in excluded.split(",") if n.strip())
+    interpreter = getattr(args, "node_python", None) or DEFAULT_INTERPRETER
+    return InstallConfig(
+        Path(bin_dir), Path(conf_dir), node_socket, interpreter=interpreter, exclude_namespaces=namespaces
+    )
+
+
 def run_agent(args: argparse.Namespace) -> int:
-    """Run the agent until SIGTERM or SIGINT (exit 0). Raises AgentError when it cannot start."""
+    """Run the agent until SIGTERM or SIGINT (exit 0); with `--uninstall`, remove the plugin and exit.
+    Raises AgentError when it cannot start."""
     config = AgentConfig.from_args(args)
+    if getattr(args, "uninstall", False):
+        assert config.install is not None
+        try:
+            changed = uninstall(config.install)
+        except InstallError as e:
+            raise AgentError(str(e)) from None
+        log.info("uninstalled ztunnel-cni (%d file(s) changed)", len(changed))
+        return 0
     return uvloop.run(_main(config))
+
+
+async def _keep_chained(keeper: ChainKeeper) -> None:
+    failing = False
+    while True:
+        await asyncio.sleep(CHAIN_CHECK_INTERVAL)
+        try:
+            keeper.ensure()
+            failing = False
+        except InstallError as e:
+            if not failing:  # once per failure, not once a second
+                log.error("cannot keep ztunnel-cni chained: %s", e)
+            failing = True
 
 
 async def _main(config: AgentConfig) -> int:
@@ -115,17 +165,36 @@ async def _main(config: AgentConfig) -> int:
         cni_listener = _bind_unix(config.cni_socket, socket.SOCK_STREAM, "--cni-socket")
         listeners.append(cni_listener)
         agent.reload()
+        # Chained only once the CNI socket is bound: the runtime may call the plugin at once.
+        keeper = _install(config.install) if config.install is not None else None
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await agent.serve(zds_listener.sock, cni_listener.sock, stop)
+        keeping = loop.create_task(_keep_chained(keeper)) if keeper is not None else None
+        try:
+            await agent.serve(zds_listener.sock, cni_listener.sock, stop)
+        finally:
+            if keeping is not None:
+                keeping.cancel()
     finally:
         for listener in listeners:
             _close_listener(listener)
         agent.close()
     log.info("cni agent stopped")
     return 0
+
+
+def _install(install: InstallConfig) -> ChainKeeper:
+    """Copy the plugin and chain it; the plugin stays installed when the agent stops (an upgrade's
+    new agent takes over), `--uninstall` removes it."""
+    keeper = ChainKeeper(install)
+    try:
+        install_plugin(install)
+        keeper.ensure()
+    except InstallError as e:
+        raise AgentError(str(e)) from None
+    return keeper
 
 
 @dataclass

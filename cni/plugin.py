@@ -10,7 +10,9 @@ and, for ADD, prints the `prevResult` it was given.
   fails otherwise, so that no pod starts unprotected.
 * DEL always succeeds, also when the agent or ztunnel is down: a pod must always be deletable.
 * CHECK asks the agent whether the pod is enrolled and its rules present.
-* A pod with `ISTIO_AMBIENT=disabled` in `CNI_ARGS` is passed through; the agent is not contacted.
+* A pod with `ISTIO_AMBIENT=disabled` in `CNI_ARGS`, or in one of the configuration's
+  `excludeNamespaces` (the node's own system pods, ztunnel's among them), is passed through on ADD
+  and CHECK; the agent is not contacted.
 
 Failures are CNI error objects on stdout with a non-zero exit. The plugin runs for every pod event, so
 it imports only the standard library (no grpc, no protobuf).
@@ -82,6 +84,7 @@ class NetConf:
     name: str
     agent_socket: str
     prev_result: dict[str, Any] | None
+    exclude_namespaces: tuple[str, ...] = ()
 
 
 def parse_cni_args(text: str) -> dict[str, str]:
@@ -140,7 +143,10 @@ def parse_config(stdin: bytes) -> NetConf:
     prev = conf.get("prevResult")
     if prev is not None and not isinstance(prev, dict):
         raise CniError(INVALID_CONFIG, "network configuration: prevResult must be an object")
-    return NetConf(version, name, agent_socket, prev)
+    excluded = conf.get("excludeNamespaces", [])
+    if not isinstance(excluded, list) or not all(isinstance(n, str) for n in excluded):
+        raise CniError(INVALID_CONFIG, "network configuration: excludeNamespaces must be a list of strings")
+    return NetConf(version, name, agent_socket, prev, tuple(excluded))
 
 
 def pod_ips(prev_result: Mapping[str, Any]) -> tuple[str, ...]:
@@ -237,6 +243,8 @@ def handle(env: Mapping[str, str], stdin: bytes, agent: Agent = ask_agent) -> st
             INVALID_CONFIG,
             f"{inv.command} needs prevResult: ztunnel-cni runs chained after the pod's network plugin",
         )
+    # The node's own pods (ztunnel's included: its ADD would wait for itself) stay out.
+    enrolled = enrolled and inv.args.get("K8S_POD_NAMESPACE", "") not in conf.exclude_namespaces
     if inv.command == "CHECK":
         if conf.cni_version in ("0.3.0", "0.3.1"):
             raise CniError(INCOMPATIBLE_VERSION, f"CHECK is not defined for cniVersion {conf.cni_version}")

@@ -30,3 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ca-dir", metavar="DIR", help="where the CA root is kept (default: under $XDG_STATE_HOME)"
     )
+    parser.add_argument(
+        "--auth-token",
+        metavar="FILE",
+        help="require every call to carry `authorization: Bearer <the token in FILE>`, as istiod does",
+    )
+    parser.add_argument(
+        "--cluster-id", metavar="ID", help="require every call to carry the `clusterid: ID` header"
+    )

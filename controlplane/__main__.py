@@ -17,7 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     from controlplane.server import ControlPlaneError, run
 
     try:
-        return run(args.config, args.listen, args.tls, args.ca_dir)
+        return run(
+            args.config,
+            args.listen,
+            args.tls,
+            args.ca_dir,
+            auth_token=args.auth_token,
+            cluster_id=args.cluster_id,
+        )
     except ControlPlaneError as e:
         print(f"control-plane: {e}", file=sys.stderr)
         return 1

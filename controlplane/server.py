@@ -20,6 +20,7 @@ import uvloop
 
 from controlplane import DEFAULT_LISTEN
 from controlplane.ads import AggregatedDiscoveryService
+from controlplane.auth import CallerCheck
 from controlplane.ca import CaError, CertificateAuthority, CertificateService, default_ca_dir
 from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
 from xds.client import MAX_MESSAGE_BYTES  # the client's limit (SPEC §6.1): a large file fails on neither side
@@ -84,7 +85,10 @@ class ControlPlane:
         tls: bool = False,
         ca_dir: Path | None = None,
         poll_interval: float = DEFAULT_POLL_INTERVAL,
+        auth_token: Path | None = None,
+        cluster_id: str | None = None,
     ) -> None:
+        """`auth_token`, `cluster_id`: what every caller must present (`controlplane.auth`)."""
         self.source = ConfigSource(config_path, poll_interval)
         self.host, self._port = parse_listen(listen)
         self.tls = tls
@@ -94,6 +98,9 @@ class ControlPlane:
         self._watch: asyncio.Task[None] | None = None
         self.ads: AggregatedDiscoveryService | None = None
         self.ca: CertificateAuthority | None = None
+        self.caller_check = (
+            CallerCheck(auth_token, cluster_id) if auth_token is not None or cluster_id is not None else None
+        )
 
     @property
     def address(self) -> str:
@@ -117,13 +124,17 @@ class ControlPlane:
         except CaError as e:
             raise ControlPlaneError(str(e)) from None
         self.ads = AggregatedDiscoveryService(snapshot)
+        token_path = self.caller_check.token_path if self.caller_check is not None else None
+        if token_path is not None and not token_path.is_file():
+            raise ControlPlaneError(f"--auth-token {token_path}: no such file")
         server = grpc.aio.server(
+            interceptors=[self.caller_check] if self.caller_check is not None else None,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 # gRPC sets SO_REUSEPORT by default: a second control plane would share the port silently.
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         discovery_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.ads, server)
         ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(CertificateService(self.ca), server)
@@ -170,10 +181,23 @@ async def _serve(control_plane: ControlPlane) -> int:
     return 0
 
 
-def run(config: str, listen: str = DEFAULT_LISTEN, tls: bool = False, ca_dir: str | None = None) -> int:
+def run(
+    config: str,
+    listen: str = DEFAULT_LISTEN,
+    tls: bool = False,
+    ca_dir: str | None = None,
+    *,
+    auth_token: str | None = None,
+    cluster_id: str | None = None,
+) -> int:
     """Serve until SIGINT or SIGTERM, then exit 0; raise ControlPlaneError if it cannot start."""
     control_plane = ControlPlane(
-        Path(config), listen=listen, tls=tls, ca_dir=Path(ca_dir) if ca_dir is not None else None
+        Path(config),
+        listen=listen,
+        tls=tls,
+        ca_dir=Path(ca_dir) if ca_dir is not None else None,
+        auth_token=Path(auth_token) if auth_token is not None else None,
+        cluster_id=cluster_id,
     )
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(_serve(control_plane))

@@ -392,6 +392,8 @@ def test_worker_threads() -> None:
     assert cfg(PROXY_CONFIG="concurrency: 5").worker_threads == 5
     expected = len(os.sched_getaffinity(0))
     assert cfg(ZTUNNEL_WORKER_THREADS="0").worker_threads == expected
+    # Istio's chart passes 0 when the container has no CPU limit: the CPUs are then the machine's.
+    assert cfg(ZTUNNEL_CPU_LIMIT="0", ZTUNNEL_WORKER_THREADS="0").worker_threads == expected
 
 
 @pytest.mark.parametrize(
@@ -400,7 +402,7 @@ def test_worker_threads() -> None:
         ("ZTUNNEL_WORKER_THREADS", "many", "expected an integer, N% (1-100) or 0"),
         ("ZTUNNEL_WORKER_THREADS", "150%", "expected an integer, N% (1-100) or 0"),
         ("ZTUNNEL_RESOURCE_CPU_LIMIT", "2 cores", "expected a CPU quantity such as 2, 1.5 or 500m"),
-        ("ZTUNNEL_CPU_LIMIT", "0", "must be at least 1"),
+        ("ZTUNNEL_CPU_LIMIT", "-1", "must be at least 0"),
     ],
 )
 def test_bad_worker_threads(var: str, value: str, reason: str) -> None:

@@ -27,7 +27,9 @@ def _version() -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ztunnel", description="Istio ambient-mesh node proxy, in Python")
     sub = parser.add_subparsers(dest="command", metavar="{proxy,version,demo,control-plane,cni-agent}")
-    sub.add_parser("proxy", help="run the node proxy, configured by environment variables (default)")
+    proxy = sub.add_parser("proxy", help="run the node proxy, configured by environment variables (default)")
+    # Istio's chart runs `ztunnel proxy ztunnel`, as the reference names its one proxy kind.
+    proxy.add_argument("kind", nargs="?", choices=["ztunnel"], default="ztunnel", help=argparse.SUPPRESS)
     sub.add_parser("version", help="print version information")
     demo = sub.add_parser("demo", help="end-to-end demo on loopback")
     demo.add_argument("--keep", action="store_true", help="leave the demo running and print how to use it")
@@ -55,7 +57,14 @@ def _control_plane(args: argparse.Namespace) -> int:
     if not _setup_logging("control-plane"):
         return 1
     try:
-        return run(args.config, args.listen, args.tls, args.ca_dir)
+        return run(
+            args.config,
+            args.listen,
+            args.tls,
+            args.ca_dir,
+            auth_token=args.auth_token,
+            cluster_id=args.cluster_id,
+        )
     except ControlPlaneError as e:
         print(f"ztunnel: control-plane: {e}", file=sys.stderr)
         return 1

@@ -540,7 +540,8 @@ def _termination_deadline(env: _Env) -> float:
 def _worker_threads(env: _Env, pc: _ProxyConfig) -> int:
     limit = env.parse("ZTUNNEL_RESOURCE_CPU_LIMIT", parse_cpu_quantity, None)
     request = env.parse("ZTUNNEL_RESOURCE_CPU_REQUEST", parse_cpu_quantity, None)
-    cpus = limit or env.parse("ZTUNNEL_CPU_LIMIT", _int_parser(1), None) or _available_cpus()
+    # Istio's chart sets ZTUNNEL_CPU_LIMIT from the container's CPU limit, `0` when it has none.
+    cpus = limit or env.parse("ZTUNNEL_CPU_LIMIT", _int_parser(0), None) or _available_cpus()
     threads = env.parse("ZTUNNEL_WORKER_THREADS", _worker_threads_parser(cpus), None)
     if threads is None and pc.concurrency is not None:
         threads = cpus if pc.concurrency == 0 else pc.concurrency
