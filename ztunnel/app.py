@@ -22,7 +22,7 @@ import uvloop
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
 from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
-from ztunnel.config import Config, ConfigError, WorkloadInfo
+from ztunnel.config import Config, ConfigError, WorkloadInfo, user_timeout_ms
 from ztunnel.identity import FakeCA, SecretManager
 from ztunnel.logs import setup_logging
 from ztunnel.metrics import Metrics
@@ -231,6 +231,8 @@ class App:
             mark=cfg.packet_mark,
             reuseport=cfg.inpod_port_reuse if shared else self.reuseport,
             backlog=128 if shared else SocketOptions.backlog,
+            user_timeout_ms=user_timeout_ms(cfg),
+            ipv6=cfg.ipv6_enabled,
         )
 
     async def _start_self_listener(self) -> None:

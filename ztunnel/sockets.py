@@ -61,6 +61,10 @@ class SocketOptions:
     mark: int | None = None
     reuseport: bool = False
     backlog: int = 1024
+    # TCP_USER_TIMEOUT in milliseconds (USER_TIMEOUT_ENABLED), on the sockets that get keepalive.
+    user_timeout_ms: int | None = None
+    # IPV6_ENABLED: the wildcard is the dual-stack `[::]`; without IPv6 it is `0.0.0.0`.
+    ipv6: bool = True
 
 
 def _transparent_option(family: int) -> tuple[int, int]:
@@ -89,7 +93,9 @@ class SocketFactory:
 
     def listener(self, host: str, port: int, *, transparent: bool = False) -> socket.socket:
         """A bound, listening, non-blocking socket; `host` "" or "::" means the dual-stack wildcard."""
-        if host in ("", "::"):
+        if host == "" and not self.options.ipv6:
+            family, bind_host = socket.AF_INET, "0.0.0.0"
+        elif host in ("", "::"):
             family, bind_host = socket.AF_INET6, "::"
         else:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -127,6 +133,8 @@ class SocketFactory:
 
     def _keepalive(self, sock: socket.socket) -> None:
         o = self.options
+        if o.user_timeout_ms is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, o.user_timeout_ms)
         if not o.keepalive:
             return
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
