@@ -172,6 +172,9 @@ class App:
                 on_synced=state_task.release,
             )
             self._xds_task = asyncio.get_running_loop().create_task(self.xds.run())
+            if cfg.xds_on_demand:
+                xds = self.xds
+                self.state.demander = lambda key, arrived: xds.demand(key, arrived=arrived)
         else:
             state_task.release()
 
