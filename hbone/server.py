@@ -13,8 +13,9 @@ import logging
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
+from hbone.address import Address, canonical_addr
 from hbone.errors import ConnectionClosed, HboneError, TlsHandshakeError
 from hbone.h2conn import H2Session, Headers
 from hbone.identity import Identity
@@ -23,18 +24,6 @@ from hbone.stream import HboneStream
 from hbone.tls import check_alpn, check_client_trust_domain
 
 log = logging.getLogger("hbone")
-
-Address = tuple[str, int]
-
-
-def canonical_addr(addr: Any) -> Address:
-    """(host, port) of a socket address; an IPv4-mapped IPv6 address becomes the IPv4 one."""
-    if not addr:
-        return ("", 0)
-    host, port = str(addr[0]), int(addr[1])
-    if host.startswith("::ffff:") and "." in host:
-        host = host[len("::ffff:") :]
-    return (host, port)
 
 
 class ConnectRequest:

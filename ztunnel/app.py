@@ -215,7 +215,7 @@ class App:
             raise StartupError(f"failed to bind the proxy listeners: {e.strerror or e}") from None
         self.proxies.append(proxy)
         # The workload's certificate is requested at start-up, without gating readiness.
-        self.secrets.prefetch(proxy.identity(proxy.find_local_workload()))
+        self.secrets.prefetch(proxy.own_identity())
         if self.xds is None:
             await self._serve(proxy, socks, proxy_task)
         else:
@@ -277,7 +277,7 @@ class App:
             proxy = ProxyInstance(
                 self.config, self.state, secrets, self.metrics, info, NetnsSocketFactory(netns, options)
             )
-            secrets.prefetch(proxy.identity(proxy.find_local_workload()))
+            secrets.prefetch(proxy.own_identity())
             return proxy
 
         self.inpod = WorkloadProxyManager(

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from hbone.address import format_addr
 from ztunnel.logs import parse_filter
 
 OUTBOUND_PORT = 15001
@@ -187,15 +188,10 @@ def _dump_value(value: Any) -> Any:
     if isinstance(value, Mapping):
         return dict(value)
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], int):
-        return format_address(value)
+        return format_addr(*value)
     if isinstance(value, tuple):
         return [_dump_value(v) for v in value]
     return value
-
-
-def format_address(addr: Address) -> str:
-    host, port = addr
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # --- parsing -----------------------------------------------------------------------------------
