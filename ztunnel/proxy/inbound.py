@@ -19,7 +19,7 @@ from hbone.identity import Identity
 from hbone.server import ConnectRequest, HboneServer
 from xds.model import Workload
 from ztunnel import baggage
-from ztunnel.admission import InboundRequest, Reject, parse_ip
+from ztunnel.admission import Admit, InboundRequest, Reject, parse_ip
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.outbound import describe
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ztunnel.proxy.instance import ProxyInstance
 
 log = logging.getLogger("ztunnel.proxy")
+rbac_log = logging.getLogger("ztunnel.rbac")
 
 
 class Inbound:
@@ -77,7 +78,7 @@ class Inbound:
             mtls=True,
         )
         req.headers.clear()  # read by now; a held connection need not keep them
-        log_notes(decision.notes)
+        log_policy_decision(decision, src_s, local_s, info=proxy.config.authz_policy_info_logging)
         if isinstance(decision, Reject):
             req.respond(decision.status)
             record_denial(record, decision)
@@ -130,9 +131,21 @@ def record_denial(record: ConnectionRecord, decision: Reject) -> None:
     record.finish(received=0, sent=0, error=decision.reason, flags="DENY")
 
 
-def log_notes(notes: tuple[str, ...]) -> None:
-    for note in notes:
-        log.debug("%s", note)
+def log_policy_decision(decision: Admit | Reject, src: str, dst: str, *, info: bool) -> None:
+    """Authorization's verdict and its dry-run notes: at debug, or at info with
+    AUTHZ_POLICY_INFO_LOGGING=true."""
+    level = logging.INFO if info else logging.DEBUG
+    if not rbac_log.isEnabledFor(level):
+        return
+    for note in decision.notes:
+        rbac_log.log(level, "%s", note, extra={"fields": {"src.addr": src, "dst.addr": dst}})
+    if isinstance(decision, Reject):
+        fields = {"src.addr": src, "dst.addr": dst, "reason": decision.reason}
+        rbac_log.log(level, "connection denied by policy", extra={"fields": fields})
+    else:
+        rbac_log.log(
+            level, "connection allowed by policy", extra={"fields": {"src.addr": src, "dst.addr": dst}}
+        )
 
 
 @functools.lru_cache(maxsize=4096)

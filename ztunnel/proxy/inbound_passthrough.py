@@ -16,7 +16,7 @@ from hbone.address import canonical_addr, format_addr
 from hbone.relay import Inbox
 from ztunnel.admission import InboundRequest, Reject, parse_ip
 from ztunnel.proxy.connections import carry
-from ztunnel.proxy.inbound import log_notes, record_denial
+from ztunnel.proxy.inbound import log_policy_decision, record_denial
 from ztunnel.proxy.outbound import describe
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
 from ztunnel.sockets import original_dst
@@ -51,7 +51,7 @@ class InboundPassthrough:
             dst=Peer(plan.local),
             service=plan.service,
         )
-        log_notes(decision.notes)
+        log_policy_decision(decision, src_s, dst_s, info=proxy.config.authz_policy_info_logging)
         if isinstance(decision, Reject):
             transport.close()
             record_denial(record, decision)

@@ -25,7 +25,15 @@ from hbone.relay import Inbox
 from hbone.settings import H2Settings
 from hbone.tls import WorkloadCertificate, server_context
 from xds.model import Workload
-from ztunnel.admission import UNKNOWN_LOCAL, AdmissionRules, Admit, InboundRequest, Reject, admit
+from ztunnel.admission import (
+    UNKNOWN_LOCAL,
+    AdmissionRules,
+    Admit,
+    InboundRequest,
+    Reject,
+    admit,
+    parse_authority,
+)
 from ztunnel.config import (
     HBONE_PORT,
     INBOUND_PLAINTEXT_PORT,
@@ -179,12 +187,27 @@ class ProxyInstance:
         """`admit()` with this proxy's rules, waiting (up to 5 s) for its own workload to be known.
         What can be refused without the workload is refused at once."""
         local = self.find_local_workload()
+        if self.state.demander is not None:
+            await self._fetch_authority(request, local)
         if local is None:
             early = admit(self.state, None, request, self.rules)
             if not (isinstance(early, Reject) and early.reason == UNKNOWN_LOCAL):
                 return early
             local = await self.local_workload()
         return admit(self.state, local, request, self.rules)
+
+    async def _fetch_authority(self, request: InboundRequest, local: Workload | None) -> None:
+        """XDS_ON_DEMAND: what a CONNECT's authority names (another address, or a service hostname)
+        is asked for before admission looks it up."""
+        target = parse_authority(request.authority or "")
+        if target is None:
+            return
+        host = target[0]
+        if isinstance(host, str):
+            namespace = local.namespace if local is not None else self.info.namespace
+            await self.state.fetch_hostname(namespace, host)
+        elif host != request.local[0]:
+            await self.state.fetch_address(self.config.network, host)
 
     async def connect_tcp(
         self, addr: tuple[str, int], *, source_ip: str | None = None, transparent: bool = False
@@ -224,6 +247,8 @@ class ProxyInstance:
 
         `inbound_only`: just HBONE on 15008, for in-pod mode's "self" listener (ztunnel's own
         workload in its own namespace), which never spoofs the client's address (SPEC §1.1, §4.4)."""
+        if not self.config.enable_proxy:
+            return {}  # ENABLE_PROXY=false: no TCP proxy listeners (the DNS proxy may still run)
         host = self.bind or ""
         orig_src = self.config.enable_orig_src
         transparent = orig_src is not False
@@ -261,6 +286,8 @@ class ProxyInstance:
 
     async def serve(self, socks: dict[str, socket.socket]) -> None:
         """Start the accept loops on sockets from `bind_listeners`."""
+        if not socks:
+            return
         loop = asyncio.get_running_loop()
         # The inbound listener needs our certificate; fetch it before accepting.
         with contextlib.suppress(Exception):

@@ -136,6 +136,8 @@ class Outbound:
             connection_failed(src_s, dst_s, "outbound", err)
             return UpstreamFailure(err, "-", Outcome.FAILED)
         dst_ip = parse_ip(dst[0])
+        # XDS_ON_DEMAND: an address the store lacks is asked for first (a no-op otherwise).
+        await proxy.state.fetch_address(proxy.config.network, dst_ip)
         r = route(
             proxy.state, local, (dst_ip, dst[1]), network=proxy.config.network, source_ip=parse_ip(src[0])
         )
