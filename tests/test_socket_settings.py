@@ -18,8 +18,8 @@ import pytest
 
 from tests.netns import Netns, require_root
 from tests.waiting import eventually
-from ztunnel.config import Config, user_timeout_ms
-from ztunnel.sockets import SocketFactory, SocketOptions
+from ztunnel.config import Config
+from ztunnel.sockets import SocketFactory, SocketOptions, user_timeout_ms
 
 
 def test_user_timeout_is_keepalive_time_plus_retries_times_interval() -> None:

@@ -22,12 +22,12 @@ import uvloop
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
 from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
-from ztunnel.config import Config, ConfigError, WorkloadInfo, user_timeout_ms
+from ztunnel.config import Config, ConfigError, WorkloadInfo
 from ztunnel.identity import FakeCA, SecretManager
 from ztunnel.logs import setup_logging
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.instance import ProxyInstance
-from ztunnel.sockets import SocketFactory, SocketOptions
+from ztunnel.sockets import SocketFactory, SocketOptions, user_timeout_ms
 from ztunnel.state import ProxyState
 
 if TYPE_CHECKING:

@@ -165,14 +165,6 @@ def illegal_ports(cfg: Config) -> frozenset[int]:
     return frozenset(ports)
 
 
-def user_timeout_ms(cfg: Config) -> int | None:
-    """TCP_USER_TIMEOUT with USER_TIMEOUT_ENABLED: as long as keepalive takes to give up on a peer
-    (the first probe's idle time, then every retry's interval)."""
-    if not cfg.user_timeout_enabled:
-        return None
-    return int((cfg.keepalive_time + cfg.keepalive_retries * cfg.keepalive_interval) * 1000)
-
-
 # The inline local config can be large and the token is a credential.
 _NOT_DUMPED = frozenset({"auth_token", "local_xds"})
 

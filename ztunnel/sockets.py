@@ -12,8 +12,12 @@ import ipaddress
 import socket
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hbone.address import canonical_addr, canonical_host
+
+if TYPE_CHECKING:
+    from ztunnel.config import Config
 
 SOL_IP = 0
 SOL_IPV6 = 41
@@ -58,6 +62,14 @@ class SocketOptions:
     user_timeout_ms: int | None = None
     # IPV6_ENABLED: the wildcard is the dual-stack `[::]`; without IPv6 it is `0.0.0.0`.
     ipv6: bool = True
+
+
+def user_timeout_ms(cfg: Config) -> int | None:
+    """TCP_USER_TIMEOUT with USER_TIMEOUT_ENABLED: as long as keepalive takes to give up on a peer
+    (the first probe's idle time, then every retry's interval)."""
+    if not cfg.user_timeout_enabled:
+        return None
+    return int((cfg.keepalive_time + cfg.keepalive_retries * cfg.keepalive_interval) * 1000)
 
 
 def _transparent_option(family: int) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from hbone.server import ConnectRequest, HboneServer
 from xds.model import Workload
 from ztunnel import baggage
 from ztunnel.admission import Admit, InboundRequest, Reject, parse_ip
+from ztunnel.logs import Bare
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.outbound import describe
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
@@ -137,15 +138,15 @@ def log_policy_decision(decision: Admit | Reject, src: str, dst: str, *, info: b
     level = logging.INFO if info else logging.DEBUG
     if not rbac_log.isEnabledFor(level):
         return
+    where = {"src.addr": Bare(src), "dst.addr": Bare(dst)}
     for note in decision.notes:
-        rbac_log.log(level, "%s", note, extra={"fields": {"src.addr": src, "dst.addr": dst}})
+        rbac_log.log(level, "%s", note, extra={"fields": where})
     if isinstance(decision, Reject):
-        fields = {"src.addr": src, "dst.addr": dst, "reason": decision.reason}
-        rbac_log.log(level, "connection denied by policy", extra={"fields": fields})
-    else:
         rbac_log.log(
-            level, "connection allowed by policy", extra={"fields": {"src.addr": src, "dst.addr": dst}}
+            level, "connection denied by policy", extra={"fields": {**where, "reason": decision.reason}}
         )
+    else:
+        rbac_log.log(level, "connection allowed by policy", extra={"fields": where})
 
 
 @functools.lru_cache(maxsize=4096)
