@@ -90,6 +90,7 @@ class HboneServer:
         on_tls_error: TlsErrorHook | None = None,
         *,
         handshake_timeout: float = 10.0,
+        on_session: Callable[[H2Session], None] | None = None,  # each connection past its handshake
     ) -> None:
         self._context = context
         self._handler = handler
@@ -97,6 +98,7 @@ class HboneServer:
         self._trust_domain = own_trust_domain
         self._on_tls_error = on_tls_error
         self._handshake_timeout = handshake_timeout
+        self._on_session = on_session
         self._servers: list[_Listener] = []
         self._handshakes: set[asyncio.Task[None]] = set()
         self._handlers: set[asyncio.Task[None]] = set()
@@ -196,6 +198,8 @@ class HboneServer:
             return
         self.sessions.add(session)
         session.closed.add_done_callback(lambda _: self.sessions.discard(session))
+        if self._on_session is not None:
+            self._on_session(session)
         session.start()
 
     def _on_request(

@@ -262,7 +262,7 @@ class WorkloadProxyManager:
                 }
                 if e.instance is not None:
                     item["listeners"] = {k: f"{h}:{p}" for k, (h, p) in sorted(e.instance.addresses.items())}
-                    item["inboundConnections"] = len(e.instance.tracker)
+                    item["connections"] = e.instance.connections_dump()
                 if e.error:
                     item["error"] = e.error
                 state[uid] = item

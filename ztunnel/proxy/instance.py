@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import cast
 
+from prometheus_client import Gauge
+
 from hbone.address import canonical_addr
 from hbone.identity import Identity
 from hbone.relay import Inbox
@@ -49,6 +51,7 @@ from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inbound_passthrough import InboundPassthrough
 from ztunnel.proxy.outbound import CONNECT_TIMEOUT, Outbound
 from ztunnel.proxy.socks5 import Socks5
+from ztunnel.proxy.telemetry import ConnectionRecord
 from ztunnel.sockets import SocketFactory, is_transparent
 from ztunnel.state import ProxyState
 
@@ -61,11 +64,15 @@ class _Accepted(Inbox):
     """An accepted connection: hands itself to a handler task as soon as it is made."""
 
     def __init__(
-        self, instance: ProxyInstance, handler: Callable[[asyncio.Transport, Inbox], Awaitable[None]]
+        self,
+        instance: ProxyInstance,
+        handler: Callable[[asyncio.Transport, Inbox], Awaitable[None]],
+        sockets_open: Gauge,
     ):
         super().__init__()
         self._instance = instance
         self._handler = handler
+        self._sockets_open = sockets_open
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -73,9 +80,12 @@ class _Accepted(Inbox):
         sock = transport.get_extra_info("socket")
         with contextlib.suppress(OSError):
             self._instance.sockets.tune_accepted(sock)
+        # Open while its handling runs: the handler returns once both sides are closed.
+        self._sockets_open.inc()
         self._instance.track(self._handler(transport, self)).add_done_callback(self._handled)
 
     def _handled(self, task: asyncio.Future[None]) -> None:
+        self._sockets_open.dec()
         # A bug in one connection's handling must cost that connection only. (A done callback
         # rather than a wrapping coroutine: one coroutine frame less per held connection.)
         if self.transport is None:
@@ -127,6 +137,8 @@ class ProxyInstance:
             localhost_app_tunnel=config.localhost_app_tunnel,
         )
         self.tracker = ConnectionTracker(state)
+        # Every connection carried now, for `/config_dump` (records leave it when they finish).
+        self.open_connections: set[ConnectionRecord] = set()
         self._local: Workload | None = None
         self._local_known = False  # `_local` is current until the store changes
         self._unsubscribe = state.subscribe(self._state_changed)
@@ -195,6 +207,16 @@ class ProxyInstance:
                 return early
             local = await self.local_workload()
         return admit(self.state, local, request, self.rules)
+
+    def connections_dump(self) -> dict[str, list[dict[str, str]]]:
+        """The open connections by direction, as `workloadState` lists a pod's."""
+        out: dict[str, list[dict[str, str]]] = {"inbound": [], "outbound": []}
+        for record in self.open_connections:
+            if record.dump_as is not None:
+                out[record.direction].append(dict(record.dump_as))
+        for entries in out.values():
+            entries.sort(key=lambda e: (e["src"], e["originalDst"]))
+        return out
 
     async def _fetch_authority(self, request: InboundRequest, local: Workload | None) -> None:
         """XDS_ON_DEMAND: what a CONNECT's authority names (another address, or a service hostname)
@@ -298,8 +320,10 @@ class ProxyInstance:
                 await self.inbound.server.serve(sock)  # closed by its shutdown
             else:
                 handler = self._handlers[name]
+                # istio_tcp_sockets_open: accepts towards a destination count as the source's.
+                gauge = self.metrics.sockets_open("destination" if name == "inbound_plaintext" else "source")
                 self._servers.append(
-                    await loop.create_server(lambda h=handler: _Accepted(self, h), sock=sock)  # type: ignore[misc]
+                    await loop.create_server(lambda h=handler, g=gauge: _Accepted(self, h, g), sock=sock)  # type: ignore[misc]
                 )
 
     async def _refresh_certificate(self) -> None:
