@@ -23,6 +23,7 @@ from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, pa
 from ztunnel import __version__
 from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
 from ztunnel.config import Config, ConfigError, WorkloadInfo
+from ztunnel.explain import explain_route
 from ztunnel.identity import FakeCA, SecretManager
 from ztunnel.logs import setup_logging
 from ztunnel.metrics import Metrics
@@ -180,7 +181,14 @@ class App:
 
         operator_servers = (
             (readiness_server(self.readiness), cfg.readiness_address),
-            (admin_server(self.config_dump, self.shutdown), cfg.admin_address),
+            (
+                admin_server(
+                    self.config_dump,
+                    self.shutdown,
+                    extra_routes={"/debug/explain": explain_route(self.state, cfg)},
+                ),
+                cfg.admin_address,
+            ),
             (stats_server(self.metrics), cfg.stats_address),
         )
         for server, (host, port) in operator_servers if self.operator_endpoints else ():
