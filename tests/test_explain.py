@@ -179,7 +179,12 @@ async def test_explain_agrees_with_a_real_connection(
     else:
         # The destination's proxy recorded the denial with the very reason explain gave.
         await eventually_async(
-            lambda: f"src.addr={case.src}:" in proxy_logs.text() and f'error="{DENIED}"' in proxy_logs.text(),
+            lambda: any(
+                f"src.addr={case.src}:" in line
+                and f'error="{DENIED}"' in line
+                and 'direction="inbound"' in line
+                for line in proxy_logs.text().splitlines()
+            ),
             "the server's denial",
         )
 
