@@ -30,13 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ztunnel", "hbone", "xds", "policy", "cni", "controlplane", "benches")
 CONFIGURATION_DOC = ROOT / "docs" / "configuration.md"
 
-# Fields whose reader is being written on another branch of this project right now: the TLS
-# engineer's (CRL_PATH, TLS12_ENABLED) and the DNS proxy's. This set only shrinks: a field listed
-# here that has a reader fails the test below, so that it is taken off the list when it lands.
+# Fields whose reader is being written on another branch of this project right now: the DNS
+# proxy's. This set only shrinks: a field listed here that has a reader fails the test below, so
+# that it is taken off the list when it lands.
 AWAITED_ELSEWHERE = frozenset(
     {
-        "crl_path",
-        "tls12_enabled",
         "dns_capture",
         "dns_proxy_addr",
         "cluster_domain",

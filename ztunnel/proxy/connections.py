@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hbone.relay import Inbox, RelayResult, relay
+from hbone.tls import REVOKED
 from policy import Authorization, Connection, Deny, authorize
 from ztunnel.proxy.telemetry import ConnectionRecord
 from ztunnel.state import ProxyState
@@ -108,10 +109,24 @@ async def carry(
     finally:
         if tracked is not None and tracker is not None:
             tracker.unregister(tracked)
+        revoked = None if result is None else _revoked(downstream, upstream)
         if result is None:  # cancelled (drain deadline) or crashed
             record.finish(received=0, sent=0, error="connection closed: drain deadline")
+        elif revoked is not None:  # a CRL reload tore its HBONE connection down
+            record.finish(
+                received=result.a_to_b, sent=result.b_to_a, error=str(revoked), flags="CERT_REVOKED"
+            )
         elif rejected:
             record.finish(received=result.a_to_b, sent=result.b_to_a, error=rejected[0], flags="DENY")
         else:
             # Resets and broken pipes during the copy are normal TCP endings.
             record.finish(received=result.a_to_b, sent=result.b_to_a)
+
+
+def _revoked(*transports: asyncio.Transport) -> object | None:
+    """The revocation that tore down the HBONE connection one of `transports` rides on, if any."""
+    for transport in transports:
+        revoked = transport.get_extra_info(REVOKED)
+        if revoked is not None:
+            return revoked
+    return None

@@ -38,7 +38,7 @@ class Inbound:
     def __init__(self, proxy: ProxyInstance) -> None:
         self.proxy = proxy
         self.server = HboneServer(
-            context=proxy.server_context,
+            credentials=proxy.credentials,
             handler=self.handle,
             settings=proxy.settings,
             own_trust_domain=proxy.trust_domain,

@@ -14,7 +14,6 @@ import contextlib
 import errno
 import logging
 import socket
-import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import cast
@@ -25,7 +24,7 @@ from hbone.address import canonical_addr
 from hbone.identity import Identity
 from hbone.relay import Inbox
 from hbone.settings import H2Settings
-from hbone.tls import WorkloadCertificate, server_context
+from hbone.tls import TlsCredentials
 from xds.model import Workload
 from ztunnel.admission import (
     UNKNOWN_LOCAL,
@@ -123,11 +122,8 @@ class ProxyInstance:
             frame_size=config.http2_frame_size,
         )
         self._servers: list[asyncio.AbstractServer] = []
-        self._refresher: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._state_waiters: set[asyncio.Future[None]] = set()
-        self._server_cert: WorkloadCertificate | None = None
-        self._server_ctx: ssl.SSLContext | None = None
         self.addresses: dict[str, tuple[str, int]] = {}
         # What admission depends on; whether the app sees the client's own address is decided when
         # the listeners are bound.
@@ -244,17 +240,10 @@ class ProxyInstance:
         transport.pause_reading()
         return transport, inbox
 
-    async def certificate(self) -> WorkloadCertificate:
-        cert = await self.secrets.get(self.own_identity())
-        if cert is not self._server_cert:
-            self._server_cert = cert
-            self._server_ctx = server_context(cert)
-        return cert
-
-    def server_context(self) -> ssl.SSLContext:
-        if self._server_ctx is None:
-            raise RuntimeError("no certificate yet for the inbound listener")
-        return self._server_ctx
+    async def credentials(self) -> TlsCredentials:
+        """Our own certificate with its TLS contexts (waiting for an in-flight fetch): what the
+        inbound listener serves, looked up on every handshake so a rotation is served at once."""
+        return await self.secrets.credentials(self.own_identity())
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -313,8 +302,7 @@ class ProxyInstance:
         loop = asyncio.get_running_loop()
         # The inbound listener needs our certificate; fetch it before accepting.
         with contextlib.suppress(Exception):
-            await self.certificate()
-        self._refresher = asyncio.get_running_loop().create_task(self._refresh_certificate())
+            await self.credentials()
         for name, sock in socks.items():
             if name == "inbound":
                 await self.inbound.server.serve(sock)  # closed by its shutdown
@@ -326,17 +314,9 @@ class ProxyInstance:
                     await loop.create_server(lambda h=handler, g=gauge: _Accepted(self, h, g), sock=sock)  # type: ignore[misc]
                 )
 
-    async def _refresh_certificate(self) -> None:
-        while True:
-            with contextlib.suppress(Exception):
-                await self.certificate()
-            await asyncio.sleep(5.0 if self._server_cert is None else 30.0)
-
     async def drain(self, deadline: float, *, graceful: bool = True) -> None:
         """Stop accepting, let connections finish for up to `deadline` seconds, then cut the rest
         (SPEC §12.1). HBONE peers get a GOAWAY; a non-graceful drain cuts everything at once."""
-        if self._refresher is not None:
-            self._refresher.cancel()
         for server in self._servers:
             server.close()
         current = asyncio.current_task()

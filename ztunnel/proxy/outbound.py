@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from hbone.address import canonical_addr, canonical_host, format_addr
 from hbone.client import HboneConnection
-from hbone.errors import HboneError, HttpStatusError, TlsHandshakeError
+from hbone.errors import CertificateRevoked, HboneError, HttpStatusError, TlsHandshakeError
 from hbone.identity import Identity
 from hbone.inner import open_inner
 from hbone.pool import Pool, PoolKey
@@ -91,6 +91,8 @@ def classify_upstream_error(e: BaseException, protocol: Protocol) -> UpstreamFai
         if protocol is Protocol.HBONE:
             return UpstreamFailure(NETWORK_POLICY_HINT, "NETWORK_POLICY", Outcome.UNREACHABLE)
         return UpstreamFailure(describe(e), "CONNECT", Outcome.UNREACHABLE)
+    if isinstance(e, CertificateRevoked):  # a CRL in force lists the server's chain
+        return UpstreamFailure(str(e), "CERT_REVOKED", Outcome.FAILED)
     if isinstance(e, TlsHandshakeError):  # IdentityMismatch included
         return UpstreamFailure(str(e), "TLS_FAILURE", Outcome.FAILED)
     if isinstance(e, OSError):  # a reset stream or a closed HTTP/2 connection included
@@ -219,13 +221,13 @@ class Outbound:
         assert r.inner_authority is not None
         proxy = self.proxy
         try:
-            cert = await proxy.secrets.get(own)
+            credentials = await proxy.secrets.credentials(own)
         except BaseException:
             outer.abort()
             raise
         inner = await open_inner(
             outer,
-            cert,
+            credentials,
             _identities(r.final_identities),
             proxy.settings,
             max_streams=proxy.config.pool_max_streams_per_connection,
@@ -243,10 +245,10 @@ class Outbound:
     async def _dial_hbone(self, key: PoolKey) -> HboneConnection:
         proxy = self.proxy
         sock = await proxy.sockets.connect(key.dst, source_ip=key.src_ip, timeout=CONNECT_TIMEOUT)
-        cert = await proxy.secrets.get(key.src_identity)
+        credentials = await proxy.secrets.credentials(key.src_identity)
         return await HboneConnection.open(
             sock,
-            cert,
+            credentials,
             key.dst_identities,
             proxy.settings,
             max_streams=proxy.config.pool_max_streams_per_connection,
