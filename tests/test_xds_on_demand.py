@@ -21,6 +21,7 @@ from ztunnel.app import App
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
 SERVER, CLIENT, STRANGER, CP_HOST = f"{NET}.3", f"{NET}.2", f"{NET}.77", f"{NET}.10"
+INLINE_WP, VIP = f"{NET}.21", f"{NET}.100"
 
 CLIENT_WORKLOAD = f"""
   - uid: x//v1/Pod/demo/client
@@ -40,7 +41,23 @@ workloads:
     trustDomain: cluster.local
     workloadIps: ["{SERVER}"]
     protocol: HBONE
+  - uid: x//v1/Pod/demo/inline-wp
+    name: inline-wp
+    namespace: demo
+    serviceAccount: inline-wp
+    trustDomain: cluster.local
+    workloadIps: ["{INLINE_WP}"]
+    protocol: HBONE
 {CLIENT_WORKLOAD}
+services:
+  - name: inline
+    namespace: demo
+    hostname: inline.demo.svc.cluster.local
+    vips: ["/{VIP}"]
+    ports:
+      9080: 9080
+    waypoint:
+      destination: "/{INLINE_WP}"
 """
 
 
@@ -64,12 +81,14 @@ async def mesh(tmp_path: Path, proxy_logs: Any) -> AsyncIterator[Mesh]:
     await cp.start()
     echo = await start_echo(SERVER, 8080)
     stranger = await start_echo(STRANGER, 9090)
+    behind_waypoint = await start_echo(INLINE_WP, 9080)
     xds = {"XDS_ADDRESS": f"http://{cp.address}", "CA_ADDRESS": f"http://{cp.address}"}
     apps: list[App] = []
     try:
-        env = proxy_env("demo", "server", "server", SERVER, "", **xds)
-        del env["FAKE_CA"], env["LOCAL_XDS"]
-        apps.append(await start_proxy(env))
+        for name, ip in (("server", SERVER), ("inline-wp", INLINE_WP)):
+            env = proxy_env("demo", name, name, ip, "", **xds)
+            del env["FAKE_CA"], env["LOCAL_XDS"]
+            apps.append(await start_proxy(env))
         env = proxy_env(
             "demo",
             "client",
@@ -82,14 +101,15 @@ async def mesh(tmp_path: Path, proxy_logs: Any) -> AsyncIterator[Mesh]:
         )
         del env["FAKE_CA"]
         apps.append(await start_proxy(env))
-        for ip in (SERVER, CLIENT):
+        for ip in (SERVER, INLINE_WP, CLIENT):
             await eventually_async(functools.partial(ready, ip), f"{ip}'s readiness", blocking=True)
-        yield Mesh(cp, apps[0], apps[1], stranger)
+        yield Mesh(cp, apps[0], apps[-1], stranger)
     finally:
         for app in apps:
             await app.drain()
         echo.server.close()
         stranger.server.close()
+        behind_waypoint.server.close()
         cp.stop()
 
 
@@ -133,3 +153,14 @@ async def test_without_an_answer_the_wait_ends_after_five_seconds(mesh: Mesh, pr
     assert (ex.code, ex.digest) == (0, sha(b"late"))
     assert 4.5 <= took < 10, took
     assert f'"on-demand request timed out"\tkey="/{STRANGER}"' in proxy_logs.text()
+
+
+async def test_a_service_and_its_waypoint_are_both_fetched(mesh: Mesh, proxy_logs: Any) -> None:
+    assert INLINE_WP not in known_ips(mesh.client)
+    ex = await asyncio.wait_for(echo_roundtrip((CLIENT, 15080), VIP, 9080, b"via the waypoint"), 4)
+    assert (ex.code, ex.digest) == (0, sha(b"via the waypoint"))
+    logs = proxy_logs.text()
+    assert f'"sending demand request"\tkey="/{VIP}"' in logs
+    assert f'"sending demand request"\tkey="/{INLINE_WP}"' in logs
+    # The tunnel went to the waypoint, naming the service address as dialled.
+    assert f"dst.addr={INLINE_WP}:15008 dst.hbone_addr={VIP}:9080" in logs

@@ -22,6 +22,7 @@ from xds.localconfig import (
 )
 from xds.model import (
     Endpoint,
+    GatewayAddress,
     HealthPolicy,
     IPAddress,
     NamespacedHostname,
@@ -79,6 +80,28 @@ class ProxyState:
 
         if not known():
             await self._demand(f"{network}/{ip}", known)
+
+    async def fetch_destination(self, network: str, ip: IPAddress, client_namespace: str | None) -> None:
+        """`fetch_address`, then the waypoints and network gateways what it found names (routing
+        needs them too), each asked for once."""
+        if self.demander is None:
+            return
+        await self.fetch_address(network, ip)
+        workload = self.workload_by_addr(network, ip)
+        gateways: list[GatewayAddress] = []
+        if workload is not None:
+            gateways += [g for g in (workload.waypoint, workload.network_gateway) if g is not None]
+        else:
+            service = self.service_for_vip(network, ip, client_namespace)
+            if service is not None:
+                gateways += [service.waypoint] if service.waypoint is not None else []
+                gateways += [w.destination for w in service.weighted_waypoints]
+        for gateway in dict.fromkeys(gateways):
+            dest = gateway.destination
+            if isinstance(dest, NetworkAddress):
+                await self.fetch_address(dest.network, dest.address)
+            else:
+                await self.fetch_hostname(dest.namespace, dest.hostname)
 
     async def fetch_hostname(self, namespace: str, hostname: str) -> None:
         """As `fetch_address`, for a service or workload named `namespace/hostname`."""

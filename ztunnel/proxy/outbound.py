@@ -139,8 +139,9 @@ class Outbound:
             connection_failed(src_s, dst_s, "outbound", err)
             return UpstreamFailure(err, "-", Outcome.FAILED)
         dst_ip = parse_ip(dst[0])
-        # XDS_ON_DEMAND: an address the store lacks is asked for first (a no-op otherwise).
-        await proxy.state.fetch_address(proxy.config.network, dst_ip)
+        # XDS_ON_DEMAND: an address the store lacks (and its waypoint) is asked for first (a no-op
+        # otherwise).
+        await proxy.state.fetch_destination(proxy.config.network, dst_ip, local.namespace)
         r = route(
             proxy.state, local, (dst_ip, dst[1]), network=proxy.config.network, source_ip=parse_ip(src[0])
         )
