@@ -131,6 +131,8 @@ def _authorization(
         }
     if r.protocol is Protocol.DOUBLE_HBONE:
         return {"evaluatedAt": target.uid, "note": "in another network: decided by that network's proxy"}
+    if r.needs_dns:
+        return {"evaluatedAt": target.uid, "note": "the workload's address comes from DNS when connecting"}
     hbone = r.protocol is Protocol.HBONE
     if hbone:
         assert r.authority is not None
