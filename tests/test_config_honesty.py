@@ -130,12 +130,23 @@ def _ready(ip: str) -> int:
 
 
 async def test_enable_proxy_false_binds_no_proxy_listener(info_logs: io.StringIO) -> None:
-    app = await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG, ENABLE_PROXY="false"))
+    env = proxy_env(
+        "demo",
+        "server",
+        "server",
+        SERVER,
+        CONFIG,
+        ENABLE_PROXY="false",
+        ISTIO_META_DNS_PROXY_ADDR=f"{SERVER}:15053",
+    )
+    app = await start_proxy(env)
     try:
-        assert await asyncio.to_thread(_ready, SERVER) == 200
+        await eventually_async(lambda: _ready(SERVER) == 200, "readiness", blocking=True)
         for port in (15001, 15006, 15008, 15080):
             with pytest.raises(ConnectionRefusedError):
                 socket.create_connection((SERVER, port), timeout=5).close()
+        # Only the DNS proxy runs (its TCP side accepts).
+        await asyncio.to_thread(lambda: socket.create_connection((SERVER, 15053), timeout=5).close())
         assert app.config_dump()["config"]["enableProxy"] is False
     finally:
         await app.drain()

@@ -262,7 +262,10 @@ class ProxyInstance:
         `inbound_only`: just HBONE on 15008, for in-pod mode's "self" listener (ztunnel's own
         workload in its own namespace), which never spoofs the client's address (SPEC §1.1, §4.4)."""
         if not self.config.enable_proxy:
-            return {}  # ENABLE_PROXY=false: no TCP proxy listeners (the DNS proxy may still run)
+            # ENABLE_PROXY=false: no TCP proxy listener; the DNS proxy still runs.
+            if self.config.dns_capture and not inbound_only:
+                self._bind_dns()
+            return {}
         host = self.bind or ""
         orig_src = self.config.enable_orig_src
         transparent = orig_src is not False
@@ -285,10 +288,7 @@ class ProxyInstance:
                 shost, sport = self.config.socks5_address
                 socks["socks5"] = self.sockets.listener(shost, sport)
             if self.config.dns_capture:
-                server = dns.dns_server(self.config, self.state, self, self.sockets, self.metrics)
-                server.bind()
-                self.dns = server
-                self.addresses["dns"] = server.address
+                self._bind_dns()
         except BaseException:
             for s in socks.values():
                 s.close()
@@ -303,9 +303,17 @@ class ProxyInstance:
             self.addresses[name] = canonical_addr(s.getsockname())
         return socks
 
+    def _bind_dns(self) -> None:
+        server = dns.dns_server(self.config, self.state, self, self.sockets, self.metrics)
+        server.bind()
+        self.dns = server
+        self.addresses["dns"] = server.address
+
     async def serve(self, socks: dict[str, socket.socket]) -> None:
         """Start the accept loops on sockets from `bind_listeners`."""
         if not socks:
+            if self.dns is not None:
+                await self.dns.start()
             return
         loop = asyncio.get_running_loop()
         # The inbound listener needs our certificate; fetch it before accepting.
