@@ -196,6 +196,18 @@ async def test_one_cpu_profile_at_a_time(pair: tuple[App, App]) -> None:
     assert (await long)[0] == 200
 
 
+async def test_overlapping_heap_profiles_both_answer() -> None:
+    """Two timed heap profiles at once: the first to end does not switch tracing off under the other."""
+    first = asyncio.create_task(profiling.collect_heap_profile(0.3))
+    await asyncio.sleep(0)  # the first is tracing now
+    second = asyncio.create_task(profiling.collect_heap_profile(0.6))
+    kept = [bytearray(1000) for _ in range(100)]  # allocated inside both windows, still alive
+    a, b = await asyncio.gather(first, second)
+    assert a.samples and b.samples and kept
+    assert b.duration_nanos >= 500_000_000  # the second traced its own window too
+    assert not profiling.heap_profiling_active()  # off again once both ended
+
+
 def test_merge_sums_per_stack_and_keeps_workers_apart() -> None:
     frame = profiling.Frame("ztunnel.proxy.x", "x.py", 1, 2)
     a = profiling.Profile((("samples", "count"), ("cpu", "nanoseconds")), ("cpu", "nanoseconds"), 10, 5, 7)

@@ -215,17 +215,23 @@ async def collect_cpu_profile(seconds: float, frequency: int = DEFAULT_FREQUENCY
 
 # --- heap --------------------------------------------------------------------------------------
 
-_heap_activated = False  # switched on by the operator, not by a timed profile
+_heap_activated = False  # switched on by the operator (until switched off)
+_heap_windows = 0  # timed heap profiles tracing now
+
+
+def _heap_tracing_wanted() -> bool:
+    return _heap_activated or _heap_windows > 0
 
 
 def set_heap_profiling(active: bool) -> bool:
-    """Switch allocation tracing on or off until switched again; returns whether it is on."""
+    """Switch allocation tracing on or off until switched again (a timed profile running keeps it
+    on until it ends); returns whether it is on."""
     global _heap_activated
+    _heap_activated = active
     if active and not tracemalloc.is_tracing():
         tracemalloc.start(HEAP_FRAMES)
-    elif not active and tracemalloc.is_tracing():
+    elif not _heap_tracing_wanted() and tracemalloc.is_tracing():
         tracemalloc.stop()
-    _heap_activated = active
     return tracemalloc.is_tracing()
 
 
@@ -235,15 +241,19 @@ def heap_profiling_active() -> bool:
 
 async def collect_heap_profile(seconds: float = DEFAULT_SECONDS) -> Profile:
     """The live allocations by stack: now if tracing is on, else after tracing for `seconds`."""
+    global _heap_windows
     started = time.time_ns()
-    timed = not tracemalloc.is_tracing()
+    timed = not _heap_activated  # else tracing has been on: answer at once
     if timed:
-        tracemalloc.start(HEAP_FRAMES)
+        _heap_windows += 1
+        if not tracemalloc.is_tracing():
+            tracemalloc.start(HEAP_FRAMES)
         try:
             await asyncio.sleep(seconds)
             snapshot = tracemalloc.take_snapshot()
         finally:
-            if not _heap_activated:
+            _heap_windows -= 1
+            if not _heap_tracing_wanted():
                 tracemalloc.stop()
     else:
         snapshot = tracemalloc.take_snapshot()
