@@ -1,10 +1,17 @@
 """The Delta ADS server: `envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources`.
 
-Each stream subscribes per type URL (wildcard, SPEC §6.3). The first request of a type gets that
-type's full state, less the resources the client already holds at the same version
+Each stream subscribes per type URL. A wildcard subscription (no names, or `*`) gets that type's
+full state, less the resources the client already holds at the same version
 (`initial_resource_versions`), plus the names it holds that no longer exist. After that the stream
 gets only differences, pushed when the served snapshot changes. Every response carries a fresh
 nonce; the client's ACK or NACK (SPEC §6.4) names it.
+
+On demand (a client that subscribes `*` and unsubscribes `*`, i.e. to nothing, then names what it
+misses): a name is answered with the resources it resolves to (an Address by uid or
+`namespace/hostname`, or by `network/ip` of a workload or a service VIP; each resource named by its
+own name and listing the asked name under `aliases`, as istiod does), or with a removal of the
+asked name when nothing matches, so the client stops waiting at once. Later pushes carry only the
+resources the stream holds.
 
 All of this runs on the event loop, and a snapshot swap enqueues its pushes to every stream before
 returning, so a stream always sees its full state and then each difference, in order, exactly once.
@@ -20,7 +27,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from controlplane.snapshot import TYPE_URLS, Delta, Snapshot
+from controlplane.snapshot import TYPE_URLS, Delta, Snapshot, VersionedResource
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -36,6 +43,8 @@ class _Stream:
     peer: str
     node_id: str = ""
     subscribed: set[str] = field(default_factory=set)
+    # Type URL -> the resource names a by-name (on-demand) subscription holds; absent: wildcard.
+    named: dict[str, set[str]] = field(default_factory=dict)
     unanswered: dict[str, Delta] = field(default_factory=dict)  # nonce -> what that response carried
     # None ends the stream (the client went away).
     outbox: asyncio.Queue[Response | None] = field(default_factory=asyncio.Queue)
@@ -69,7 +78,13 @@ class AggregatedDiscoveryService(discovery_pb2_grpc.AggregatedDiscoveryServiceSe
         )
         for stream in self._streams:
             for delta in changed:
-                if delta.type_url in stream.subscribed:
+                if delta.type_url not in stream.subscribed:
+                    continue
+                names = stream.named.get(delta.type_url)
+                if names is not None:
+                    delta = delta.only(names)
+                    names.difference_update(delta.removed)
+                if delta:
                     self._send(stream, delta)
 
     async def DeltaAggregatedResources(
@@ -108,12 +123,23 @@ class AggregatedDiscoveryService(discovery_pb2_grpc.AggregatedDiscoveryServiceSe
             log.warning("%s subscribed to %s, which this control plane does not serve", stream.who, type_url)
             return
         if type_url in stream.subscribed:
-            # Every resource of the type is sent anyway (wildcard); a change of names changes nothing.
-            log.debug(
-                "%s changed its %s subscription; still sending everything", stream.who, _short(type_url)
-            )
+            if type_url in stream.named:
+                self._on_demand(stream, request)
+            else:
+                # Every resource of the type is sent anyway (wildcard); a change of names changes nothing.
+                log.debug(
+                    "%s changed its %s subscription; still sending everything", stream.who, _short(type_url)
+                )
             return
         stream.subscribed.add(type_url)
+        subscribe = set(request.resource_names_subscribe)
+        if subscribe and not (subscribe == {"*"} and "*" not in request.resource_names_unsubscribe):
+            stream.named[type_url] = set()
+            log.info("%s subscribed to %s on demand", stream.who, _short(type_url))
+            # A reconnecting client lists what it held; it keeps those, sent again only if changed.
+            known = dict(request.initial_resource_versions)
+            self._on_demand(stream, request, [*known, *request.resource_names_subscribe], known)
+            return
         known = dict(request.initial_resource_versions)
         delta = self.snapshot.delta_since(type_url, known)
         current = self.snapshot.versions(type_url)
@@ -127,6 +153,54 @@ class AggregatedDiscoveryService(discovery_pb2_grpc.AggregatedDiscoveryServiceSe
         )
         # Sent even when empty: the client's readiness waits for a first response of each type.
         self._send(stream, delta)
+
+    def _on_demand(
+        self,
+        stream: _Stream,
+        request: Request,
+        keys: list[str] | None = None,
+        known: dict[str, str] | None = None,
+    ) -> None:
+        """Names subscribed by an on-demand client: answered now, then kept up to date."""
+        type_url = request.type_url
+        held = stream.named[type_url]
+        for name in request.resource_names_unsubscribe:
+            held.discard(name)
+        asked = [k for k in (request.resource_names_subscribe if keys is None else keys) if k != "*"]
+        resources = self.snapshot.resources.get(type_url, {})
+        updated: dict[str, VersionedResource] = {}
+        aliases: dict[str, list[str]] = {}
+        missing: list[str] = []
+        for key in asked:
+            names = self.snapshot.resolve(type_url, key)
+            if not names:
+                missing.append(key)
+            for name in names:
+                held.add(name)
+                if (known or {}).get(name) == resources[name].version:
+                    continue
+                updated[name] = resources[name]
+                if name != key:
+                    aliases.setdefault(name, []).append(key)
+        if not updated and not missing:
+            return
+        log.info(
+            "%s asked for %s %s: sending %d resource(s), %d not found",
+            stream.who,
+            _short(type_url),
+            ", ".join(asked),
+            len(updated),
+            len(missing),
+        )
+        self._send(
+            stream,
+            Delta(
+                type_url,
+                tuple(updated.values()),
+                tuple(missing),
+                {name: tuple(keys) for name, keys in aliases.items()},
+            ),
+        )
 
     def _on_answer(self, stream: _Stream, request: Request) -> None:
         nonce = request.response_nonce
@@ -152,7 +226,7 @@ class AggregatedDiscoveryService(discovery_pb2_grpc.AggregatedDiscoveryServiceSe
             Response(
                 type_url=delta.type_url,
                 nonce=nonce,
-                resources=[r.to_wire() for r in delta.updated],
+                resources=[r.to_wire(delta.aliases.get(r.name, ())) for r in delta.updated],
                 removed_resources=delta.removed,
             )
         )

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field, replace
 
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
@@ -42,8 +42,10 @@ class VersionedResource:
     version: str
     resource: any_pb2.Any
 
-    def to_wire(self) -> discovery_pb2.Resource:
-        return discovery_pb2.Resource(name=self.name, version=self.version, resource=self.resource)
+    def to_wire(self, aliases: Sequence[str] = ()) -> discovery_pb2.Resource:
+        return discovery_pb2.Resource(
+            name=self.name, version=self.version, resource=self.resource, aliases=list(aliases)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +55,19 @@ class Delta:
     type_url: str
     updated: tuple[VersionedResource, ...] = ()
     removed: tuple[str, ...] = ()
+    # Resource name -> the names an on-demand client asked for it by (e.g. `network/ip`).
+    aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.updated or self.removed)
+
+    def only(self, names: Set[str]) -> Delta:
+        """The part of this delta about `names` (what a client subscribed to by name holds)."""
+        return Delta(
+            self.type_url,
+            tuple(r for r in self.updated if r.name in names),
+            tuple(n for n in self.removed if n in names),
+        )
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,15 @@ class Snapshot:
     """Resources by type URL, then by name."""
 
     resources: Mapping[str, Mapping[str, VersionedResource]]
+    # Other names an Address is asked for on demand: `network/ip` of a workload or a service VIP,
+    # a workload's `namespace/hostname`. Name -> resource names.
+    address_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def resolve(self, type_url: str, key: str) -> tuple[str, ...]:
+        """The resource names an on-demand subscription to `key` is answered with."""
+        if key in self.resources.get(type_url, {}):
+            return (key,)
+        return self.address_keys.get(key, ()) if type_url == ADDRESS_TYPE_URL else ()
 
     def versions(self, type_url: str) -> dict[str, str]:
         return {name: r.version for name, r in self.resources.get(type_url, {}).items()}
@@ -108,7 +129,19 @@ def snapshot_from_config(config: LocalConfig, source: str = "<inline>") -> Snaps
         if name in table:
             raise LocalConfigError(f"{source}: {path}: duplicate resource name {name!r}")
         table[name] = _versioned(name, message)
-    return Snapshot({ADDRESS_TYPE_URL: addresses, AUTHORIZATION_TYPE_URL: policies})
+    keys: dict[str, list[str]] = {}
+    for item in config.workloads:
+        for ip in item.addresses:
+            keys.setdefault(f"{item.network}/{ip}", []).append(item.uid)
+        if item.hostname:
+            keys.setdefault(f"{item.namespace}/{item.hostname}", []).append(item.uid)
+    for service in config.services:
+        for vip in service.vips:
+            keys.setdefault(str(vip), []).append(service.key)
+    return Snapshot(
+        {ADDRESS_TYPE_URL: addresses, AUTHORIZATION_TYPE_URL: policies},
+        {k: tuple(v) for k, v in keys.items()},
+    )
 
 
 def _versioned(name: str, message: Message) -> VersionedResource:

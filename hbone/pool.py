@@ -182,7 +182,9 @@ class Pool(Generic[C]):
             self._reaper.cancel()
             await asyncio.wait([self._reaper])
             self._reaper = None
+        # Listed before the slots let go of them: a weak set forgets a connection no one else holds.
+        dialed = list(self._dialed)
         self._slots.clear()
-        for conn in list(self._dialed):
+        for conn in dialed:
             conn.abort()
         self._dialed.clear()

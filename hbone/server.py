@@ -176,6 +176,7 @@ class HboneServer:
         on_tls_error: TlsErrorHook | None = None,
         *,
         handshake_timeout: float | None = None,
+        on_session: Callable[[H2Session], None] | None = None,  # each connection past its handshake
     ) -> None:
         """`own_trust_domain`: the trust domain client identities must be in; by default the one of
         the certificate served."""
@@ -187,6 +188,7 @@ class HboneServer:
         self.handshake_timeout = (
             settings.handshake_timeout if handshake_timeout is None else handshake_timeout
         )
+        self._on_session = on_session
         self._servers: list[_Listener] = []
         self._hello_waits: set[_HelloWait] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
@@ -307,6 +309,8 @@ class HboneServer:
             release()
 
         session.closed.add_done_callback(closed)
+        if self._on_session is not None:
+            self._on_session(session)
         session.start()
 
     def _on_request(

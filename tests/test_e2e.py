@@ -256,7 +256,11 @@ async def test_200_concurrent_connections_over_the_pool(mesh: dict, proxy_logs) 
     assert metric(server, "istio_tcp_connections_opened_total", reporter="destination") == 200
     # The server's access log names the client proxy's address of each HBONE connection: 200 streams
     # at 100 per pooled connection make exactly two TLS connections.
-    inbound = [line for line in proxy_logs.text().splitlines() if 'direction="inbound"' in line]
+    inbound = [
+        line
+        for line in proxy_logs.text().splitlines()
+        if '"connection complete"' in line and 'direction="inbound"' in line
+    ]
     ports = {re.search(rf"src.addr={re.escape(FRONTEND)}:(\d+)", line).group(1) for line in inbound}  # type: ignore[union-attr]
     assert len(inbound) == 200
     assert len(ports) == 2

@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 INITIAL_BACKOFF = 0.010
 MAX_BACKOFF = 15.0
 CONNECT_TIMEOUT = 5.0
+# How long an on-demand lookup waits for the control plane before the caller re-reads the store
+# and goes on without the resource, as the reference's demand wait.
+ON_DEMAND_TIMEOUT = 5.0
 MAX_MESSAGE_BYTES = 200 * 1024 * 1024
 
 # Metric label values of `istio_xds_connection_terminations_total{reason}`.
@@ -323,6 +326,7 @@ class XdsClient:
         )
         self._synced = asyncio.Event()
         self._demanded: dict[tuple[str, str], list[asyncio.Future[None]]] = {}
+        self._arrival_checks: dict[asyncio.Future[None], Callable[[], bool]] = {}
         self._call: grpc.aio.StreamStreamCall[Any, Any] | None = None
         self._write_lock = asyncio.Lock()
         self._run_task: asyncio.Task[None] | None = None
@@ -381,19 +385,46 @@ class XdsClient:
                 fut.cancel()
         self._demanded.clear()
 
-    async def demand(self, name: str, type_url: str = ADDRESS_TYPE_URL) -> None:
-        """On-demand mode (SPEC §6.7): subscribe to `name` and return once a resource or a removal
-        of exactly that name has been applied."""
+    async def demand(
+        self,
+        name: str,
+        type_url: str = ADDRESS_TYPE_URL,
+        *,
+        arrived: Callable[[], bool] | None = None,
+        timeout: float | None = ON_DEMAND_TIMEOUT,
+    ) -> bool:
+        """On-demand mode: subscribe to `name` and return True once a resource or a removal of
+        exactly that name has been applied, or once `arrived()` holds after a response was applied
+        (the control plane may answer `network/ip` with resources named by their uid); False after
+        `timeout` seconds without either."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._demanded.setdefault((type_url, name), []).append(fut)
+        key = (type_url, name)
+        self._demanded.setdefault(key, []).append(fut)
+        if arrived is not None:
+            self._arrival_checks[fut] = arrived
         # Also listed on reconnect, so the subscription survives a new stream.
         self._versions.setdefault(type_url, {}).setdefault(name, "")
-        call = self._call
-        if call is not None:
-            request = discovery_pb2.DeltaDiscoveryRequest(type_url=type_url, resource_names_subscribe=[name])
-            with contextlib.suppress(Exception):  # a broken stream resubscribes on reconnect
-                await self._write(call, request)
-        await fut
+        try:
+            call = self._call
+            if call is not None:
+                request = discovery_pb2.DeltaDiscoveryRequest(
+                    type_url=type_url, resource_names_subscribe=[name]
+                )
+                with contextlib.suppress(Exception):  # a broken stream resubscribes on reconnect
+                    await self._write(call, request)
+            try:
+                async with asyncio.timeout(timeout):
+                    await fut
+            except TimeoutError:
+                return False
+            return True
+        finally:
+            self._arrival_checks.pop(fut, None)
+            waiters = self._demanded.get(key)
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._demanded[key]
 
     # --- one stream ---
 
@@ -575,6 +606,9 @@ class XdsClient:
             for fut in self._demanded.pop((type_url, name), []):
                 if not fut.done():
                     fut.set_result(None)
+        for fut, arrived in list(self._arrival_checks.items()):
+            if not fut.done() and arrived():
+                fut.set_result(None)
 
     def _log_end(self, reason: str, end: BaseException | None, delay: float) -> None:
         fields = {"reason": reason, "retry_in": f"{delay * 1000:.0f}ms"}

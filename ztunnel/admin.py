@@ -20,7 +20,7 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from ztunnel import logs
+from ztunnel import logs, profiling
 from ztunnel.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -233,14 +233,88 @@ def _logging(request: Request, on_change: Callable[[str], object] | None = None)
     return Response(200, f"current log level is {new}\n".encode())
 
 
+CpuProfiler = Callable[[float, int], Awaitable[profiling.Profile]]
+HeapProfiler = Callable[[float], Awaitable[profiling.Profile]]
+PPROF = "application/octet-stream"
+
+
+def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    values = request.query.get(name)
+    if not values:
+        return default
+    text = values[-1]
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise _BadRequest(400, f"invalid {name}={text}: expected an integer in {low}-{high}")
+    return int(text)
+
+
+def _pprof_reply(profile: profiling.Profile, name: str) -> Response:
+    disposition = ("Content-Disposition", f'attachment; filename="{name}.pb.gz"')
+    return Response(200, profiling.encode(profile), PPROF, (disposition,))
+
+
+def pprof_routes(
+    cpu_profile: CpuProfiler = profiling.collect_cpu_profile,
+    heap_profile: HeapProfiler = profiling.collect_heap_profile,
+) -> dict[str, Route]:
+    """`/debug/pprof/*`. With worker processes the parent passes profilers that ask every worker
+    (each runs `profiling.collect_cpu_profile`) and return `profiling.merge` of their answers."""
+
+    async def cpu(request: Request) -> Response:
+        try:
+            seconds = _query_int(request, "seconds", profiling.DEFAULT_SECONDS, 1, profiling.MAX_SECONDS)
+            frequency = _query_int(
+                request, "frequency", profiling.DEFAULT_FREQUENCY, 1, profiling.MAX_FREQUENCY
+            )
+        except _BadRequest as e:
+            return Response(e.status, f"{e}\n".encode())
+        try:
+            profile = await cpu_profile(seconds, frequency)
+        except profiling.ProfileBusy as e:
+            return Response(409, f"{e}\n".encode())
+        return _pprof_reply(profile, "profile")
+
+    async def heap(request: Request) -> Response:
+        try:
+            seconds = _query_int(request, "seconds", profiling.DEFAULT_SECONDS, 1, profiling.MAX_SECONDS)
+        except _BadRequest as e:
+            return Response(e.status, f"{e}\n".encode())
+        return _pprof_reply(await heap_profile(seconds), "heap")
+
+    def heap_toggle(request: Request) -> Response:
+        values = request.query.get("activate")
+        if values is None:
+            state = "active" if profiling.heap_profiling_active() else "inactive"
+            return Response(200, f"heap profiling is {state}\n".encode())
+        if values[-1] not in ("true", "false"):
+            return Response(400, f"invalid activate={values[-1]}: expected true or false\n".encode())
+        active = profiling.set_heap_profiling(values[-1] == "true")
+        return Response(200, f"heap profiling is {'active' if active else 'inactive'}\n".encode())
+
+    return {
+        "/debug/pprof/profile": Route(
+            cpu, None, "CPU profile (pprof, gzip): ?seconds=1-300 (10), ?frequency=1-1000 Hz (100)"
+        ),
+        "/debug/pprof/heap": Route(
+            heap, None, "heap profile of live allocations (pprof, gzip); ?seconds=N of tracing if off"
+        ),
+        "/debug/pprof/heap/profiling": Route(
+            heap_toggle, None, "?activate=true|false: keep allocation tracing on or off"
+        ),
+    }
+
+
 def admin_server(
     config_dump: Callable[[], Mapping[str, Any]],
     shutdown: Callable[[], object],
     on_log_filter: Callable[[str], object] | None = None,
+    *,
+    extra_routes: Mapping[str, Route] | None = None,
 ) -> HttpServer:
     """The admin server. `config_dump` builds the `/config_dump` document; `shutdown` is called once the
     `/quitquitquit` reply is written (an awaitable result is run as a task); `on_log_filter` gets the
-    new filter after `/logging` changed it (with data-plane workers: to pass it on to them)."""
+    new filter after `/logging` changed it (with data-plane workers: to pass it on to them).
+    `extra_routes` replaces or adds endpoints (the default `/debug/pprof/*` profile this process only)."""
 
     def dump(_: Request) -> Response:
         return Response(200, json.dumps(config_dump(), indent=2).encode() + b"\n", "application/json")
@@ -252,6 +326,8 @@ def admin_server(
         "/config_dump": Route(dump, None, "dump the current ztunnel configuration"),
         "/logging": Route(lambda r: _logging(r, on_log_filter), POST, "query/change logging levels"),
         "/quitquitquit": Route(quit_, POST, "shut down the server"),
+        **pprof_routes(),
+        **(extra_routes or {}),
     }
 
     def dashboard(_: Request) -> Response:

@@ -23,11 +23,12 @@ from ztunnel import __version__
 from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
 from ztunnel.config import Config, ConfigError, WorkloadInfo
 from ztunnel.crl import CrlError, CrlWatcher
+from ztunnel.explain import explain_route
 from ztunnel.identity import FakeCA, SecretManager
 from ztunnel.logs import setup_logging
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.instance import ProxyInstance
-from ztunnel.sockets import SocketFactory, SocketOptions
+from ztunnel.sockets import SocketFactory, SocketOptions, user_timeout_ms
 from ztunnel.state import ProxyState
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ def socket_options(cfg: Config, *, workers: bool = False) -> SocketOptions:
         mark=cfg.packet_mark,
         reuseport=workers or (cfg.inpod_port_reuse if shared else False),
         backlog=128 if shared else SocketOptions.backlog,
+        user_timeout_ms=user_timeout_ms(cfg),
+        ipv6=cfg.ipv6_enabled,
     )
 
 
@@ -203,12 +206,23 @@ class App:
                 on_synced=state_task.release,
             )
             self._xds_task = asyncio.get_running_loop().create_task(self.xds.run())
+            if cfg.xds_on_demand:
+                xds = self.xds
+                self.state.demander = lambda key, arrived: xds.demand(key, arrived=arrived)
         else:
             state_task.release()
 
         operator_servers = (
             (readiness_server(self.readiness), cfg.readiness_address),
-            (admin_server(self.config_dump, self.shutdown, self.on_log_filter), cfg.admin_address),
+            (
+                admin_server(
+                    self.config_dump,
+                    self.shutdown,
+                    self.on_log_filter,
+                    extra_routes={"/debug/explain": explain_route(self.state, cfg)},
+                ),
+                cfg.admin_address,
+            ),
             (stats_server(self.metrics, self.before_scrape), cfg.stats_address),
         )
         for server, (host, port) in operator_servers:

@@ -170,9 +170,18 @@ def log_fields(logger: logging.Logger, level: int, message: str, fields: Mapping
         logger.log(level, message, extra={"fields": fields})
 
 
-def access_log(level: int, message: str, fields: Mapping[str, object]) -> None:
+# The spans a line was logged in, outermost first: (name, fields), e.g. ("inbound", {"id": trace id,
+# "peer": address}). Plain lines show them after the target, JSON lines as one object per span.
+Spans = tuple[tuple[str, Mapping[str, object]], ...]
+
+
+def access_log(level: int, message: str, fields: Mapping[str, object], spans: Spans = ()) -> None:
     if ACCESS.isEnabledFor(level):
-        ACCESS.log(level, message, extra={"fields": fields})
+        ACCESS.log(level, message, extra={"fields": fields, "spans": spans})
+
+
+def _spans(record: logging.LogRecord) -> Spans:
+    return getattr(record, "spans", None) or ()
 
 
 # --- formats -----------------------------------------------------------------------------------
@@ -229,22 +238,27 @@ class PlainFormatter(logging.Formatter):
     """`<time>\\t<level>\\t<target>\\t"<message>"\\t<k=v …>`: strings quoted, numbers and addresses bare."""
 
     def format(self, record: logging.LogRecord) -> str:
+        spans = "".join(
+            f":{name}{{{' '.join(f'{k}={_plain_value(v)}' for k, v in fields.items() if v is not None)}}}"
+            for name, fields in _spans(record)
+        )
         line = (
-            f"{_timestamp(record.created)}\t{_level_name(record.levelno)}\t{_target(record.name)}\t"
+            f"{_timestamp(record.created)}\t{_level_name(record.levelno)}\t{_target(record.name)}{spans}\t"
             f"{_quote(record.getMessage())}"
         )
         items = _fields(record)
         if not items:
             return line
-        rendered = []
-        for key, value in items:
-            bare = _bare_text(value)
-            rendered.append(f"{key}={bare if bare is not None else _quote(str(value))}")
-        return line + "\t" + " ".join(rendered)
+        return line + "\t" + " ".join(f"{key}={_plain_value(value)}" for key, value in items)
+
+
+def _plain_value(value: object) -> str:
+    bare = _bare_text(value)
+    return bare if bare is not None else _quote(str(value))
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: level, time, scope, message, then the fields."""
+    """One JSON object per line: level, time, scope, message, the fields, then one object per span."""
 
     def format(self, record: logging.LogRecord) -> str:
         obj: dict[str, Any] = {
@@ -254,9 +268,14 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         for key, value in _fields(record):
-            if isinstance(value, bool | int | float) and not isinstance(value, Bare):
-                obj[key] = value
-            else:
-                bare = _bare_text(value)
-                obj[key] = bare if bare is not None else str(value)
+            obj[key] = _json_value(value)
+        for name, fields in _spans(record):
+            obj[name] = {k: _json_value(v) for k, v in fields.items() if v is not None}
         return json.dumps(obj, ensure_ascii=False)
+
+
+def _json_value(value: object) -> object:
+    if isinstance(value, bool | int | float) and not isinstance(value, Bare):
+        return value
+    bare = _bare_text(value)
+    return bare if bare is not None else str(value)

@@ -419,9 +419,9 @@ class Metrics:
         return self._crl
 
     def sockets_open(self, reporter: Reporter) -> Gauge:
-        """The `istio_tcp_sockets_open` gauge of one reporter (inc on accept, dec on close).
-
-        Not yet counted by the proxy's listeners: the family is shown only once something uses it."""
+        """The `istio_tcp_sockets_open` gauge of one reporter: `source` for the sockets accepted on
+        15001/15080, `destination` for 15006 and the HBONE connections on 15008 (up once accepted,
+        down once closed). The family is shown once a proxy has bound a listener."""
         return self._sockets_open.labels(reporter=reporter)
 
     def render(self, accept_header: str | None) -> tuple[bytes, str]:

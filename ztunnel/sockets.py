@@ -12,8 +12,12 @@ import ipaddress
 import socket
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hbone.address import canonical_addr, canonical_host
+
+if TYPE_CHECKING:
+    from ztunnel.config import Config
 
 SOL_IP = 0
 SOL_IPV6 = 41
@@ -54,6 +58,18 @@ class SocketOptions:
     mark: int | None = None
     reuseport: bool = False
     backlog: int = 1024
+    # TCP_USER_TIMEOUT in milliseconds (USER_TIMEOUT_ENABLED), on the sockets that get keepalive.
+    user_timeout_ms: int | None = None
+    # IPV6_ENABLED: the wildcard is the dual-stack `[::]`; without IPv6 it is `0.0.0.0`.
+    ipv6: bool = True
+
+
+def user_timeout_ms(cfg: Config) -> int | None:
+    """TCP_USER_TIMEOUT with USER_TIMEOUT_ENABLED: as long as keepalive takes to give up on a peer
+    (the first probe's idle time, then every retry's interval)."""
+    if not cfg.user_timeout_enabled:
+        return None
+    return int((cfg.keepalive_time + cfg.keepalive_retries * cfg.keepalive_interval) * 1000)
 
 
 def _transparent_option(family: int) -> tuple[int, int]:
@@ -82,7 +98,9 @@ class SocketFactory:
 
     def listener(self, host: str, port: int, *, transparent: bool = False) -> socket.socket:
         """A bound, listening, non-blocking socket; `host` "" or "::" means the dual-stack wildcard."""
-        if host in ("", "::"):
+        if host == "" and not self.options.ipv6:
+            family, bind_host = socket.AF_INET, "0.0.0.0"
+        elif host in ("", "::"):
             family, bind_host = socket.AF_INET6, "::"
         else:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -127,6 +145,8 @@ class SocketFactory:
 
     def _keepalive(self, sock: socket.socket) -> None:
         o = self.options
+        if o.user_timeout_ms is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, o.user_timeout_ms)
         if not o.keepalive:
             return
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

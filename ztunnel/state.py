@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 from policy.model import Authorization, Scope
@@ -22,6 +22,7 @@ from xds.localconfig import (
 )
 from xds.model import (
     Endpoint,
+    GatewayAddress,
     HealthPolicy,
     IPAddress,
     NamespacedHostname,
@@ -37,6 +38,10 @@ from xds.model import (
 log = logging.getLogger("ztunnel.state")
 
 Listener = Callable[[], None]
+# On-demand xDS: ask the control plane for `key` (`network/ip`, a uid, `namespace/hostname`) and
+# return once it answered (True) or gave up waiting (False); `arrived` says whether the store now
+# holds what was missing.
+Demander = Callable[[str, Callable[[], bool]], Awaitable[bool]]
 
 
 class ProxyState:
@@ -60,6 +65,66 @@ class ProxyState:
         self._batch_depth = 0
         self._changed = False
         self._policies_changed = False
+        self.demander: Demander | None = None  # set when XDS_ON_DEMAND=true
+
+    # --- on demand ---------------------------------------------------------------------------------
+
+    async def fetch_address(self, network: str, ip: IPAddress) -> None:
+        """With on-demand xDS, make sure the store has what `network/ip` names (a workload, or a
+        service by VIP) before a caller looks it up: ask the control plane when it does not."""
+        if self.demander is None:
+            return
+
+        def known() -> bool:
+            return self.workload_by_addr(network, ip) is not None or bool(self.services_by_vip(network, ip))
+
+        if not known():
+            await self._demand(f"{network}/{ip}", known)
+
+    async def fetch_destination(self, network: str, ip: IPAddress, client_namespace: str | None) -> None:
+        """`fetch_address`, then the waypoints and network gateways what it found names (routing
+        needs them too), each asked for once."""
+        if self.demander is None:
+            return
+        await self.fetch_address(network, ip)
+        workload = self.workload_by_addr(network, ip)
+        gateways: list[GatewayAddress] = []
+        if workload is not None:
+            gateways += [g for g in (workload.waypoint, workload.network_gateway) if g is not None]
+        else:
+            service = self.service_for_vip(network, ip, client_namespace)
+            if service is not None:
+                gateways += [service.waypoint] if service.waypoint is not None else []
+                gateways += [w.destination for w in service.weighted_waypoints]
+        for gateway in dict.fromkeys(gateways):
+            dest = gateway.destination
+            if isinstance(dest, NetworkAddress):
+                await self.fetch_address(dest.network, dest.address)
+            else:
+                await self.fetch_hostname(dest.namespace, dest.hostname)
+
+    async def fetch_hostname(self, namespace: str, hostname: str) -> None:
+        """As `fetch_address`, for a service or workload named `namespace/hostname`."""
+        if self.demander is None:
+            return
+
+        def known() -> bool:
+            return (
+                self.service_by_key(f"{namespace}/{hostname}") is not None
+                or self.workload_by_hostname(namespace, hostname) is not None
+            )
+
+        if not known():
+            await self._demand(f"{namespace}/{hostname}", known)
+
+    async def _demand(self, key: str, known: Callable[[], bool]) -> None:
+        assert self.demander is not None
+        log.debug("sending demand request", extra={"fields": {"key": key}})
+        answered = await self.demander(key, known)
+        if answered:
+            log.debug("on demand ready", extra={"fields": {"key": key, "found": known()}})
+        else:
+            log.warning("on-demand request timed out", extra={"fields": {"key": key}})
 
     # --- listeners ---------------------------------------------------------------------------------
 

@@ -96,7 +96,7 @@ class LocalPods:
             return {}
         return {
             "listeners": {k: f"{h}:{p}" for k, (h, p) in sorted(instance.addresses.items())},
-            "inboundConnections": len(instance.tracker),
+            "connections": instance.connections_dump(),
         }
 
 

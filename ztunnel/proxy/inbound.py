@@ -16,20 +16,23 @@ import logging
 from typing import TYPE_CHECKING
 
 from hbone.address import format_addr
+from hbone.h2conn import H2Session
 from hbone.identity import Identity
 from hbone.server import ConnectRequest, HboneServer
 from xds.model import Workload
 from ztunnel import baggage
-from ztunnel.admission import InboundRequest, Reject, parse_ip
+from ztunnel.admission import Admit, InboundRequest, Reject, parse_ip
+from ztunnel.logs import Bare
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.outbound import describe
-from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
+from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, trace_id
 from ztunnel.proxyprotocol import encode_tunnel_header
 
 if TYPE_CHECKING:
     from ztunnel.proxy.instance import ProxyInstance
 
 log = logging.getLogger("ztunnel.proxy")
+rbac_log = logging.getLogger("ztunnel.rbac")
 
 
 class Inbound:
@@ -41,7 +44,13 @@ class Inbound:
             settings=proxy.settings,
             own_trust_domain=proxy.trust_domain,
             on_tls_error=self._tls_error,
+            on_session=self._session_opened,
         )
+        self._sockets_open = proxy.metrics.sockets_open("destination")
+
+    def _session_opened(self, session: H2Session) -> None:
+        self._sockets_open.inc()
+        session.closed.add_done_callback(lambda _: self._sockets_open.dec())
 
     def _tls_error(self, peer: tuple[str, int], local: tuple[str, int], error: Exception) -> None:
         connection_failed(format_addr(*peer), format_addr(*local), "inbound", f"tls: {error}")
@@ -66,6 +75,8 @@ class Inbound:
         plan = decision.plan
         assert plan is not None
         local = plan.local
+        # The client's trace (its `traceparent`) names this connection in our logs too.
+        span = ("inbound", {"id": trace_id(req.headers.get("traceparent")), "peer": Bare(src_s)})
         record = ConnectionRecord(
             proxy.metrics,
             direction="inbound",
@@ -76,9 +87,17 @@ class Inbound:
             service=plan.service,
             hbone_addr=req.authority,
             mtls=True,
+            spans=(span,),
+            registry=proxy.open_connections,
+            dump_as={
+                "src": src_s,
+                "originalDst": req.authority,
+                "actualDst": format_addr(*plan.app),
+                "protocol": "HBONE",
+            },
         )
         req.headers.clear()  # read by now; a held connection need not keep them
-        log_notes(decision.notes)
+        log_policy_decision(decision, src_s, local_s, info=proxy.config.authz_policy_info_logging)
         if isinstance(decision, Reject):
             req.respond(decision.status)
             record_denial(record, decision)
@@ -135,9 +154,21 @@ def record_denial(record: ConnectionRecord, decision: Reject) -> None:
     record.finish(received=0, sent=0, error=decision.reason, flags="DENY")
 
 
-def log_notes(notes: tuple[str, ...]) -> None:
-    for note in notes:
-        log.debug("%s", note)
+def log_policy_decision(decision: Admit | Reject, src: str, dst: str, *, info: bool) -> None:
+    """Authorization's verdict and its dry-run notes: at debug, or at info with
+    AUTHZ_POLICY_INFO_LOGGING=true."""
+    level = logging.INFO if info else logging.DEBUG
+    if not rbac_log.isEnabledFor(level):
+        return
+    where = {"src.addr": Bare(src), "dst.addr": Bare(dst)}
+    for note in decision.notes:
+        rbac_log.log(level, "%s", note, extra={"fields": where})
+    if isinstance(decision, Reject):
+        rbac_log.log(
+            level, "connection denied by policy", extra={"fields": {**where, "reason": decision.reason}}
+        )
+    else:
+        rbac_log.log(level, "connection allowed by policy", extra={"fields": where})
 
 
 @functools.lru_cache(maxsize=4096)

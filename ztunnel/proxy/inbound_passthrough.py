@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 from hbone.address import canonical_addr, format_addr
 from hbone.relay import Inbox
 from ztunnel.admission import InboundRequest, Reject, parse_ip
+from ztunnel.logs import Bare
 from ztunnel.proxy.connections import carry
-from ztunnel.proxy.inbound import log_notes, record_denial
+from ztunnel.proxy.inbound import log_policy_decision, record_denial
 from ztunnel.proxy.outbound import describe
-from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
+from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, trace_id
 from ztunnel.sockets import original_dst
 
 if TYPE_CHECKING:
@@ -50,8 +51,16 @@ class InboundPassthrough:
             src=Peer(plan.src_workload),
             dst=Peer(plan.local),
             service=plan.service,
+            spans=(("inbound", {"id": trace_id(None), "peer": Bare(src_s)}),),
+            registry=proxy.open_connections,
+            dump_as={
+                "src": src_s,
+                "originalDst": dst_s,
+                "actualDst": format_addr(*plan.app),
+                "protocol": "TCP",
+            },
         )
-        log_notes(decision.notes)
+        log_policy_decision(decision, src_s, dst_s, info=proxy.config.authz_policy_info_logging)
         if isinstance(decision, Reject):
             transport.close()
             record_denial(record, decision)

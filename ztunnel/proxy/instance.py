@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import cast
 
+from prometheus_client import Gauge
+
 from hbone.address import canonical_addr
 from hbone.identity import Identity
 from hbone.relay import Inbox
@@ -25,7 +27,15 @@ from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
 from xds.model import Workload
 from ztunnel import dns
-from ztunnel.admission import UNKNOWN_LOCAL, AdmissionRules, Admit, InboundRequest, Reject, admit
+from ztunnel.admission import (
+    UNKNOWN_LOCAL,
+    AdmissionRules,
+    Admit,
+    InboundRequest,
+    Reject,
+    admit,
+    parse_authority,
+)
 from ztunnel.config import (
     HBONE_PORT,
     INBOUND_PLAINTEXT_PORT,
@@ -41,6 +51,7 @@ from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inbound_passthrough import InboundPassthrough
 from ztunnel.proxy.outbound import CONNECT_TIMEOUT, Outbound
 from ztunnel.proxy.socks5 import Socks5
+from ztunnel.proxy.telemetry import ConnectionRecord
 from ztunnel.sockets import SocketFactory, is_transparent
 from ztunnel.state import ProxyState
 
@@ -53,11 +64,15 @@ class _Accepted(Inbox):
     """An accepted connection: hands itself to a handler task as soon as it is made."""
 
     def __init__(
-        self, instance: ProxyInstance, handler: Callable[[asyncio.Transport, Inbox], Awaitable[None]]
+        self,
+        instance: ProxyInstance,
+        handler: Callable[[asyncio.Transport, Inbox], Awaitable[None]],
+        sockets_open: Gauge,
     ):
         super().__init__()
         self._instance = instance
         self._handler = handler
+        self._sockets_open = sockets_open
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -65,9 +80,12 @@ class _Accepted(Inbox):
         sock = transport.get_extra_info("socket")
         with contextlib.suppress(OSError):
             self._instance.sockets.tune_accepted(sock)
+        # Open while its handling runs: the handler returns once both sides are closed.
+        self._sockets_open.inc()
         self._instance.track(self._handler(transport, self)).add_done_callback(self._handled)
 
     def _handled(self, task: asyncio.Future[None]) -> None:
+        self._sockets_open.dec()
         # A bug in one connection's handling must cost that connection only. (A done callback
         # rather than a wrapping coroutine: one coroutine frame less per held connection.)
         if self.transport is None:
@@ -116,6 +134,8 @@ class ProxyInstance:
             localhost_app_tunnel=config.localhost_app_tunnel,
         )
         self.tracker = ConnectionTracker(state)
+        # Every connection carried now, for `/config_dump` (records leave it when they finish).
+        self.open_connections: set[ConnectionRecord] = set()
         self._local: Workload | None = None
         self._local_known = False  # `_local` is current until the store changes
         self._unsubscribe = state.subscribe(self._state_changed)
@@ -178,12 +198,37 @@ class ProxyInstance:
         """`admit()` with this proxy's rules, waiting (up to 5 s) for its own workload to be known.
         What can be refused without the workload is refused at once."""
         local = self.find_local_workload()
+        if self.state.demander is not None:
+            await self._fetch_authority(request, local)
         if local is None:
             early = admit(self.state, None, request, self.rules)
             if not (isinstance(early, Reject) and early.reason == UNKNOWN_LOCAL):
                 return early
             local = await self.local_workload()
         return admit(self.state, local, request, self.rules)
+
+    def connections_dump(self) -> dict[str, list[dict[str, str]]]:
+        """The open connections by direction, as `workloadState` lists a pod's."""
+        out: dict[str, list[dict[str, str]]] = {"inbound": [], "outbound": []}
+        for record in self.open_connections:
+            if record.dump_as is not None:
+                out[record.direction].append(dict(record.dump_as))
+        for entries in out.values():
+            entries.sort(key=lambda e: (e["src"], e["originalDst"]))
+        return out
+
+    async def _fetch_authority(self, request: InboundRequest, local: Workload | None) -> None:
+        """XDS_ON_DEMAND: what a CONNECT's authority names (another address, or a service hostname)
+        is asked for before admission looks it up."""
+        target = parse_authority(request.authority or "")
+        if target is None:
+            return
+        host = target[0]
+        if isinstance(host, str):
+            namespace = local.namespace if local is not None else self.info.namespace
+            await self.state.fetch_hostname(namespace, host)
+        elif host != request.local[0]:
+            await self.state.fetch_address(self.config.network, host)
 
     async def connect_tcp(
         self, addr: tuple[str, int], *, source_ip: str | None = None, transparent: bool = False
@@ -216,6 +261,11 @@ class ProxyInstance:
 
         `inbound_only`: just HBONE on 15008, for in-pod mode's "self" listener (ztunnel's own
         workload in its own namespace), which never spoofs the client's address (SPEC §1.1, §4.4)."""
+        if not self.config.enable_proxy:
+            # ENABLE_PROXY=false: no TCP proxy listener; the DNS proxy still runs.
+            if self.config.dns_capture and not inbound_only:
+                self._bind_dns()
+            return {}
         host = self.bind or ""
         orig_src = self.config.enable_orig_src
         transparent = orig_src is not False
@@ -238,10 +288,7 @@ class ProxyInstance:
                 shost, sport = self.config.socks5_address
                 socks["socks5"] = self.sockets.listener(shost, sport)
             if self.config.dns_capture:
-                server = dns.dns_server(self.config, self.state, self, self.sockets, self.metrics)
-                server.bind()
-                self.dns = server
-                self.addresses["dns"] = server.address
+                self._bind_dns()
         except BaseException:
             for s in socks.values():
                 s.close()
@@ -256,8 +303,18 @@ class ProxyInstance:
             self.addresses[name] = canonical_addr(s.getsockname())
         return socks
 
+    def _bind_dns(self) -> None:
+        server = dns.dns_server(self.config, self.state, self, self.sockets, self.metrics)
+        server.bind()
+        self.dns = server
+        self.addresses["dns"] = server.address
+
     async def serve(self, socks: dict[str, socket.socket]) -> None:
         """Start the accept loops on sockets from `bind_listeners`."""
+        if not socks:
+            if self.dns is not None:
+                await self.dns.start()
+            return
         loop = asyncio.get_running_loop()
         # The inbound listener needs our certificate; fetch it before accepting.
         with contextlib.suppress(Exception):
@@ -269,8 +326,10 @@ class ProxyInstance:
                 await self.inbound.server.serve(sock)  # closed by its shutdown
             else:
                 handler = self._handlers[name]
+                # istio_tcp_sockets_open: accepts towards a destination count as the source's.
+                gauge = self.metrics.sockets_open("destination" if name == "inbound_plaintext" else "source")
                 self._servers.append(
-                    await loop.create_server(lambda h=handler: _Accepted(self, h), sock=sock)  # type: ignore[misc]
+                    await loop.create_server(lambda h=handler, g=gauge: _Accepted(self, h, g), sock=sock)  # type: ignore[misc]
                 )
 
     async def drain(self, deadline: float, *, graceful: bool = True) -> None:

@@ -70,8 +70,9 @@ class Upstream:
     record: ConnectionRecord
 
 
-def traceparent() -> str:
-    return f"00-{pyrandom.token_hex(16)}-{pyrandom.token_hex(8)}-00"
+def traceparent(trace: str) -> str:
+    """A W3C `traceparent` of trace `trace` (32 hex digits) with a new span id, not sampled."""
+    return f"00-{trace}-{pyrandom.token_hex(8)}-00"
 
 
 def describe(e: BaseException) -> str:
@@ -139,6 +140,9 @@ class Outbound:
             connection_failed(src_s, dst_s, "outbound", err)
             return UpstreamFailure(err, "-", Outcome.FAILED)
         dst_ip = parse_ip(dst[0])
+        # XDS_ON_DEMAND: an address the store lacks (and its waypoint) is asked for first (a no-op
+        # otherwise).
+        await proxy.state.fetch_destination(proxy.config.network, dst_ip, local.namespace)
         r = route(
             proxy.state, local, (dst_ip, dst[1]), network=proxy.config.network, source_ip=parse_ip(src[0])
         )
@@ -159,6 +163,7 @@ class Outbound:
                 return UpstreamFailure(err, "-", Outcome.UNREACHABLE)
         mtls = r.protocol is not Protocol.TCP
         own = proxy.identity(local)
+        trace = pyrandom.token_hex(16)  # sent on in `traceparent`: the server proxy logs it too
         record = ConnectionRecord(
             proxy.metrics,
             direction="outbound",
@@ -169,9 +174,17 @@ class Outbound:
             service=r.service,
             hbone_addr=r.authority,
             mtls=mtls,
+            spans=(("outbound", {"id": trace}),),
+            registry=proxy.open_connections,
+            dump_as={
+                "src": src_s,
+                "originalDst": dst_s,
+                "actualDst": format_addr(*r.next_hop),
+                "protocol": r.protocol.name,
+            },
         )
         try:
-            transport, inbox = await self._establish(r, src, local, own)
+            transport, inbox = await self._establish(r, src, local, own, trace)
         except Exception as e:
             fail = classify_upstream_error(e, r.protocol)
             record.finish(received=0, sent=0, error=fail.error, flags=fail.flags)
@@ -179,7 +192,7 @@ class Outbound:
         return Upstream(transport, inbox, record)
 
     async def _establish(
-        self, r: Route, src: tuple[str, int], local: Workload, own: Identity
+        self, r: Route, src: tuple[str, int], local: Workload, own: Identity, trace: str
     ) -> tuple[asyncio.Transport, Inbox | None]:
         """Connect by the route's protocol: TCP, HBONE (pooled), or double HBONE."""
         next_hop = (str(r.next_hop[0]), r.next_hop[1])
@@ -195,7 +208,7 @@ class Outbound:
         forwarded = f'for="{format_addr(*src)}"'
         if r.service is not None:
             forwarded += f";host={r.service.hostname}"
-        headers = [("forwarded", forwarded), ("traceparent", traceparent())]
+        headers = [("forwarded", forwarded), ("traceparent", traceparent(trace))]
         bag = baggage.encode(local)
         if bag:
             headers.insert(0, ("baggage", bag))

@@ -4,12 +4,28 @@ line written when it completes (SPEC §10.4)."""
 from __future__ import annotations
 
 import logging
+import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from xds.model import Service, Workload
-from ztunnel.logs import Bare, access_log
+from ztunnel.logs import ACCESS, Bare, Spans, access_log
 from ztunnel.metrics import UNKNOWN, ConnectionMetrics, Metrics, TrafficLabels
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def trace_id(traceparent: str | None) -> str:
+    """The trace id of a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`), or a new random one
+    when there is none or it is malformed."""
+    if traceparent:
+        parts = traceparent.strip().split("-")
+        if len(parts) >= 4 and len(parts[0]) == 2 and len(parts[1]) == 32 and len(parts[2]) == 16:
+            tid = parts[1].lower()
+            if set(tid) <= _HEX and tid != "0" * 32 and parts[0].lower() != "ff":
+                return tid
+    return secrets.token_hex(16)
 
 
 def _v(value: str | None) -> str:
@@ -89,13 +105,16 @@ class ConnectionRecord:
 
     __slots__ = (
         "_metrics",
+        "_registry",
         "direction",
         "dst",
         "dst_addr",
+        "dump_as",
         "hbone_addr",
         "received",
         "sent",
         "service",
+        "spans",
         "src",
         "src_addr",
         "start",
@@ -113,7 +132,12 @@ class ConnectionRecord:
         service: Service | None = None,
         hbone_addr: str | None = None,
         mtls: bool = False,
+        spans: Spans = (),
+        registry: set[ConnectionRecord] | None = None,
+        dump_as: Mapping[str, str] | None = None,
     ) -> None:
+        """`registry`: the proxy's set of open connections, this one is in it until `finish`;
+        `dump_as`: how `/config_dump` lists it (`src`, `originalDst`, `actualDst`, `protocol`)."""
         self.direction = direction
         self.src_addr = src_addr
         self.dst_addr = dst_addr
@@ -121,41 +145,67 @@ class ConnectionRecord:
         self.dst = dst
         self.service = service
         self.hbone_addr = hbone_addr
+        self.spans = spans
+        self.dump_as = dump_as
+        self._registry = registry
+        if registry is not None:
+            registry.add(self)
         self.start = time.monotonic()
         reporter = "source" if direction == "outbound" else "destination"
         labels = traffic_labels(reporter, src, dst, service, "mutual_tls" if mtls else UNKNOWN)
         self._metrics: ConnectionMetrics = metrics.open_connection(labels)
         self.received = self._metrics.received  # bytes from the downstream side, live
         self.sent = self._metrics.sent  # bytes back to the downstream side, live
+        if ACCESS.isEnabledFor(logging.DEBUG):
+            access_log(
+                logging.DEBUG,
+                "connection opened",
+                {**self._endpoints(), "direction": direction},
+                spans,
+            )
+
+    def _endpoints(self) -> dict[str, object]:
+        """Who and where, as the access log names them (absent values left out when printed)."""
+        src, dst = self.src, self.dst
+        return {
+            "src.addr": Bare(self.src_addr),
+            "src.workload": src.workload_name or None,
+            "src.namespace": src.ns or None,
+            "src.identity": src.identity,
+            "src.cluster": src.cluster_id or None,
+            "dst.addr": Bare(self.dst_addr),
+            "dst.hbone_addr": Bare(self.hbone_addr) if self.hbone_addr else None,
+            "dst.service": self.service.hostname if self.service else None,
+            "dst.workload": dst.workload_name or None,
+            "dst.namespace": dst.ns or None,
+            "dst.identity": dst.identity,
+            "dst.cluster": dst.cluster_id or None,
+        }
 
     def finish(self, *, received: int, sent: int, error: str | None = None, flags: str = "-") -> None:
         self._metrics.close(flags)
+        if self._registry is not None:
+            self._registry.discard(self)
         # Logs speak from the app's side: the client app for outbound, the server app for inbound.
         if self.direction == "outbound":
             bytes_sent, bytes_recv = received, sent
         else:
             bytes_sent, bytes_recv = sent, received
-        src, dst = self.src, self.dst
+        level = logging.ERROR if error else logging.INFO
+        if not ACCESS.isEnabledFor(level):
+            return
         access_log(
-            logging.ERROR if error else logging.INFO,
+            level,
             "connection complete",
             {
-                "src.addr": Bare(self.src_addr),
-                "src.workload": src.workload_name or None,
-                "src.namespace": src.ns or None,
-                "src.identity": src.identity,
-                "dst.addr": Bare(self.dst_addr),
-                "dst.hbone_addr": Bare(self.hbone_addr) if self.hbone_addr else None,
-                "dst.service": self.service.hostname if self.service else None,
-                "dst.workload": dst.workload_name or None,
-                "dst.namespace": dst.ns or None,
-                "dst.identity": dst.identity,
+                **self._endpoints(),
                 "direction": self.direction,
                 "bytes_sent": bytes_sent,
                 "bytes_recv": bytes_recv,
                 "duration": f"{round((time.monotonic() - self.start) * 1000)}ms",
                 "error": error,
             },
+            self.spans,
         )
 
 

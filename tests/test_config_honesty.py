@@ -1,0 +1,197 @@
+"""Every setting the proxy accepts takes effect and is documented.
+
+Two guards over the whole tree (a field of `Config` that nothing outside `config.py` reads is a
+setting that is accepted and shown in `/config_dump` but does nothing; one missing from
+`docs/configuration.md` is one an operator cannot look up), and the observable effect of the
+settings that only change what the proxy does at run time (`ENABLE_PROXY`,
+`AUTHZ_POLICY_INFO_LOGGING`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import random
+import re
+import socket
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.mesh import echo_roundtrip, proxy_env, start_echo, start_proxy
+from tests.waiting import eventually_async
+from ztunnel.app import App
+from ztunnel.config import Config
+from ztunnel.logs import reset_logging, setup_logging
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("ztunnel", "hbone", "xds", "policy", "cni", "controlplane", "benches")
+CONFIGURATION_DOC = ROOT / "docs" / "configuration.md"
+
+
+def _sources() -> str:
+    texts = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel == "ztunnel/config.py" or rel.startswith("xds/gen/"):
+                continue
+            texts.append(path.read_text(encoding="utf-8"))
+    return "\n".join(texts)
+
+
+def test_every_config_field_is_read_outside_config_py() -> None:
+    sources = _sources()
+    # Read through a configuration object (`cfg.x`, `config.x`, `self._config.x`), not any `.x`.
+    unread = {
+        f.name
+        for f in dataclasses.fields(Config)
+        if not re.search(rf"\b(?:cfg|config|_config)\.{f.name}\b", sources)
+    }
+    assert not unread, f"settings accepted but never used: {sorted(unread)}"
+
+
+def test_every_config_field_and_variable_is_documented() -> None:
+    doc = CONFIGURATION_DOC.read_text(encoding="utf-8")
+    dumped = Config().to_dump()
+    # Every field but the inline local config is in /config_dump; the doc names each by that key.
+    assert {f.name for f in dataclasses.fields(Config)} - {
+        re.sub(r"[A-Z]", lambda m: "_" + m.group(0).lower(), k) for k in dumped
+    } == {"local_xds"}
+    missing_keys = sorted(k for k in dumped if f"`{k}`" not in doc)
+    assert not missing_keys, f"Config fields missing from docs/configuration.md: {missing_keys}"
+    # And every environment variable the parser reads, by name.
+    source = (ROOT / "ztunnel" / "config.py").read_text(encoding="utf-8")
+    variables = set(re.findall(r'"([A-Z][A-Z0-9_]{2,})"', source))
+    assert "SECRET_TTL" in variables and "XDS_HEADER_" in variables  # the scan finds them at all
+    missing = sorted(v for v in variables if f"`{v}" not in doc)
+    assert not missing, f"variables missing from docs/configuration.md: {missing}"
+
+
+# --- run-time effects --------------------------------------------------------------------------
+
+NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+SERVER, FRONTEND, INTRUDER = f"{NET}.3", f"{NET}.2", f"{NET}.4"
+
+CONFIG = f"""
+workloads:
+  - uid: t//v1/Pod/demo/server
+    name: server
+    namespace: demo
+    serviceAccount: server
+    trustDomain: cluster.local
+    workloadIps: ["{SERVER}"]
+    protocol: HBONE
+  - uid: t//v1/Pod/demo/frontend
+    name: frontend
+    namespace: demo
+    serviceAccount: frontend
+    trustDomain: cluster.local
+    workloadIps: ["{FRONTEND}"]
+    protocol: HBONE
+  - uid: t//v1/Pod/demo/intruder
+    name: intruder
+    namespace: demo
+    serviceAccount: intruder
+    trustDomain: cluster.local
+    workloadIps: ["{INTRUDER}"]
+    protocol: HBONE
+policies:
+  - name: only-frontend
+    namespace: demo
+    scope: Namespace
+    action: Allow
+    dryRun: false
+    rules:
+      - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
+"""
+
+
+@pytest.fixture
+def info_logs() -> Iterator[io.StringIO]:
+    """What the proxies log at the default level (info), plain format."""
+    stream = io.StringIO()
+    setup_logging("plain", "info", stream=stream)
+    try:
+        yield stream
+    finally:
+        print(stream.getvalue())
+        reset_logging()
+
+
+def _ready(ip: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{ip}:15021/healthz/ready", timeout=5) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+async def test_enable_proxy_false_binds_no_proxy_listener(info_logs: io.StringIO) -> None:
+    env = proxy_env(
+        "demo",
+        "server",
+        "server",
+        SERVER,
+        CONFIG,
+        ENABLE_PROXY="false",
+        ISTIO_META_DNS_PROXY_ADDR=f"{SERVER}:15053",
+    )
+    app = await start_proxy(env)
+    try:
+        await eventually_async(lambda: _ready(SERVER) == 200, "readiness", blocking=True)
+        for port in (15001, 15006, 15008, 15080):
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((SERVER, port), timeout=5).close()
+        # Only the DNS proxy runs (its TCP side accepts).
+        await asyncio.to_thread(lambda: socket.create_connection((SERVER, 15053), timeout=5).close())
+        assert app.config_dump()["config"]["enableProxy"] is False
+    finally:
+        await app.drain()
+
+
+@pytest.fixture
+async def mesh(request: pytest.FixtureRequest, info_logs: io.StringIO) -> AsyncIterator[io.StringIO]:
+    echo = await start_echo(SERVER, 8080)
+    apps: list[App] = []
+    try:
+        extra = {"AUTHZ_POLICY_INFO_LOGGING": request.param}
+        apps.append(await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG, **extra)))
+        for name, ip in (("frontend", FRONTEND), ("intruder", INTRUDER)):
+            apps.append(await start_proxy(proxy_env("demo", name, name, ip, CONFIG)))
+        yield info_logs
+    finally:
+        for app in apps:
+            await app.drain()
+        echo.server.close()
+
+
+DENIED_LINE = (
+    f'info\trbac\t"connection denied by policy"\tsrc.addr={INTRUDER}:'
+    # the rest of the line: the port, dst.addr and the reason
+)
+
+
+@pytest.mark.parametrize("mesh", ["true"], indirect=True)
+async def test_policy_verdicts_at_info_with_authz_policy_info_logging(mesh: io.StringIO) -> None:
+    assert (await echo_roundtrip((INTRUDER, 15080), SERVER, 8080, b"x")).code == 2
+    assert (await echo_roundtrip((FRONTEND, 15080), SERVER, 8080, b"x")).code == 0
+    await eventually_async(lambda: DENIED_LINE in mesh.getvalue(), "the denial at info")
+    denied = next(line for line in mesh.getvalue().splitlines() if DENIED_LINE in line)
+    assert denied.endswith(
+        'reason="connection closed due to policy rejection: allow policies exist, but none allowed"'
+    )
+    assert f'info\trbac\t"connection allowed by policy"\tsrc.addr={FRONTEND}:' in mesh.getvalue()
+
+
+@pytest.mark.parametrize("mesh", ["false"], indirect=True)
+async def test_policy_verdicts_stay_at_debug_by_default(mesh: io.StringIO) -> None:
+    assert (await echo_roundtrip((INTRUDER, 15080), SERVER, 8080, b"x")).code == 2
+    # The server's access log of the denial comes after the verdict: once it is there, the verdict
+    # would have been logged too.
+    await eventually_async(
+        lambda: "connection closed due to policy rejection" in mesh.getvalue(), "the denial's access log"
+    )
+    assert "rbac" not in mesh.getvalue()

@@ -1,0 +1,148 @@
+"""What an operator reads about connections: the open-sockets gauge, the access log's `connection
+opened` line and cluster fields, and one trace id per connection shared by both proxies' logs
+(the client proxy's `traceparent`), in the plain and the JSON format."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+import re
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from tests.mesh import echo_roundtrip, proxy_env, socks5_connect, start_echo, start_proxy
+from tests.test_e2e import metric
+from tests.waiting import eventually_async
+from ztunnel.app import App
+from ztunnel.logs import reset_logging, setup_logging
+
+NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+SERVER, CLIENT = f"{NET}.3", f"{NET}.2"
+
+CONFIG = f"""
+workloads:
+  - uid: t//v1/Pod/demo/server
+    name: server
+    namespace: demo
+    serviceAccount: server
+    trustDomain: cluster.local
+    clusterId: east
+    workloadIps: ["{SERVER}"]
+    protocol: HBONE
+  - uid: t//v1/Pod/demo/client
+    name: client
+    namespace: demo
+    serviceAccount: client
+    trustDomain: cluster.local
+    clusterId: west
+    workloadIps: ["{CLIENT}"]
+    protocol: HBONE
+"""
+
+
+@pytest.fixture(params=["plain"])
+def logs(request: pytest.FixtureRequest) -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    setup_logging(request.param, "debug", stream=stream)
+    try:
+        yield stream
+    finally:
+        print(stream.getvalue())
+        reset_logging()
+
+
+@pytest.fixture
+async def pair(logs: io.StringIO) -> AsyncIterator[tuple[App, App]]:
+    echo = await start_echo(SERVER, 8080)
+    server = await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG))
+    client = await start_proxy(proxy_env("demo", "client", "client", CLIENT, CONFIG))
+    try:
+        yield server, client
+    finally:
+        await client.drain()
+        await server.drain()
+        echo.server.close()
+
+
+def sockets_open(app: App, reporter: str) -> float:
+    return metric(app, "istio_tcp_sockets_open", reporter=reporter)
+
+
+async def test_sockets_open_moves_with_accepts_and_closes(pair: tuple[App, App]) -> None:
+    server, client = pair
+    assert sockets_open(client, "source") == 0
+    code, reader, writer = await socks5_connect((CLIENT, 15080), SERVER, 8080)
+    assert code == 0
+    writer.write(b"ping")
+    assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
+    # Held open: one SOCKS5 socket at the client's proxy, one HBONE connection at the server's.
+    assert sockets_open(client, "source") == 1
+    assert sockets_open(server, "destination") == 1
+    second = await socks5_connect((CLIENT, 15080), SERVER, 8080)
+    assert second[0] == 0
+    await eventually_async(lambda: sockets_open(client, "source") == 2, "two sockets open")
+    assert sockets_open(server, "destination") == 1  # both streams share the pooled connection
+    writer.close()
+    second[2].close()
+    await eventually_async(lambda: sockets_open(client, "source") == 0, "the sockets closed")
+    # The pooled HBONE connection outlives its streams; closing the pool closes it.
+    await client.drain()
+    await eventually_async(lambda: sockets_open(server, "destination") == 0, "the HBONE connection closed")
+
+
+def lines(stream: io.StringIO, message: str) -> list[str]:
+    return [line for line in stream.getvalue().splitlines() if f'"{message}"' in line]
+
+
+async def test_access_log_opened_line_clusters_and_shared_trace_id(
+    pair: tuple[App, App], logs: io.StringIO
+) -> None:
+    assert (await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"hello")).code == 0
+    await eventually_async(lambda: len(lines(logs, "connection complete")) == 2, "both access logs")
+    opened = lines(logs, "connection opened")
+    assert len(opened) == 2
+    for line in opened:
+        assert "\tdebug\taccess:" in line
+        assert "bytes_sent" not in line and "duration" not in line
+        assert 'src.cluster="west"' in line and 'dst.cluster="east"' in line
+    done = lines(logs, "connection complete")
+    for line in done:
+        assert 'src.cluster="west"' in line and 'dst.cluster="east"' in line
+    [out] = [line for line in done if 'direction="outbound"' in line]
+    [inb] = [line for line in done if 'direction="inbound"' in line]
+    out_id = re.search(r'access:outbound\{id="([0-9a-f]{32})"\}', out)
+    in_span = re.search(r'access:inbound\{id="([0-9a-f]{32})" peer=([0-9.:]+)\}', inb)
+    assert out_id and in_span, (out, inb)
+    assert out_id.group(1) == in_span.group(1)  # the server took the client's traceparent
+    assert in_span.group(2) == re.search(r"src.addr=(\S+)", inb).group(1)  # type: ignore[union-attr]
+    # Two connections, two traces.
+    assert (await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"again")).code == 0
+    await eventually_async(lambda: len(lines(logs, "connection complete")) == 4, "the second access logs")
+    ids = {m.group(1) for m in re.finditer(r'\{id="([0-9a-f]{32})"', logs.getvalue())}
+    assert len(ids) == 2
+
+
+@pytest.mark.parametrize("logs", ["json"], indirect=True)
+async def test_json_logs_carry_the_spans(pair: tuple[App, App], logs: io.StringIO) -> None:
+    assert (await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"hello")).code == 0
+
+    def complete() -> list[dict[str, object]]:
+        out = []
+        for line in logs.getvalue().splitlines():
+            doc = json.loads(line)
+            if doc.get("message") == "connection complete":
+                out.append(doc)
+        return out
+
+    await eventually_async(lambda: len(complete()) == 2, "both access logs")
+    [out] = [d for d in complete() if d["direction"] == "outbound"]
+    [inb] = [d for d in complete() if d["direction"] == "inbound"]
+    assert out["scope"] == inb["scope"] == "access"
+    assert out["src.cluster"] == "west" and inb["dst.cluster"] == "east"
+    assert isinstance(out["outbound"], dict) and isinstance(inb["inbound"], dict)
+    assert out["outbound"]["id"] == inb["inbound"]["id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", str(inb["inbound"]["id"]))
+    assert inb["inbound"]["peer"] == inb["src.addr"]

@@ -1,0 +1,138 @@
+"""Settings that act on the proxy's sockets: USER_TIMEOUT_ENABLED and IPV6_ENABLED.
+
+The socket-level tests read the options back from real sockets; the root test runs `ztunnel proxy`
+in a fresh network namespace and reads its listeners with `ss`, as an operator would."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.netns import Netns, require_root
+from tests.waiting import eventually
+from ztunnel.config import Config
+from ztunnel.sockets import SocketFactory, SocketOptions, user_timeout_ms
+
+
+def test_user_timeout_is_keepalive_time_plus_retries_times_interval() -> None:
+    on = Config.from_env(
+        {
+            "USER_TIMEOUT_ENABLED": "true",
+            "KEEPALIVE_TIME": "10s",
+            "KEEPALIVE_INTERVAL": "2s",
+            "KEEPALIVE_RETRIES": "3",
+        },
+        mesh_config_path=None,
+    )
+    assert user_timeout_ms(on) == 16_000
+    assert user_timeout_ms(Config.from_env({}, mesh_config_path=None)) is None
+
+
+async def test_user_timeout_set_on_outgoing_and_accepted_sockets() -> None:
+    factory = SocketFactory(SocketOptions(user_timeout_ms=16_000))
+    plain = SocketFactory(SocketOptions())
+    accepted: asyncio.Queue[socket.socket] = asyncio.Queue()
+    listener = factory.listener("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+
+    async def accept() -> None:
+        sock, _ = await loop.sock_accept(listener)
+        factory.tune_accepted(sock)
+        await accepted.put(sock)
+
+    task = loop.create_task(accept())
+    out = await factory.connect(listener.getsockname())
+    other = await plain.connect(listener.getsockname())
+    inside = await asyncio.wait_for(accepted.get(), 5)
+    try:
+        assert out.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 16_000
+        assert inside.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 16_000
+        assert other.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 0  # the kernel default
+    finally:
+        task.cancel()
+        for s in (out, other, inside, listener):
+            s.close()
+
+
+def test_wildcard_listener_is_ipv4_only_without_ipv6() -> None:
+    v4 = SocketFactory(SocketOptions(ipv6=False)).listener("", 0)
+    dual = SocketFactory(SocketOptions()).listener("", 0)
+    try:
+        assert (v4.family, v4.getsockname()[0]) == (socket.AF_INET, "0.0.0.0")
+        assert (dual.family, dual.getsockname()[0]) == (socket.AF_INET6, "::")
+        with socket.create_connection(("127.0.0.1", v4.getsockname()[1]), timeout=5):
+            pass
+        if socket.has_ipv6:
+            with pytest.raises(OSError):
+                socket.create_connection(("::1", v4.getsockname()[1]), timeout=5).close()
+    finally:
+        v4.close()
+        dual.close()
+
+
+LOCAL = textwrap.dedent(
+    """
+    workloads:
+      - uid: t//v1/Pod/demo/app
+        name: app
+        namespace: demo
+        serviceAccount: app
+        trustDomain: cluster.local
+        workloadIps: ["10.9.0.2"]
+        protocol: HBONE
+    """
+)
+
+
+@pytest.fixture
+def netns() -> Iterator[Netns]:
+    require_root("ip", "ss")
+    ns = Netns("v6off")
+    try:
+        yield ns
+    finally:
+        ns.delete()
+
+
+@pytest.mark.root
+@pytest.mark.parametrize(("ipv6", "wildcard"), [("false", "0.0.0.0"), ("true", "*")])
+def test_proxy_binds_the_wildcard_of_ipv6_enabled(netns: Netns, ipv6: str, wildcard: str) -> None:
+    env = {
+        **os.environ,
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": "demo/app/app",
+        "XDS_ADDRESS": "",
+        "FAKE_CA": "true",
+        "LOCAL_XDS": LOCAL,
+        "IPV6_ENABLED": ipv6,
+        "ADMIN_ADDRESS": "127.0.0.1:15000",
+    }
+    with tempfile.NamedTemporaryFile(suffix=".log") as log:
+        proc = netns.popen([sys.executable, "-m", "ztunnel", "proxy"], env, log.name)
+        try:
+
+            def listening() -> set[str]:
+                out = netns.exec("ss", "-ltnH").stdout.decode()
+                return {line.split()[3] for line in out.splitlines() if line.strip()}
+
+            eventually(
+                lambda: f"{wildcard}:15008" in listening() or proc.poll() is not None,
+                lambda: f"{wildcard}:15008 in {listening()}; log: {Path(log.name).read_text()[-2000:]}",
+            )
+            assert proc.poll() is None, Path(log.name).read_text()
+            bound = listening()
+            for port in (15001, 15006, 15008):
+                assert f"{wildcard}:{port}" in bound, bound
+            if ipv6 == "false":
+                assert not any(addr.startswith("[::]") or addr.startswith("*") for addr in bound), bound
+        finally:
+            proc.terminate()
+            proc.wait(10)
