@@ -1073,7 +1073,7 @@ class Supervisor:
                 heartbeat.cancel()
             if self._started.done() and self._started.exception() is None:
                 log.info(
-                    "shutting down: draining workers for up to %ss",
+                    "shutting down: draining for up to %ss",
                     self.config.connection_termination_deadline,
                 )
             await self._stop_workers()
