@@ -6,9 +6,8 @@ workload (SPEC §5.2), enforces the `Decision` and logs the dry-run notes it car
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
-from typing import TypeVar
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from policy.model import (
     Action,
@@ -30,10 +29,6 @@ DRY_RUN_ALLOW_MATCH = "dry-run: allow policy match"
 DRY_RUN_NO_ALLOW_MATCH = "dry-run: no allow policies match"
 
 SPIFFE_PREFIX = "spiffe://"
-
-_MATCH_FIELDS = tuple(f.name for f in fields(Match))
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,31 +104,50 @@ def clause_matches(clause: Clause, conn: Connection) -> bool:
 
 def is_empty(entry: Match) -> bool:
     """An entry with every field empty: skipped, it can never make its clause match."""
-    return not any(getattr(entry, name) for name in _MATCH_FIELDS)
+    return entry.compiled.empty
 
 
 def entry_matches(entry: Match, conn: Connection) -> bool:
-    """Every (positive, negative) field pair of the entry passes for the connection.
+    """Every (positive, negative) field pair of the entry passes for the connection: a positive list
+    passes when empty or when an element matches, a negative one when no element matches.
 
-    An address of the other IP family is outside every network (`ipaddress` containment)."""
-    principal = principal_of(conn)
+    An address of the other IP family is outside every network (`ipaddress` containment). The lists
+    are looked up in their precompiled sets (`Match.compiled`), never walked."""
+    c = entry.compiled
+    if entry.destination_ips and conn.dst_ip not in c.destination_ips:
+        return False
+    if entry.not_destination_ips and conn.dst_ip in c.not_destination_ips:
+        return False
+    if entry.source_ips and conn.src_ip not in c.source_ips:
+        return False
+    if entry.not_source_ips and conn.src_ip in c.not_source_ips:
+        return False
+    if entry.destination_ports and conn.dst_port not in c.destination_ports:
+        return False
+    if entry.not_destination_ports and conn.dst_port in c.not_destination_ports:
+        return False
+    if entry.service_accounts or entry.not_service_accounts:
+        # Without an identity no service account matches, so only a positive list can fail.
+        sa = (
+            None
+            if conn.src_namespace is None or conn.src_service_account is None
+            else (conn.src_namespace, conn.src_service_account)
+        )
+        if entry.service_accounts and (sa is None or sa not in c.service_accounts):
+            return False
+        if entry.not_service_accounts and sa is not None and sa in c.not_service_accounts:
+            return False
+    if entry.principals or entry.not_principals:
+        # Without a SPIFFE identity no principal pattern matches, not even presence.
+        principal = principal_of(conn)
+        if entry.principals and (principal is None or principal not in c.principals):
+            return False
+        if entry.not_principals and principal is not None and principal in c.not_principals:
+            return False
     namespace = conn.src_namespace or ""
-    return (
-        _passes(entry.destination_ips, entry.not_destination_ips, lambda net: conn.dst_ip in net)
-        and _passes(entry.source_ips, entry.not_source_ips, lambda net: conn.src_ip in net)
-        and _passes(entry.destination_ports, entry.not_destination_ports, lambda port: port == conn.dst_port)
-        and _passes(
-            entry.service_accounts, entry.not_service_accounts, lambda sa: service_account_matches(sa, conn)
-        )
-        and _passes(
-            entry.principals,
-            entry.not_principals,
-            lambda pattern: principal is not None and string_matches(pattern, principal),
-        )
-        and _passes(
-            entry.namespaces, entry.not_namespaces, lambda pattern: string_matches(pattern, namespace)
-        )
-    )
+    if entry.namespaces and namespace not in c.namespaces:
+        return False
+    return not (entry.not_namespaces and namespace in c.not_namespaces)
 
 
 def principal_of(conn: Connection) -> str | None:
@@ -159,9 +173,3 @@ def string_matches(pattern: StringMatch, value: str) -> bool:
     if pattern.kind is StringMatchKind.SUFFIX:
         return value.endswith(pattern.value)
     return value != ""
-
-
-def _passes(positive: Sequence[T], negative: Sequence[T], hit: Callable[[T], bool]) -> bool:
-    if positive and not any(hit(item) for item in positive):
-        return False
-    return not any(hit(item) for item in negative)

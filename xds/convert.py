@@ -79,6 +79,19 @@ E = TypeVar("E", bound=IntEnum)
 # --- wire to model ------------------------------------------------------------------------------
 
 
+def _port(value: int, field: str) -> int:
+    """A port from a uint32 field: above 65535 it is an error, never wrapped (65616 is not 80)."""
+    if value > _U16:
+        raise ConversionError(f"invalid {field} {value} (expected 0..65535)")
+    return value
+
+
+def _required(value: str, field: str) -> str:
+    if not value:
+        raise ConversionError(f"{field} is empty")
+    return value
+
+
 def _enum(kind: type[E], value: int, field: str) -> E:
     try:
         return kind(value)
@@ -108,7 +121,9 @@ def _gateway(pb: workload_pb2.GatewayAddress) -> GatewayAddress:
         destination = _network_address(pb.address)
     else:
         raise ConversionError("gateway address has no destination")
-    return GatewayAddress(destination=destination, hbone_mtls_port=pb.hbone_mtls_port & _U16)
+    return GatewayAddress(
+        destination=destination, hbone_mtls_port=_port(pb.hbone_mtls_port, "gateway hbone_mtls_port")
+    )
 
 
 def _optional_gateway(holder: object, field: str) -> GatewayAddress | None:
@@ -119,7 +134,10 @@ def _optional_gateway(holder: object, field: str) -> GatewayAddress | None:
 
 
 def _ports(ports: object) -> tuple[tuple[int, int], ...]:
-    return tuple((p.service_port & _U16, p.target_port & _U16) for p in ports)  # type: ignore[attr-defined]
+    return tuple(
+        (_port(p.service_port, "service_port"), _port(p.target_port, "target_port"))
+        for p in ports  # type: ignore[attr-defined]
+    )
 
 
 def workload_from_wire(pb: workload_pb2.Workload) -> Workload:
@@ -135,10 +153,10 @@ def workload_from_wire(pb: workload_pb2.Workload) -> Workload:
         tunnel = pb.application_tunnel
         application_tunnel = ApplicationTunnel(
             protocol=_enum(AppTunnelProtocol, tunnel.protocol, "application_tunnel.protocol"),
-            port=app_tunnel_port(tunnel.port & _U16),
+            port=app_tunnel_port(_port(tunnel.port, "application_tunnel.port")),
         )
     return Workload(
-        uid=pb.uid,
+        uid=_required(pb.uid, "workload uid"),
         name=pb.name,
         namespace=pb.namespace,
         addresses=tuple(ip_from_bytes(ip) for ip in pb.addresses),
@@ -194,8 +212,9 @@ def service_from_wire(pb: workload_pb2.Service) -> Service:
     cidr_vips: list[CidrVip] = []
     for addr in pb.addresses:
         ip = ip_from_bytes(addr.address)
-        # A VIP with a prefix shorter than the full address is a CIDR range of VIPs.
-        if addr.HasField("length") and addr.length < ip.max_prefixlen:
+        # A VIP with a prefix shorter than the full address is a CIDR range of VIPs; a longer one is
+        # an error (`cidr` says so), not a plain VIP.
+        if addr.HasField("length") and addr.length != ip.max_prefixlen:
             cidr_vips.append(CidrVip(addr.network, cidr(ip, addr.length)))
         else:
             vips.append(NetworkAddress(addr.network, ip))
@@ -204,9 +223,9 @@ def service_from_wire(pb: workload_pb2.Service) -> Service:
     except ValueError:
         visibility = Visibility.PUBLIC  # as the reference: an unknown visibility is public
     return Service(
-        name=pb.name,
+        name=_required(pb.name, "service name"),
         namespace=pb.namespace,
-        hostname=pb.hostname,
+        hostname=_required(pb.hostname, "service hostname"),
         vips=tuple(vips),
         cidr_vips=tuple(cidr_vips),
         ports=_ports(pb.ports),
@@ -259,8 +278,8 @@ def _match(pb: authorization_pb2.Match) -> Match:
         not_source_ips=_cidrs(pb.not_source_ips),
         destination_ips=_cidrs(pb.destination_ips),
         not_destination_ips=_cidrs(pb.not_destination_ips),
-        destination_ports=tuple(p & _U16 for p in pb.destination_ports),
-        not_destination_ports=tuple(p & _U16 for p in pb.not_destination_ports),
+        destination_ports=tuple(_port(p, "destination_ports") for p in pb.destination_ports),
+        not_destination_ports=tuple(_port(p, "not_destination_ports") for p in pb.not_destination_ports),
         service_accounts=_service_accounts(pb.service_accounts),
         not_service_accounts=_service_accounts(pb.not_service_accounts),
     )
@@ -268,7 +287,7 @@ def _match(pb: authorization_pb2.Match) -> Match:
 
 def authorization_from_wire(pb: authorization_pb2.Authorization) -> Authorization:
     return Authorization(
-        name=pb.name,
+        name=_required(pb.name, "authorization name"),
         namespace=pb.namespace,
         scope=_enum(Scope, pb.scope, "scope"),
         action=_enum(Action, pb.action, "action"),

@@ -233,9 +233,15 @@ def ip_from_bytes(raw: bytes) -> IPAddress:
 
 def cidr(ip: IPAddress, length: int) -> IPNetwork:
     """The network of `ip/length`, host bits allowed; the length is taken literally (0 is /0)."""
-    if not 0 <= length <= ip.max_prefixlen:
-        raise ConversionError(f"invalid prefix length {length} for {ip} (expected 0..{ip.max_prefixlen})")
-    return ipaddress.ip_network((ip, length), strict=False)
+    bits = ip.max_prefixlen
+    if not 0 <= length <= bits:
+        raise ConversionError(f"invalid prefix length {length} for {ip} (expected 0..{bits})")
+    # Built from the masked number: parsing `(address, length)` costs ten times as much, which a
+    # policy of 100k CIDRs pays 100k times.
+    number = int(ip) & ~((1 << (bits - length)) - 1)
+    if ip.version == 4:
+        return ipaddress.IPv4Network((number, length))
+    return ipaddress.IPv6Network((number, length))
 
 
 def check_service_key(key: str) -> str:
