@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 DEBIAN_PACKAGES := iptables iproute2 nghttp2-proxy tinyproxy stunnel4 openssl curl containernetworking-plugins util-linux
 
-.PHONY: demo test lint typecheck unit debs proto clean
+.PHONY: demo test lint typecheck unit fuzz debs proto clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ unit: $(TEST_STAMP) debs
 	$(PY) -m pytest -q -rs
 
 test: lint typecheck unit
+
+# The fuzz targets (tests/fuzz/) with a long budget; `make test` runs them bounded.
+fuzz: $(TEST_STAMP)
+	FUZZ_PROFILE=long $(PY) -m pytest -q -p no:cacheprovider --timeout 3600 tests/fuzz
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

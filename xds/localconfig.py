@@ -123,6 +123,7 @@ def load_local_config(path: str | os.PathLike[str]) -> LocalConfig:
 
 def parse_local_config(text: str, source: str = "<inline>") -> LocalConfig:
     try:
+        _check_shape(text)
         document = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -130,6 +131,9 @@ def parse_local_config(text: str, source: str = "<inline>") -> LocalConfig:
         raise LocalConfigError(f"{source}: {where}invalid YAML: {e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise LocalConfigError(f"{source}: invalid YAML: {e}") from None
+    except (ValueError, TypeError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+        # A PyYAML constructor that fails in its own way (`_Loader.construct_object` names most).
+        raise LocalConfigError(f"{source}: invalid YAML: cannot read a value: {e}") from None
     try:
         return _local_config(document)
     except _Invalid as e:
@@ -148,6 +152,51 @@ class _Tagged:
     value: object
 
 
+# Bounds checked on the parser's events before anything is built, so that neither PyYAML's recursive
+# composer nor our readers meet a document nested deeper than any real configuration (one is about
+# ten levels deep), and a few hundred bytes of aliases cannot stand for millions of values.
+MAX_DEPTH = 100
+MAX_ALIASED_NODES = 100_000
+
+
+def _shape_error(problem: str, event: yaml.Event) -> yaml.MarkedYAMLError:
+    return yaml.MarkedYAMLError(problem=problem, problem_mark=event.start_mark)
+
+
+def _check_shape(text: str) -> None:
+    """Refuse, as a marked YAML error, nesting deeper than `MAX_DEPTH`, an alias inside its own
+    anchor (a recursive value), and aliases that together expand to more than `MAX_ALIASED_NODES`."""
+    sizes: dict[str, int] = {}  # anchor -> the number of nodes its value expands to
+    open_anchors: set[str] = set()
+    stack: list[tuple[str | None, int]] = []  # open collections: (anchor, node count at the start)
+    count = aliased = 0
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, yaml.ScalarEvent):
+            count += 1
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.CollectionStartEvent):
+            if len(stack) >= MAX_DEPTH:
+                raise _shape_error(f"nested deeper than {MAX_DEPTH} levels", event)
+            stack.append((event.anchor, count))
+            count += 1
+            if event.anchor is not None:
+                open_anchors.add(event.anchor)
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, start = stack.pop()
+            if anchor is not None:
+                sizes[anchor] = count - start
+                open_anchors.discard(anchor)
+        elif isinstance(event, yaml.AliasEvent):
+            if event.anchor in open_anchors:
+                raise _shape_error(f"recursive alias *{event.anchor} (inside its own anchor)", event)
+            size = sizes.get(event.anchor, 1)  # an undefined one is reported by the composer
+            count += size
+            aliased += size
+            if aliased > MAX_ALIASED_NODES:
+                raise _shape_error(f"aliases expand to more than {MAX_ALIASED_NODES} values", event)
+
+
 class _Loader(yaml.SafeLoader):
     """PyYAML speaks YAML 1.1; the reference's parser speaks 1.2 and rejects duplicate keys.
 
@@ -162,8 +211,12 @@ class _Loader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, Hashable):
-                continue  # the base class reports unhashable keys
+            try:
+                hash(key)
+            except TypeError:  # a list or mapping, also one inside a tag (`!Exact [1]`)
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, "found unhashable key", key_node.start_mark
+                ) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping",
@@ -173,6 +226,18 @@ class _Loader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        # PyYAML's constructors for explicit tags fail on bad text with whatever they hit
+        # (`!!float ''` an IndexError, `!!timestamp nope` an AttributeError): name the value instead.
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, AttributeError, IndexError, OverflowError):
+            if not isinstance(node, yaml.ScalarNode):
+                raise
+            raise yaml.constructor.ConstructorError(
+                None, None, f"invalid {node.tag} value {node.value!r}", node.start_mark
+            ) from None
 
 
 class _Int(int):
