@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import yaml
 
@@ -160,7 +160,7 @@ MAX_ALIASED_NODES = 100_000
 
 
 def _shape_error(problem: str, event: yaml.Event) -> yaml.MarkedYAMLError:
-    return yaml.MarkedYAMLError(problem=problem, problem_mark=event.start_mark)
+    return yaml.MarkedYAMLError(problem=problem, problem_mark=cast(yaml.Mark, event.start_mark))
 
 
 def _check_shape(text: str) -> None:
@@ -187,7 +187,7 @@ def _check_shape(text: str) -> None:
             if anchor is not None:
                 sizes[anchor] = count - start
                 open_anchors.discard(anchor)
-        elif isinstance(event, yaml.AliasEvent):
+        elif isinstance(event, yaml.AliasEvent) and event.anchor is not None:
             if event.anchor in open_anchors:
                 raise _shape_error(f"recursive alias *{event.anchor} (inside its own anchor)", event)
             size = sizes.get(event.anchor, 1)  # an undefined one is reported by the composer
@@ -205,6 +205,15 @@ class _Loader(yaml.SafeLoader):
 
     yaml_implicit_resolvers: dict[Any, Any] = {}
 
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
+        # The scanner keeps a possible simple key per open `[`/`{` and re-walks them all for every
+        # token it reads ahead: thousands of open brackets cost seconds before the first event.
+        if self.flow_level >= MAX_DEPTH:
+            raise yaml.scanner.ScannerError(
+                None, None, f"nested deeper than {MAX_DEPTH} levels", self.get_mark()
+            )
+        super().fetch_flow_collection_start(TokenClass)
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
         seen: set[Hashable] = set()
         for key_node, _ in node.value:
@@ -215,7 +224,10 @@ class _Loader(yaml.SafeLoader):
                 hash(key)
             except TypeError:  # a list or mapping, also one inside a tag (`!Exact [1]`)
                 raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark, "found unhashable key", key_node.start_mark
+                    "while constructing a mapping",
+                    node.start_mark,
+                    "found unhashable key",
+                    key_node.start_mark,
                 ) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -228,15 +240,14 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
-        # PyYAML's constructors for explicit tags fail on bad text with whatever they hit
-        # (`!!float ''` an IndexError, `!!timestamp nope` an AttributeError): name the value instead.
+        # PyYAML's constructors for explicit tags fail on bad text with whatever they hit (`!!float ''`
+        # an IndexError, `!!timestamp nope` an AttributeError, `!!bool ''` a KeyError): name the value.
         try:
             return super().construct_object(node, deep)
-        except (ValueError, TypeError, AttributeError, IndexError, OverflowError):
-            if not isinstance(node, yaml.ScalarNode):
-                raise
+        except (ValueError, TypeError, AttributeError, LookupError, OverflowError):
+            what = f"value {node.value!r}" if isinstance(node, yaml.ScalarNode) else "collection"
             raise yaml.constructor.ConstructorError(
-                None, None, f"invalid {node.tag} value {node.value!r}", node.start_mark
+                None, None, f"invalid {node.tag} {what}", node.start_mark
             ) from None
 
 
@@ -250,8 +261,14 @@ class _Float(float):
     text = ""
 
 
-def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
-    assert isinstance(node, yaml.ScalarNode)
+def _scalar_only(node: yaml.Node) -> yaml.ScalarNode:
+    if not isinstance(node, yaml.ScalarNode):  # `!!int []`
+        raise yaml.constructor.ConstructorError(None, None, f"{node.tag} needs a scalar", node.start_mark)
+    return node
+
+
+def _construct_int(loader: yaml.SafeLoader, tagged: yaml.Node) -> int:
+    node = _scalar_only(tagged)
     text = loader.construct_scalar(node)
     digits = text.replace("_", "").lstrip("+-")
     try:
@@ -265,8 +282,8 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
     return number
 
 
-def _construct_float(loader: yaml.SafeLoader, node: yaml.Node) -> float:
-    assert isinstance(node, yaml.ScalarNode)
+def _construct_float(loader: yaml.SafeLoader, tagged: yaml.Node) -> float:
+    node = _scalar_only(tagged)
     number = _Float(loader.construct_yaml_float(node))
     number.text = loader.construct_scalar(node)
     return number

@@ -167,10 +167,19 @@ def reference_entry(m: Match, c: Connection) -> bool:
 
 
 def _empty(m: Match) -> bool:
-    return not any(
-        (m.namespaces, m.not_namespaces, m.principals, m.not_principals, m.source_ips, m.not_source_ips)
-        + (m.destination_ips, m.not_destination_ips, m.destination_ports, m.not_destination_ports)
-        + (m.service_accounts, m.not_service_accounts)
+    return not (
+        m.namespaces
+        or m.not_namespaces
+        or m.principals
+        or m.not_principals
+        or m.source_ips
+        or m.not_source_ips
+        or m.destination_ips
+        or m.not_destination_ips
+        or m.destination_ports
+        or m.not_destination_ports
+        or m.service_accounts
+        or m.not_service_accounts
     )
 
 

@@ -364,7 +364,7 @@ def test_policy_ports_above_65535_are_refused() -> None:
 
 def test_a_vip_prefix_longer_than_its_address_is_refused() -> None:
     pb = _service(addresses=[workload_pb2.NetworkAddress(address=bytes([10, 96, 0, 1]), length=33)])
-    with pytest.raises(ConversionError, match="invalid prefix length 33 for 10.96.0.1"):
+    with pytest.raises(ConversionError, match=r"invalid prefix length 33 for 10\.96\.0\.1"):
         convert.service_from_wire(pb)
     full = convert.service_from_wire(
         _service(addresses=[workload_pb2.NetworkAddress(address=bytes([10, 96, 0, 1]), length=32)])
@@ -383,7 +383,7 @@ def test_a_vip_prefix_longer_than_its_address_is_refused() -> None:
 def test_empty_keys_are_refused(message: workload_pb2.Address, reason: str) -> None:
     with pytest.raises(ConversionError, match=f"^{reason}$"):
         convert.address_from_wire(message)
-    with pytest.raises(ConversionError, match="^authorization name is empty$"):
+    with pytest.raises(ConversionError, match=r"^authorization name is empty$"):
         convert.authorization_from_wire(authorization_pb2.Authorization(namespace="ns"))
 
 
