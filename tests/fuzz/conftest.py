@@ -16,6 +16,6 @@ _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_t
 
 settings.register_profile("bounded", max_examples=100, deadline=None, suppress_health_check=_QUIET)
 settings.register_profile(
-    "long", max_examples=20_000, deadline=None, suppress_health_check=_QUIET, print_blob=True
+    "long", max_examples=10_000, deadline=None, suppress_health_check=_QUIET, print_blob=True
 )
 settings.load_profile(os.environ.get("FUZZ_PROFILE", "bounded"))
