@@ -6,8 +6,10 @@ domain `cluster.local`, empty service account `default`, empty cluster id `Kuber
 1, application tunnel port 0 as "keep the port", workload type as its lowercased name) and raise
 `ConversionError(reason)` for what the reference rejects: an unknown enum number, an IP that is not
 4 or 16 bytes, a `services` key without `/`, `LEGACY_ISTIO_MTLS`, a gateway without destination,
-`UNSPECIFIED_SCOPE` among the routing preferences. The xDS client turns that into a NACK of the one
-resource.
+`UNSPECIFIED_SCOPE` among the routing preferences. Ours, stricter: a port above 65535 (the reference
+truncates it to 16 bits, so 65616 would become 80, also in a policy), a prefix length longer than its
+address (a VIP too), and an empty key (workload uid, service name or hostname, policy name). The xDS
+client turns that into a NACK of the one resource.
 
 Model to wire: `workload_to_wire`, `service_to_wire`, `address_to_wire`, `authorization_to_wire`, for
 the development control plane that serves a local-config file over xDS.
