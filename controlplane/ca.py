@@ -2,8 +2,9 @@
 
 The root is a self-signed ECDSA P-256 certificate created on first start in the CA directory (or loaded
 from it). A CSR is signed when its signature verifies and it names exactly one SPIFFE URI SAN; the leaf
-carries that SAN only (SPEC §8.2). The response chain is `[leaf, root]`: the proxy takes the last
-element as its trust bundle (CONTRACT §3).
+carries that SAN only, in the workload leaf profile the proxy's fake CA and the tests also sign
+(`hbone.identity.build_leaf`; the control plane shares that one builder, not the proxy's code). The
+response chain is `[leaf, root]`: the proxy takes the last element as its trust bundle.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from hbone.identity import build_leaf
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -157,30 +159,8 @@ class CertificateAuthority:
         if not isinstance(public_key, ec.EllipticCurvePublicKey | rsa.RSAPublicKey):
             raise CsrRejected("the request's key is neither EC nor RSA")
         now = _now()
-        leaf = (
-            # Empty subject, as Istio's CA issues: the critical SAN is the whole identity.
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([]))
-            .issuer_name(self.root.subject)
-            .public_key(public_key)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now)
-            .not_valid_after(now + validity)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_key_usage(cert_sign=False), critical=True)
-            .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                critical=False,
-            )
-            .add_extension(
-                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uris[0])]), critical=True
-            )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False
-            )
-            .sign(self.key, hashes.SHA256())
-        )
+        # The one workload leaf profile of the project (empty subject, critical SPIFFE SAN).
+        leaf = build_leaf([uris[0]], public_key, self.root, self.key, now, now + validity)
         return SignedCertificate(
             leaf, (leaf.public_bytes(serialization.Encoding.PEM).decode(), self.root_pem)
         )

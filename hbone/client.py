@@ -13,15 +13,19 @@ import socket
 import ssl
 from collections.abc import Sequence
 
-from hbone.errors import ConnectionClosed, H2HandshakeError, HboneError, HttpStatusError, TlsHandshakeError
+from hbone.errors import (
+    CertificateRevoked,
+    ConnectionClosed,
+    H2HandshakeError,
+    HboneError,
+    HttpStatusError,
+    TlsHandshakeError,
+)
 from hbone.h2conn import H2Session
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import ContextCache, WorkloadCertificate, check_alpn, check_server_identity
-
-# Client contexts are reused across connections of the same certificate.
-DEFAULT_CONTEXTS = ContextCache()
+from hbone.tls import REVOKED, TlsCredentials
 
 
 class HboneConnection:
@@ -35,15 +39,14 @@ class HboneConnection:
     async def open(
         cls,
         sock: socket.socket,
-        cert: WorkloadCertificate,
+        tls: TlsCredentials,
         expected: Sequence[Identity],
         settings: H2Settings,
         *,
         max_streams: int = 100,
         handshake_timeout: float = 10.0,
-        contexts: ContextCache | None = None,
     ) -> HboneConnection:
-        """Take over a connected non-blocking TCP socket and set up HBONE on it.
+        """Take over a connected non-blocking TCP socket and set up HBONE on it, presenting `tls`.
 
         Raises `TlsHandshakeError` (including `IdentityMismatch`) or `H2HandshakeError`; the socket
         is closed on failure.
@@ -59,10 +62,13 @@ class HboneConnection:
             return session
 
         try:
-            ctx = (contexts or DEFAULT_CONTEXTS).client(cert)
             # server_hostname "" means: no SNI and no host name check.
             transport, _ = await loop.create_connection(
-                factory, sock=sock, ssl=ctx, server_hostname="", ssl_handshake_timeout=handshake_timeout
+                factory,
+                sock=sock,
+                ssl=tls.client,
+                server_hostname="",
+                ssl_handshake_timeout=handshake_timeout,
             )
         except BaseException as e:
             if not taken:
@@ -73,7 +79,7 @@ class HboneConnection:
             if isinstance(e, (ssl.SSLError, OSError, TimeoutError)):
                 raise TlsHandshakeError(f"tls handshake error: {e}") from e
             raise
-        return await settle(session, transport, expected, deadline, handshake_timeout, max_streams)
+        return await settle(session, transport, tls, expected, deadline, handshake_timeout, max_streams)
 
     async def connect(self, authority: str, headers: Sequence[tuple[str, str]] = ()) -> HboneStream:
         """Open a CONNECT stream to `authority` (`ip:port`, `[ip6]:port` or `host:port`).
@@ -137,6 +143,7 @@ class HboneConnection:
 async def settle(
     session: H2Session,
     transport: asyncio.Transport,
+    tls: TlsCredentials,
     expected: Sequence[Identity],
     deadline: float,
     handshake_timeout: float,
@@ -144,16 +151,23 @@ async def settle(
     *,
     inner: bool = False,
 ) -> HboneConnection:
-    """After the TLS handshake (outer, or `inner` for double HBONE): check ALPN and the server's
-    identity before any HTTP/2 byte is sent, start HTTP/2 and wait for the server's SETTINGS."""
+    """After the TLS handshake (outer, or `inner` for double HBONE): check ALPN, the server's
+    identity and its chain's revocation before any HTTP/2 byte is sent, start HTTP/2 and wait for
+    the server's SETTINGS. While the connection lives, a new CRL revoking the server drops it."""
     where = " (inner)" if inner else ""
     try:
         ssl_object = transport.get_extra_info("ssl_object")
-        check_alpn(ssl_object)
-        session.peer_identity = check_server_identity(ssl_object, expected)
+        session.peer_identity = tls.verify_server(ssl_object, expected)
     except BaseException:
         transport.abort()
         raise
+
+    def revoked(err: CertificateRevoked) -> None:
+        session.extra[REVOKED] = err  # read by whoever relays over the connection's streams
+        session.abort(err)
+
+    release = tls.watch(ssl_object, revoked)
+    session.closed.add_done_callback(lambda _: release())
     session.start()
     loop = asyncio.get_running_loop()
     try:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hbone.identity import Identity
+
+if TYPE_CHECKING:
+    from cryptography import x509
 
 
 class HboneError(Exception):
@@ -24,6 +28,20 @@ class IdentityMismatch(TlsHandshakeError):
         super().__init__(
             "identity verification error: peer did not present the expected SAN "
             f"({[str(i) for i in self.expected]}), got {[str(i) for i in self.got]}"
+        )
+
+
+class CertificateRevoked(TlsHandshakeError):
+    """A certificate of the peer's chain is listed by a CRL in force: refused at the handshake, or
+    the reason an open session was torn down when a new CRL revoked it (response flag CERT_REVOKED)."""
+
+    def __init__(self, cert: x509.Certificate, position: int = 0) -> None:
+        self.serial = cert.serial_number
+        self.issuer = cert.issuer.rfc4514_string()
+        which = "peer certificate" if position == 0 else f"certificate {position} of the peer's chain"
+        super().__init__(
+            f"tls handshake error: invalid peer certificate: Revoked ({which}, serial {self.serial:#x}, "
+            f"issuer {self.issuer})"
         )
 
 

@@ -19,13 +19,13 @@ from asyncio import sslproto
 from collections.abc import Sequence
 from typing import Any, cast
 
-from hbone.client import DEFAULT_CONTEXTS, HboneConnection, settle
+from hbone.client import HboneConnection, settle
 from hbone.errors import TlsHandshakeError
 from hbone.h2conn import H2Session
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import ContextCache, WorkloadCertificate
+from hbone.tls import TlsCredentials
 
 # How long the inner TLS waits for the peer's close_notify once the proxied connection is over.
 SHUTDOWN_TIMEOUT = 5.0
@@ -117,15 +117,14 @@ class _Feed(asyncio.Protocol):
 
 async def open_inner(
     stream: HboneStream,
-    cert: WorkloadCertificate,
+    credentials: TlsCredentials,
     expected: Sequence[Identity],
     settings: H2Settings,
     *,
     max_streams: int = 100,
     handshake_timeout: float = 10.0,
-    contexts: ContextCache | None = None,
 ) -> HboneConnection:
-    """Run TLS (presenting `cert`, expecting one of `expected`) and HTTP/2 inside an established
+    """Run TLS (presenting `credentials`, expecting one of `expected`) and HTTP/2 inside an established
     outer CONNECT stream; the stream then belongs to the returned connection.
 
     Raises `TlsHandshakeError` (including `IdentityMismatch`) or `H2HandshakeError`; the outer stream
@@ -139,7 +138,7 @@ async def open_inner(
     tls = sslproto.SSLProtocol(
         loop,
         session,
-        (contexts or DEFAULT_CONTEXTS).client(cert),
+        credentials.client,
         waiter,
         server_side=False,
         server_hostname=None,  # no SNI, as on the outer connection
@@ -162,4 +161,6 @@ async def open_inner(
         # The outer stream ended (or the handshake timed out) before the handshake completed.
         stream.abort()
         raise TlsHandshakeError("tls handshake error (inner): connection closed during the handshake")
-    return await settle(session, transport, expected, deadline, handshake_timeout, max_streams, inner=True)
+    return await settle(
+        session, transport, credentials, expected, deadline, handshake_timeout, max_streams, inner=True
+    )

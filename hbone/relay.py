@@ -80,11 +80,11 @@ class Inbox(asyncio.Protocol):
 
 @dataclass(slots=True)
 class RelayResult:
-    """Bytes copied each way, and the error that ended the copy (None for a clean end)."""
+    """Bytes copied each way. A reset or a broken pipe ends a copy as normally as an EOF does (TCP
+    has no other way to say "gone"), so how it ended is not part of the result."""
 
     a_to_b: int
     b_to_a: int
-    error: BaseException | None
 
 
 class _End(asyncio.Protocol):
@@ -133,17 +133,16 @@ class _End(asyncio.Protocol):
 
 
 class _Relay:
-    __slots__ = ("a", "b", "done", "error")
+    __slots__ = ("a", "b", "done")
 
     def __init__(self) -> None:
         self.done: asyncio.Future[RelayResult] = asyncio.get_running_loop().create_future()
         self.a: _End
         self.b: _End
-        self.error: BaseException | None = None
 
     def _finish(self) -> None:
         if not self.done.done():
-            self.done.set_result(RelayResult(self.a.count, self.b.count, self.error))
+            self.done.set_result(RelayResult(self.a.count, self.b.count))
 
     def maybe_done(self) -> None:
         if self.a.eof and self.b.eof:
@@ -154,8 +153,6 @@ class _Relay:
 
     def lost(self, end: _End, exc: Exception | None) -> None:
         other = end.peer
-        if exc is not None and self.error is None:
-            self.error = exc
         if not other.lost and not other.transport.is_closing():
             if exc is not None:
                 other.transport.abort()

@@ -11,30 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
-from hbone.errors import ConnectionClosed, HboneError, TlsHandshakeError
+from hbone.address import Address, canonical_addr
+from hbone.errors import CertificateRevoked, ConnectionClosed, HboneError, TlsHandshakeError
 from hbone.h2conn import H2Session, Headers
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import check_alpn, check_client_trust_domain
+from hbone.tls import REVOKED, TlsCredentials
 
 log = logging.getLogger("hbone")
-
-Address = tuple[str, int]
-
-
-def canonical_addr(addr: Any) -> Address:
-    """(host, port) of a socket address; an IPv4-mapped IPv6 address becomes the IPv4 one."""
-    if not addr:
-        return ("", 0)
-    host, port = str(addr[0]), int(addr[1])
-    if host.startswith("::ffff:") and "." in host:
-        host = host[len("::ffff:") :]
-    return (host, port)
 
 
 class ConnectRequest:
@@ -76,7 +64,18 @@ class ConnectRequest:
 
 
 Handler = Callable[[ConnectRequest], Awaitable[None]]
+# The credentials to serve a handshake with: fixed, or asked for on every handshake (waiting for an
+# in-flight certificate fetch), so a rotated certificate is served from the next handshake on.
+CredentialsSource = TlsCredentials | Callable[[], Awaitable[TlsCredentials]]
 TlsErrorHook = Callable[[Address, Address, Exception], None]
+
+
+def _revoked(session: H2Session, err: CertificateRevoked) -> None:
+    # A new CRL revoked the client: GOAWAY at once, then the connection is cut with its streams.
+    log.warning("hbone: closing connection from %s: %s", session.peer_identity, err)
+    session.extra[REVOKED] = err  # read by whoever relays over the connection's streams
+    session.goaway()
+    session.abort(err)
 
 
 class _Listener:
@@ -94,15 +93,17 @@ class _Listener:
 class HboneServer:
     def __init__(
         self,
-        context: ssl.SSLContext | Callable[[], ssl.SSLContext],
+        credentials: CredentialsSource,
         handler: Handler,
         settings: H2Settings,
-        own_trust_domain: Callable[[], str] | str,
+        own_trust_domain: Callable[[], str] | str | None = None,
         on_tls_error: TlsErrorHook | None = None,
         *,
         handshake_timeout: float = 10.0,
     ) -> None:
-        self._context = context
+        """`own_trust_domain`: the trust domain client identities must be in; by default the one of
+        the certificate served."""
+        self._credentials = credentials
         self._handler = handler
         self.settings = settings
         self._trust_domain = own_trust_domain
@@ -176,15 +177,23 @@ class HboneServer:
             on_request=lambda stream, headers: self._on_request(session, stream, headers, peer, local),
         )
         try:
-            ctx = self._context() if callable(self._context) else self._context
+            creds = self._credentials
+            if not isinstance(creds, TlsCredentials):
+                async with asyncio.timeout(self._handshake_timeout):  # no task per handshake
+                    creds = await creds()
+        except asyncio.CancelledError:
+            sock.close()
+            raise
         except Exception as e:
             sock.close()
-            self._tls_error(peer, local, TlsHandshakeError(f"tls handshake error: {e}"))
+            self._tls_error(
+                peer, local, TlsHandshakeError(f"tls handshake error: no certificate to serve: {e}")
+            )
             return
         try:
             # On failure or cancellation the loop closes the transport, and with it the socket.
             tls, _ = await loop.connect_accepted_socket(
-                lambda: session, sock, ssl=ctx, ssl_handshake_timeout=self._handshake_timeout
+                lambda: session, sock, ssl=creds.server, ssl_handshake_timeout=self._handshake_timeout
             )
         except asyncio.CancelledError:
             raise
@@ -194,9 +203,8 @@ class HboneServer:
         tls = cast(asyncio.Transport, tls)
         try:
             ssl_object = tls.get_extra_info("ssl_object")
-            check_alpn(ssl_object)
             td = self._trust_domain() if callable(self._trust_domain) else self._trust_domain
-            session.peer_identity = check_client_trust_domain(ssl_object, td)
+            session.peer_identity = creds.verify_client(ssl_object, td)
         except Exception as e:
             tls.abort()
             err = e if isinstance(e, HboneError) else TlsHandshakeError(f"tls handshake error: {e}")
@@ -206,7 +214,13 @@ class HboneServer:
             tls.abort()
             return
         self.sessions.add(session)
-        session.closed.add_done_callback(lambda _: self.sessions.discard(session))
+        release = creds.watch(ssl_object, lambda err: _revoked(session, err))
+
+        def closed(_: object) -> None:
+            self.sessions.discard(session)
+            release()
+
+        session.closed.add_done_callback(closed)
         session.start()
 
     def _on_request(

@@ -1,10 +1,21 @@
-"""TLS for HBONE: contexts built from a workload certificate, and SPIFFE peer checks (SPEC §2.2, §2.3).
+"""TLS for HBONE: the credentials of one workload (its certificate and the TLS contexts built from
+it, once), SPIFFE peer checks, and certificate revocation.
 
-Both sides: TLS 1.3 only, ALPN exactly `h2`, mutual authentication against the roots delivered with
-our own certificate, no session tickets or resumption. The client sends no SNI and does not check a
-host name; instead, after the handshake, the server leaf must carry one of the expected SPIFFE
-identities (`check_server_identity`). The server requires a client certificate and, after the
-handshake, a SPIFFE identity in its own trust domain (`check_client_trust_domain`).
+Both sides: TLS 1.3 only (also TLS 1.2 with `TlsPolicy.tls12`, restricted to ECDHE + AES-GCM
+suites), ALPN exactly `h2`, mutual authentication against the roots delivered with our own
+certificate, no session tickets or resumption. The client sends no SNI and does not check a host
+name; instead, after the handshake, the server leaf must carry one of the expected SPIFFE identities
+(`TlsCredentials.verify_server`). The server requires a client certificate and, after the handshake,
+a SPIFFE identity in its own trust domain (`TlsCredentials.verify_client`).
+
+`TlsCredentials` is what the listeners take: built when a certificate is issued or rotated (the
+secret manager does it), or in a worker process from the PEM bytes its parent shipped
+(`TlsCredentials.from_pem`). Nothing here is module-global: whoever holds the credentials holds
+their contexts.
+
+Revocation (`Revocation`): the CRLs in force, checked against the peer's verified chain after each
+handshake (a chain no CRL speaks about is accepted: unknown status fails open), and a registry of
+the live sessions with their peer chains, re-checked and torn down when new CRLs are installed.
 
 Limitation: Python's `ssl` (3.11) cannot restrict the TLS 1.3 cipher suites (`set_ciphers` only
 governs TLS 1.2 and below), so OpenSSL's default TLS 1.3 list applies, which also contains
@@ -14,21 +25,41 @@ TLS_AES_256_GCM_SHA384, so ChaCha20 is only used with a peer that offers no AES-
 
 from __future__ import annotations
 
+import _ssl
+import itertools
+import logging
 import os
 import shutil
 import ssl
 import tempfile
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from hbone.errors import IdentityMismatch, TlsHandshakeError
+from hbone.errors import CertificateRevoked, IdentityMismatch, TlsHandshakeError
 from hbone.identity import Identity
 
+log = logging.getLogger("hbone")
+
 ALPN_H2 = "h2"
+# TLS 1.2 (only with TlsPolicy.tls12): forward-secret ECDHE with AES-GCM, AES-256 first; no ChaCha20.
+TLS12_CIPHERS = ":".join(
+    (
+        "ECDHE-ECDSA-AES256-GCM-SHA384",
+        "ECDHE-ECDSA-AES128-GCM-SHA256",
+        "ECDHE-RSA-AES256-GCM-SHA384",
+        "ECDHE-RSA-AES128-GCM-SHA256",
+    )
+)
+# `get_extra_info` key of a session's streams once a new CRL tore the session down: the
+# `CertificateRevoked` saying why (what the proxy reports as response flag CERT_REVOKED).
+REVOKED = "revoked_by_crl"
+# Sessions kept for re-checks on a CRL change; past this, new ones are counted as untracked.
+MAX_TRACKED_SESSIONS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -43,19 +74,35 @@ class WorkloadCertificate:
     not_after: datetime
 
 
-def _base_context(protocol: int, cert: WorkloadCertificate) -> ssl.SSLContext:
+@dataclass(frozen=True)
+class TlsPolicy:
+    """What every context of a process shares: the versions allowed and the CRLs in force."""
+
+    tls12: bool = False
+    revocation: Revocation | None = None
+
+
+def _base_context(protocol: int, cert: WorkloadCertificate, policy: TlsPolicy) -> ssl.SSLContext:
     ctx = ssl.SSLContext(protocol)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    if policy.tls12:
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_ciphers(TLS12_CIPHERS)
+    else:
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.maximum_version = ssl.TLSVersion.TLSv1_3
     ctx.set_alpn_protocols([ALPN_H2])
     ctx.options |= ssl.OP_NO_TICKET | ssl.OP_NO_COMPRESSION
     ctx.verify_mode = ssl.CERT_REQUIRED
-    roots = b"".join(r if r.endswith(b"\n") else r + b"\n" for r in cert.roots_pem)
+    roots = _joined(cert.roots_pem)
     if not roots.strip():
         raise ValueError(f"certificate for {cert.identity} has no trust roots")
     ctx.load_verify_locations(cadata=roots.decode("ascii"))
     _load_key_pair(ctx, cert)
     return ctx
+
+
+def _joined(pems: Sequence[bytes]) -> bytes:
+    return b"".join(p if p.endswith(b"\n") else p + b"\n" for p in pems)
 
 
 def _load_key_pair(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:
@@ -68,63 +115,300 @@ def _load_key_pair(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(cert.key_pem if cert.key_pem.endswith(b"\n") else cert.key_pem + b"\n")
-            for pem in cert.chain_pem:
-                f.write(pem if pem.endswith(b"\n") else pem + b"\n")
+            f.write(_joined(cert.chain_pem))
         ctx.load_cert_chain(path)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def server_context(cert: WorkloadCertificate) -> ssl.SSLContext:
-    """Context for the inbound side (:15008): presents `cert`, requires a client certificate."""
-    ctx = _base_context(ssl.PROTOCOL_TLS_SERVER, cert)
+def _server_context(cert: WorkloadCertificate, policy: TlsPolicy) -> ssl.SSLContext:
+    ctx = _base_context(ssl.PROTOCOL_TLS_SERVER, cert, policy)
     ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     ctx.num_tickets = 0  # TLS 1.3: no tickets at all, so no resumption
     return ctx
 
 
-def client_context(cert: WorkloadCertificate) -> ssl.SSLContext:
-    """Context for the outbound side. Use with no server name: no SNI, no host name check."""
-    ctx = _base_context(ssl.PROTOCOL_TLS_CLIENT, cert)
-    ctx.check_hostname = False
+def _client_context(cert: WorkloadCertificate, policy: TlsPolicy) -> ssl.SSLContext:
+    ctx = _base_context(ssl.PROTOCOL_TLS_CLIENT, cert, policy)
+    ctx.check_hostname = False  # used with no server name: no SNI, no host name check
     return ctx
 
 
-class ContextCache:
-    """Reuses contexts across connections: building one costs a file round trip and key parsing.
+@dataclass(frozen=True, eq=False)
+class TlsCredentials:
+    """One workload certificate and the two contexts that present it, built together, once.
 
-    Keyed by the certificate material itself (identity, chain, roots), so a rotated certificate or
-    trust bundle gets a new context. Bounded; least recently used entries go first.
+    `server` is for the inbound side (:15008: presents the certificate, requires a client
+    certificate); `client` for dialling (use with no server name). Immutable: a rotated
+    certificate is a new `TlsCredentials`.
     """
 
-    def __init__(self, max_entries: int = 256) -> None:
-        self._max = max_entries
-        self._client: OrderedDict[tuple[object, ...], ssl.SSLContext] = OrderedDict()
-        self._server: OrderedDict[tuple[object, ...], ssl.SSLContext] = OrderedDict()
+    cert: WorkloadCertificate
+    server: ssl.SSLContext = field(repr=False)
+    client: ssl.SSLContext = field(repr=False)
+    policy: TlsPolicy
+    _roots: tuple[x509.Certificate, ...] = field(repr=False)
 
-    @staticmethod
-    def _key(cert: WorkloadCertificate) -> tuple[object, ...]:
-        return (cert.identity, cert.chain_pem, cert.roots_pem)
+    @classmethod
+    def build(cls, cert: WorkloadCertificate, policy: TlsPolicy | None = None) -> TlsCredentials:
+        """Build both contexts for `cert`; raise ValueError or ssl.SSLError on unusable material."""
+        policy = policy or TlsPolicy()
+        server, client = _server_context(cert, policy), _client_context(cert, policy)
+        roots = tuple(c for pem in cert.roots_pem for c in x509.load_pem_x509_certificates(pem))
+        return cls(cert, server, client, policy, roots)
 
-    def _get(
-        self, table: OrderedDict[tuple[object, ...], ssl.SSLContext], cert: WorkloadCertificate, server: bool
-    ) -> ssl.SSLContext:
-        key = self._key(cert)
-        ctx = table.get(key)
-        if ctx is None:
-            ctx = server_context(cert) if server else client_context(cert)
-            table[key] = ctx
-            while len(table) > self._max:
-                table.popitem(last=False)
-        else:
-            table.move_to_end(key)
-        return ctx
+    @classmethod
+    def from_pem(
+        cls, chain_pem: bytes, key_pem: bytes, roots_pem: bytes, policy: TlsPolicy | None = None
+    ) -> TlsCredentials:
+        """Credentials from PEM bytes (the chain leaf first, a PKCS#8 key, the concatenated roots),
+        as `pem()` gives them: what a parent process ships to its workers.
 
-    def client(self, cert: WorkloadCertificate) -> ssl.SSLContext:
-        return self._get(self._client, cert, server=False)
+        The identity is the leaf's first SPIFFE URI SAN and the validity its own; raise ValueError
+        when the leaf has no SPIFFE identity or the material does not load.
+        """
+        chain = x509.load_pem_x509_certificates(chain_pem)
+        leaf = chain[0]
+        identity = next((i for u in uri_sans(leaf) if (i := Identity.try_parse(u)) is not None), None)
+        if identity is None:
+            raise ValueError(f"certificate {leaf.subject.rfc4514_string()!r} has no SPIFFE identity")
+        cert = WorkloadCertificate(
+            identity=identity,
+            chain_pem=tuple(c.public_bytes(serialization.Encoding.PEM) for c in chain),
+            key_pem=key_pem,
+            roots_pem=(roots_pem,),
+            not_before=leaf.not_valid_before_utc,
+            not_after=leaf.not_valid_after_utc,
+        )
+        return cls.build(cert, policy)
 
-    def server(self, cert: WorkloadCertificate) -> ssl.SSLContext:
-        return self._get(self._server, cert, server=True)
+    def pem(self) -> tuple[bytes, bytes, bytes]:
+        """(chain PEM, key PEM, roots PEM): the arguments of `from_pem`."""
+        return _joined(self.cert.chain_pem), self.cert.key_pem, _joined(self.cert.roots_pem)
+
+    @property
+    def identity(self) -> Identity:
+        return self.cert.identity
+
+    def verify_server(
+        self, ssl_object: ssl.SSLObject | ssl.SSLSocket, expected: Sequence[Identity]
+    ) -> Identity:
+        """Client side, after the handshake: ALPN, the server's identity (`check_server_identity`)
+        and its chain's revocation status. Returns the server's identity; raises TlsHandshakeError."""
+        check_alpn(ssl_object)
+        identity = check_server_identity(ssl_object, expected)
+        self._check_revocation(ssl_object)
+        return identity
+
+    def verify_client(
+        self, ssl_object: ssl.SSLObject | ssl.SSLSocket, trust_domain: str | None = None
+    ) -> Identity:
+        """Server side, after the handshake: ALPN, a client identity in `trust_domain` (default: our
+        own certificate's) and the client chain's revocation status. Returns the client's identity."""
+        check_alpn(ssl_object)
+        identity = check_client_trust_domain(ssl_object, trust_domain or self.identity.trust_domain)
+        self._check_revocation(ssl_object)
+        return identity
+
+    def watch(
+        self, ssl_object: ssl.SSLObject | ssl.SSLSocket, teardown: Callable[[CertificateRevoked], None]
+    ) -> Callable[[], None]:
+        """Keep a live session's peer chain for re-checks: `teardown` is called if a later CRL revokes
+        it. Returns the function to call when the session ends (does nothing without CRLs)."""
+        revocation = self.policy.revocation
+        if revocation is None:
+            return _nothing
+        return revocation.track(peer_chain(ssl_object), teardown, self._roots)
+
+    def _check_revocation(self, ssl_object: ssl.SSLObject | ssl.SSLSocket) -> None:
+        if self.policy.revocation is not None:
+            self.policy.revocation.check(peer_chain(ssl_object), self._roots)
+
+
+def _nothing() -> None:
+    return None
+
+
+def peer_chain(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[x509.Certificate]:
+    """The peer's verified chain, leaf first, up to the trust anchor.
+
+    Python 3.11 has the verified chain only on the private `_sslobj` (public from 3.13 as
+    `get_verified_chain`); without it, the leaf alone (its issuer is then looked up in our roots).
+    """
+    inner = getattr(ssl_object, "_sslobj", None)
+    getter = getattr(ssl_object, "get_verified_chain", None) or getattr(inner, "get_verified_chain", None)
+    if getter is not None:
+        chain = getter()
+        if chain:
+            return [x509.load_der_x509_certificate(c.public_bytes(_ssl.ENCODING_DER)) for c in chain]
+    der = ssl_object.getpeercert(binary_form=True)
+    return [x509.load_der_x509_certificate(der)] if der else []
+
+
+# --- revocation ----------------------------------------------------------------------------------
+
+
+def parse_crls(data: bytes) -> tuple[x509.CertificateRevocationList, ...]:
+    """Every CRL of a PEM file (`-----BEGIN X509 CRL-----` blocks); raise ValueError naming the
+    problem when there is none or one does not parse."""
+    marker = b"-----BEGIN X509 CRL-----"
+    end = b"-----END X509 CRL-----"
+    crls: list[x509.CertificateRevocationList] = []
+    rest = data
+    while (start := rest.find(marker)) >= 0:
+        stop = rest.find(end, start)
+        if stop < 0:
+            raise ValueError(f"CRL {len(crls) + 1} has no END line")
+        block = rest[start : stop + len(end)]
+        try:
+            crls.append(x509.load_pem_x509_crl(block))
+        except ValueError as e:
+            raise ValueError(f"CRL {len(crls) + 1} does not parse: {e}") from None
+        rest = rest[stop + len(end) :]
+    if not crls:
+        raise ValueError("no PEM CRL (-----BEGIN X509 CRL-----) in the file")
+    return tuple(crls)
+
+
+@dataclass(eq=False)
+class _Tracked:
+    chain: list[x509.Certificate]
+    roots: tuple[x509.Certificate, ...]
+    teardown: Callable[[CertificateRevoked], None]
+
+
+class Revocation:
+    """The CRLs in force, and the live TLS sessions whose peer chains are re-checked when they change.
+
+    A certificate is revoked when a CRL issued by its issuer, whose signature verifies with the
+    issuer's key (found in the chain, else in our roots), lists its serial number. A certificate no
+    valid CRL speaks about is accepted. `on_rejection` is called once per refused handshake or torn
+    down session, `on_untracked` once per session admitted but not kept for re-checks.
+    """
+
+    def __init__(
+        self,
+        crls: Sequence[x509.CertificateRevocationList] = (),
+        *,
+        on_rejection: Callable[[], None] | None = None,
+        on_untracked: Callable[[], None] | None = None,
+        max_tracked: int = MAX_TRACKED_SESSIONS,
+    ) -> None:
+        self._on_rejection = on_rejection
+        self._on_untracked = on_untracked
+        self._max_tracked = max_tracked
+        self._tracked: dict[int, _Tracked] = {}
+        self._ids = itertools.count()
+        self._by_issuer: dict[x509.Name, list[x509.CertificateRevocationList]] = {}
+        self._signature_ok: dict[tuple[int, bytes], bool] = {}
+        self._crls: tuple[x509.CertificateRevocationList, ...] = ()
+        self._install(crls)
+
+    @property
+    def crls(self) -> tuple[x509.CertificateRevocationList, ...]:
+        return self._crls
+
+    @property
+    def tracked(self) -> int:
+        """How many live sessions are kept for re-checks."""
+        return len(self._tracked)
+
+    def _install(self, crls: Sequence[x509.CertificateRevocationList]) -> None:
+        by_issuer: dict[x509.Name, list[x509.CertificateRevocationList]] = {}
+        for crl in crls:
+            by_issuer.setdefault(crl.issuer, []).append(crl)
+        self._crls = tuple(crls)
+        self._by_issuer = by_issuer
+        self._signature_ok = {}
+
+    def revoked(
+        self, chain: Sequence[x509.Certificate], roots: Sequence[x509.Certificate] = ()
+    ) -> CertificateRevoked | None:
+        """Why `chain` (leaf first) is revoked, or None when no valid CRL lists one of its certificates."""
+        for i, cert in enumerate(chain):
+            crls = self._by_issuer.get(cert.issuer)
+            # No CRL for this issuer, or a trust anchor (which no CRL revokes). Not "issuer ==
+            # subject": the fake CA's leaves carry their root's subject.
+            if not crls or cert in roots:
+                continue
+            issuer = _find_issuer(cert, chain[i + 1 :], roots)
+            if issuer is None:
+                continue  # a CRL we cannot authenticate does not decide anything
+            for crl in crls:
+                if crl.get_revoked_certificate_by_serial_number(cert.serial_number) is None:
+                    continue
+                if self._valid_signature(crl, issuer):
+                    return CertificateRevoked(cert, position=i)
+        return None
+
+    def check(self, chain: Sequence[x509.Certificate], roots: Sequence[x509.Certificate] = ()) -> None:
+        """Raise `CertificateRevoked` (counted as a rejection) when `chain` is revoked."""
+        err = self.revoked(chain, roots)
+        if err is not None:
+            self._rejected()
+            raise err
+
+    def track(
+        self,
+        chain: Sequence[x509.Certificate],
+        teardown: Callable[[CertificateRevoked], None],
+        roots: Sequence[x509.Certificate] = (),
+    ) -> Callable[[], None]:
+        """Keep a live session for re-checks; returns its release function."""
+        if len(self._tracked) >= self._max_tracked or not chain:
+            if self._on_untracked is not None:
+                self._on_untracked()
+            return _nothing
+        key = next(self._ids)
+        self._tracked[key] = _Tracked(list(chain), tuple(roots), teardown)
+
+        def release() -> None:
+            self._tracked.pop(key, None)
+
+        return release
+
+    def replace(self, crls: Sequence[x509.CertificateRevocationList]) -> int:
+        """Install new CRLs, then re-check every live session and tear down the revoked ones.
+
+        Returns how many were torn down."""
+        self._install(crls)
+        torn = 0
+        for key, entry in list(self._tracked.items()):
+            err = self.revoked(entry.chain, entry.roots)
+            if err is None:
+                continue
+            self._tracked.pop(key, None)
+            torn += 1
+            self._rejected()
+            try:
+                entry.teardown(err)
+            except Exception:
+                log.exception("hbone: tearing down a revoked session failed")
+        return torn
+
+    def _rejected(self) -> None:
+        if self._on_rejection is not None:
+            self._on_rejection()
+
+    def _valid_signature(self, crl: x509.CertificateRevocationList, issuer: x509.Certificate) -> bool:
+        key = (id(crl), issuer.fingerprint(hashes.SHA256()))
+        ok = self._signature_ok.get(key)
+        if ok is None:
+            public_key = issuer.public_key()
+            ok = isinstance(
+                public_key, ec.EllipticCurvePublicKey | rsa.RSAPublicKey
+            ) and crl.is_signature_valid(public_key)
+            self._signature_ok[key] = ok
+        return ok
+
+
+def _find_issuer(
+    cert: x509.Certificate, rest: Sequence[x509.Certificate], roots: Sequence[x509.Certificate]
+) -> x509.Certificate | None:
+    for candidate in (*rest, *roots):
+        if candidate.subject == cert.issuer:
+            return candidate
+    return None
 
 
 def uri_sans(leaf: x509.Certificate) -> list[str]:

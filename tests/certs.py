@@ -1,8 +1,9 @@
 """Throwaway certificate authorities and SPIFFE workload certificates for tests.
 
 `make_ca()` makes a self-signed root (or, with `parent`, an intermediate); `issue()` signs an ECDSA
-P-256 leaf with the given URI SANs and EKU serverAuth+clientAuth, as Istio's CA does, and returns
-it as the `WorkloadCertificate` the `hbone` package takes.
+P-256 leaf with the given URI SANs through the project's one leaf builder (`hbone.identity.build_leaf`)
+and returns it as the `WorkloadCertificate` the `hbone` package takes; `make_crl()` writes a CRL of
+a CA revoking some of its certificates.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import NameOID
 
-from hbone.identity import Identity
+from hbone.identity import WORKLOAD_EKU, Identity, build_leaf
 from hbone.tls import WorkloadCertificate
 
 
@@ -82,7 +83,7 @@ def issue(
     *,
     extra_uris: Sequence[str] = (),
     roots: Sequence[bytes] | None = None,
-    eku: Sequence[x509.ObjectIdentifier] = (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH),
+    eku: Sequence[x509.ObjectIdentifier] = WORKLOAD_EKU,
     valid_for: datetime.timedelta = datetime.timedelta(days=1),
     dns_names: Sequence[str] = (),
 ) -> WorkloadCertificate:
@@ -93,39 +94,17 @@ def issue(
     """
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
-    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in (identity_uri, *extra_uris)]
-    sans += [x509.DNSName(d) for d in dns_names]
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "test")]))
-        .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + valid_for)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=True,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectAlternativeName(sans), critical=True)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False
-        )
+    cert = build_leaf(
+        [identity_uri, *extra_uris],
+        key.public_key(),
+        ca.cert,
+        ca.key,
+        now - datetime.timedelta(minutes=5),
+        now + valid_for,
+        subject=x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "test")]),
+        dns_names=dns_names,
+        eku=eku,
     )
-    if eku:
-        builder = builder.add_extension(x509.ExtendedKeyUsage(list(eku)), critical=False)
-    cert = builder.sign(ca.key, hashes.SHA256())
     identity = Identity.try_parse(identity_uri) or Identity("invalid", "invalid", "invalid")
     return WorkloadCertificate(
         identity=identity,
@@ -141,3 +120,35 @@ def issue(
 
 def spiffe(trust_domain: str = "cluster.local", namespace: str = "default", sa: str = "default") -> str:
     return f"spiffe://{trust_domain}/ns/{namespace}/sa/{sa}"
+
+
+def leaf(cert: WorkloadCertificate) -> x509.Certificate:
+    """The parsed leaf of a workload certificate."""
+    return x509.load_pem_x509_certificate(cert.chain_pem[0])
+
+
+def make_crl(
+    ca: CA,
+    revoked: Sequence[WorkloadCertificate | x509.Certificate] = (),
+    *,
+    signer: CA | None = None,
+) -> bytes:
+    """A PEM CRL issued by `ca` revoking `revoked` (workload certificates: their leaf; or any
+    certificate `ca` signed); `signer` signs it with another CA's key (a forged CRL)."""
+    now = _now()
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca.cert.subject)
+        .last_update(now - datetime.timedelta(minutes=1))
+        .next_update(now + datetime.timedelta(days=1))
+    )
+    for item in revoked:
+        cert = leaf(item) if isinstance(item, WorkloadCertificate) else item
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder()
+            .serial_number(cert.serial_number)
+            .revocation_date(now - datetime.timedelta(minutes=1))
+            .build()
+        )
+    crl = builder.sign((signer or ca).key, hashes.SHA256())
+    return crl.public_bytes(serialization.Encoding.PEM)

@@ -23,7 +23,7 @@ from hbone.identity import Identity
 from hbone.relay import Inbox, relay
 from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
-from hbone.tls import WorkloadCertificate, server_context
+from hbone.tls import TlsCredentials, WorkloadCertificate
 from ztunnel.identity import FakeCA
 
 TRUST_DOMAIN = "cluster.local"
@@ -104,7 +104,7 @@ async def _start(
         finally:
             relay_.tasks.discard(task)
 
-    server = HboneServer(server_context(cert), handler, H2Settings(), TRUST_DOMAIN)
+    server = HboneServer(TlsCredentials.build(cert), handler, H2Settings(), TRUST_DOMAIN)
     relay_ = Relay(ip, identity, server)
     await server.serve(_listener(ip, 15008))
     return relay_
@@ -124,7 +124,9 @@ async def start_waypoint(ip: str, identity: Identity, table: Mapping[str, Onward
             return
         try:
             sock = await dial(ip, onward.next_hop)
-            conn = await HboneConnection.open(sock, cert, [onward.identity], H2Settings())
+            conn = await HboneConnection.open(
+                sock, TlsCredentials.build(cert), [onward.identity], H2Settings()
+            )
         except (OSError, HboneError):
             seen.status = 503
             req.respond(503)

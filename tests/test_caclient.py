@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from google.protobuf import json_format
 
 from hbone.identity import Identity
-from hbone.tls import client_context, server_context
+from hbone.tls import TlsCredentials
 from tests.certs import CA, issue, make_ca
 from xds.client import AuthToken
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
@@ -192,8 +192,7 @@ async def test_the_chain_is_leaf_intermediates_then_a_bundle_of_roots(
     assert cert.key_pem.startswith(b"-----BEGIN PRIVATE KEY-----")  # PKCS#8
     assert key.public_key() == leaf.public_key()
     # The material makes TLS contexts: the key matches, the roots load.
-    server_context(cert)
-    client_context(cert)
+    TlsCredentials.build(cert)  # both contexts load the key pair and the roots
 
 
 async def test_shared_mode_refuses_a_leaf_for_another_identity(

@@ -19,7 +19,7 @@ from hbone.h2conn import H2Session
 from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import server_context
+from hbone.tls import TlsCredentials
 from tests.certs import CA, issue, make_ca, spiffe
 
 pytestmark = pytest.mark.timeout(30)
@@ -120,7 +120,7 @@ class Loopback:
         self.client_cert = issue(ca(), CLIENT_ID)
         self.tls_errors: list[Exception] = []
         self.server = HboneServer(
-            server_context(self.server_cert),
+            TlsCredentials.build(self.server_cert),
             handler,
             settings,
             "cluster.local",
@@ -142,7 +142,10 @@ class Loopback:
 
     async def connect(self, settings: H2Settings | None = None) -> HboneConnection:
         conn = await HboneConnection.open(
-            await self.dial(), self.client_cert, [self.server_cert.identity], settings or self.client_settings
+            await self.dial(),
+            TlsCredentials.build(self.client_cert),
+            [self.server_cert.identity],
+            settings or self.client_settings,
         )
         self.conns.append(conn)
         return conn

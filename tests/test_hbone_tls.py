@@ -18,7 +18,7 @@ from hbone.errors import H2HandshakeError, HboneError, IdentityMismatch, TlsHand
 from hbone.identity import Identity
 from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
-from hbone.tls import ContextCache, WorkloadCertificate, client_context, peer_identities, server_context
+from hbone.tls import TlsCredentials, WorkloadCertificate, peer_identities
 from tests.certs import CA, issue, make_ca, spiffe
 
 pytestmark = pytest.mark.timeout(30)
@@ -35,13 +35,14 @@ def ca() -> CA:
 class Server:
     def __init__(self, cert: WorkloadCertificate, trust_domain: str = "cluster.local") -> None:
         self.cert = cert
-        self.ctx = server_context(cert)
+        self.creds = TlsCredentials.build(cert)
+        self.ctx = self.creds.server
         self.sni: list[str | None] = []
         self.ctx.sni_callback = lambda obj, name, ctx: self.sni.append(name)  # type: ignore[assignment,misc,func-returns-value]
         self.errors: list[tuple[tuple[str, int], tuple[str, int], Exception]] = []
         self.failed = asyncio.Event()
         self.requests: list[ConnectRequest] = []
-        self.server = HboneServer(self.ctx, self._handle, H2Settings(), trust_domain, self._tls_error)
+        self.server = HboneServer(self.creds, self._handle, H2Settings(), trust_domain, self._tls_error)
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(8)
@@ -81,7 +82,9 @@ async def serve(ca: CA) -> AsyncIterator[Callable[..., Awaitable[Server]]]:
 async def test_handshake_is_tls13_with_alpn_h2_and_mutual_identities(ca: CA, serve) -> None:
     srv = await serve()
     cert = issue(ca, CLIENT_ID)
-    conn = await HboneConnection.open(await srv.dial(), cert, [Identity.parse(SERVER_ID)], H2Settings())
+    conn = await HboneConnection.open(
+        await srv.dial(), TlsCredentials.build(cert), [Identity.parse(SERVER_ID)], H2Settings()
+    )
     ssl_object = conn.get_extra_info("ssl_object")
     assert isinstance(ssl_object, ssl.SSLObject)
     assert ssl_object.version() == "TLSv1.3"
@@ -100,7 +103,9 @@ async def test_any_expected_identity_matches_any_san(ca: CA, serve) -> None:
     other = spiffe(namespace="ns1", sa="waypoint")
     srv = await serve(issue(ca, SERVER_ID, extra_uris=[other, "https://not-spiffe.example"]))
     expected = [Identity.parse(spiffe(sa="unrelated")), Identity.parse(other)]
-    conn = await HboneConnection.open(await srv.dial(), issue(ca, CLIENT_ID), expected, H2Settings())
+    conn = await HboneConnection.open(
+        await srv.dial(), TlsCredentials.build(issue(ca, CLIENT_ID)), expected, H2Settings()
+    )
     assert str(conn.peer_identity) == SERVER_ID  # "the" identity is the first SAN
     conn.abort()
 
@@ -109,7 +114,9 @@ async def test_wrong_expected_identity_is_refused_before_http2(ca: CA, serve) ->
     srv = await serve()
     wanted = Identity.parse(spiffe(namespace="ns1", sa="someone-else"))
     with pytest.raises(IdentityMismatch) as err:
-        await HboneConnection.open(await srv.dial(), issue(ca, CLIENT_ID), [wanted], H2Settings())
+        await HboneConnection.open(
+            await srv.dial(), TlsCredentials.build(issue(ca, CLIENT_ID)), [wanted], H2Settings()
+        )
     assert err.value.expected == (wanted,)
     assert [str(i) for i in err.value.got] == [SERVER_ID]
     assert "someone-else" in str(err.value) and SERVER_ID in str(err.value)
@@ -120,7 +127,9 @@ async def test_wrong_expected_identity_is_refused_before_http2(ca: CA, serve) ->
 async def test_empty_expected_list_is_a_mismatch(ca: CA, serve) -> None:
     srv = await serve()
     with pytest.raises(IdentityMismatch):
-        await HboneConnection.open(await srv.dial(), issue(ca, CLIENT_ID), [], H2Settings())
+        await HboneConnection.open(
+            await srv.dial(), TlsCredentials.build(issue(ca, CLIENT_ID)), [], H2Settings()
+        )
 
 
 async def test_client_from_another_trust_domain_is_rejected(ca: CA, serve) -> None:
@@ -128,7 +137,7 @@ async def test_client_from_another_trust_domain_is_rejected(ca: CA, serve) -> No
     foreign = issue(ca, spiffe(trust_domain="other.domain", namespace="ns2", sa="client"))
     with pytest.raises(HboneError):
         conn = await HboneConnection.open(
-            await srv.dial(), foreign, [Identity.parse(SERVER_ID)], H2Settings()
+            await srv.dial(), TlsCredentials.build(foreign), [Identity.parse(SERVER_ID)], H2Settings()
         )
         await conn.connect("127.0.0.1:80")
     await asyncio.wait_for(srv.failed.wait(), 5)
@@ -144,7 +153,7 @@ async def test_client_without_san_in_our_trust_domain_when_it_has_none(ca: CA, s
     no_spiffe = issue(ca, "https://example.com/not-an-identity")
     with pytest.raises(HboneError):
         conn = await HboneConnection.open(
-            await srv.dial(), no_spiffe, [Identity.parse(SERVER_ID)], H2Settings()
+            await srv.dial(), TlsCredentials.build(no_spiffe), [Identity.parse(SERVER_ID)], H2Settings()
         )
         await conn.connect("127.0.0.1:80")
     await asyncio.wait_for(srv.failed.wait(), 5)
@@ -181,7 +190,10 @@ async def test_server_with_untrusted_ca_is_rejected(ca: CA, serve) -> None:
     srv = await serve(issue(rogue, SERVER_ID, roots=[ca.root_pem]))
     with pytest.raises(TlsHandshakeError) as err:
         await HboneConnection.open(
-            await srv.dial(), issue(ca, CLIENT_ID), [Identity.parse(SERVER_ID)], H2Settings()
+            await srv.dial(),
+            TlsCredentials.build(issue(ca, CLIENT_ID)),
+            [Identity.parse(SERVER_ID)],
+            H2Settings(),
         )
     assert "certificate verify failed: unable to get local issuer certificate" in str(err.value)
 
@@ -193,7 +205,9 @@ async def test_client_with_untrusted_ca_is_rejected(ca: CA, serve) -> None:
     # TLS 1.3: the client's handshake is complete before the server judges its certificate, so
     # the client learns of the refusal as a close (asyncio's server does not flush its alert).
     with pytest.raises((TlsHandshakeError, H2HandshakeError)):
-        await HboneConnection.open(await srv.dial(), client, [Identity.parse(SERVER_ID)], H2Settings())
+        await HboneConnection.open(
+            await srv.dial(), TlsCredentials.build(client), [Identity.parse(SERVER_ID)], H2Settings()
+        )
     await asyncio.wait_for(srv.failed.wait(), 5)
     assert "certificate verify failed: unable to get local issuer certificate" in str(srv.errors[0][2])
 
@@ -202,7 +216,9 @@ async def test_client_cert_without_client_auth_eku_is_rejected(ca: CA, serve) ->
     srv = await serve()
     server_only = issue(ca, CLIENT_ID, eku=[ExtendedKeyUsageOID.SERVER_AUTH])
     with pytest.raises((TlsHandshakeError, H2HandshakeError)):
-        await HboneConnection.open(await srv.dial(), server_only, [Identity.parse(SERVER_ID)], H2Settings())
+        await HboneConnection.open(
+            await srv.dial(), TlsCredentials.build(server_only), [Identity.parse(SERVER_ID)], H2Settings()
+        )
     await asyncio.wait_for(srv.failed.wait(), 5)
     assert "certificate verify failed: unsuitable certificate purpose" in str(srv.errors[0][2])
 
@@ -212,7 +228,9 @@ async def test_intermediate_chain_is_presented(ca: CA, serve) -> None:
     srv = await serve(issue(intermediate, SERVER_ID))
     client = issue(intermediate, CLIENT_ID)
     assert len(client.chain_pem) == 2
-    conn = await HboneConnection.open(await srv.dial(), client, [Identity.parse(SERVER_ID)], H2Settings())
+    conn = await HboneConnection.open(
+        await srv.dial(), TlsCredentials.build(client), [Identity.parse(SERVER_ID)], H2Settings()
+    )
     await conn.connect("127.0.0.1:80")
     conn.abort()
 
@@ -220,7 +238,7 @@ async def test_intermediate_chain_is_presented(ca: CA, serve) -> None:
 async def test_peer_without_alpn_h2_is_rejected(ca: CA, serve) -> None:
     srv = await serve()
     cert = issue(ca, CLIENT_ID)
-    ctx = client_context(cert)
+    ctx = TlsCredentials.build(cert).client
     ctx.set_alpn_protocols(["http/1.1"])
     _reader, writer = await asyncio.open_connection(sock=await srv.dial(), ssl=ctx, server_hostname="")
     assert writer.get_extra_info("ssl_object").selected_alpn_protocol() is None
@@ -230,44 +248,87 @@ async def test_peer_without_alpn_h2_is_rejected(ca: CA, serve) -> None:
 
 
 async def test_rotated_server_certificate_is_picked_up_per_handshake(ca: CA) -> None:
-    certs = [issue(ca, SERVER_ID), issue(ca, spiffe(namespace="ns1", sa="rotated"))]
-    current = {"cert": certs[0]}
-    cache = ContextCache()
+    creds = [
+        TlsCredentials.build(issue(ca, SERVER_ID)),
+        TlsCredentials.build(issue(ca, spiffe(namespace="ns1", sa="rotated"))),
+    ]
+    current = {"creds": creds[0]}
+
+    async def credentials() -> TlsCredentials:
+        return current["creds"]
 
     async def handler(req: ConnectRequest) -> None:
         req.respond(200)
 
-    server = HboneServer(
-        lambda: cache.server(current["cert"]), handler, H2Settings(), lambda: "cluster.local"
-    )
+    server = HboneServer(credentials, handler, H2Settings())
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     await server.serve(listener)
     expected = [Identity.parse(SERVER_ID), Identity.parse(spiffe(namespace="ns1", sa="rotated"))]
+    client = TlsCredentials.build(issue(ca, CLIENT_ID))
     seen = []
-    for cert in certs:
-        current["cert"] = cert
+    for c in creds:
+        current["creds"] = c
         sock = socket.socket()
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, listener.getsockname())
-        conn = await HboneConnection.open(sock, issue(ca, CLIENT_ID), expected, H2Settings())
+        conn = await HboneConnection.open(sock, client, expected, H2Settings())
         seen.append(str(conn.peer_identity))
         conn.abort()
     await server.shutdown(graceful=False)
     assert seen == [SERVER_ID, spiffe(namespace="ns1", sa="rotated")]
 
 
-def test_context_cache_reuses_per_certificate(ca: CA) -> None:
-    cache = ContextCache(max_entries=2)
-    a, b, c = (issue(ca, spiffe(sa=n)) for n in "abc")
-    assert cache.client(a) is cache.client(a)
-    assert cache.server(a) is cache.server(a)
-    assert cache.client(a) is not cache.client(b)
-    first = cache.client(a)
-    cache.client(b)
-    cache.client(c)  # evicts a, the least recently used
-    assert cache.client(a) is not first
+async def test_server_without_credentials_refuses_the_handshake_and_keeps_serving(ca: CA) -> None:
+    creds = TlsCredentials.build(issue(ca, SERVER_ID))
+    available: dict[str, TlsCredentials | None] = {"creds": None}
+    errors: list[Exception] = []
+
+    async def credentials() -> TlsCredentials:
+        if available["creds"] is None:
+            raise LookupError("no certificate yet")
+        return available["creds"]
+
+    async def handler(req: ConnectRequest) -> None:
+        req.respond(200)
+
+    server = HboneServer(
+        credentials, handler, H2Settings(), on_tls_error=lambda _peer, _local, e: errors.append(e)
+    )
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    await server.serve(listener)
+    client = TlsCredentials.build(issue(ca, CLIENT_ID))
+
+    async def dial() -> socket.socket:
+        sock = socket.socket()
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, listener.getsockname())
+        return sock
+
+    with pytest.raises(TlsHandshakeError):
+        await HboneConnection.open(await dial(), client, [Identity.parse(SERVER_ID)], H2Settings())
+    assert "no certificate to serve: no certificate yet" in str(errors[0])
+    available["creds"] = creds
+    conn = await HboneConnection.open(await dial(), client, [Identity.parse(SERVER_ID)], H2Settings())
+    assert str(conn.peer_identity) == SERVER_ID
+    conn.abort()
+    await server.shutdown(graceful=False)
+
+
+def test_credentials_from_pem_round_trip(ca: CA) -> None:
+    intermediate = make_ca("intermediate", parent=ca)
+    original = TlsCredentials.build(issue(intermediate, SERVER_ID))
+    chain, key, roots = original.pem()
+    copy = TlsCredentials.from_pem(chain, key, roots)
+    assert copy.identity == original.identity == Identity.parse(SERVER_ID)
+    assert copy.pem() == original.pem()
+    assert (copy.cert.not_before, copy.cert.not_after) == (original.cert.not_before, original.cert.not_after)
+    assert copy.server is not original.server  # contexts of its own
+    with pytest.raises(ValueError, match="no SPIFFE identity"):
+        TlsCredentials.from_pem(*TlsCredentials.build(issue(ca, "https://example.com/x")).pem())
 
 
 def test_contexts_pin_tls13_h2_and_leave_no_key_file(ca: CA, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -282,13 +343,13 @@ def test_contexts_pin_tls13_h2_and_leave_no_key_file(ca: CA, monkeypatch: pytest
 
     monkeypatch.setattr(ssl.SSLContext, "load_cert_chain", spy)
     cert = issue(ca, SERVER_ID)
-    for ctx in (server_context(cert), client_context(cert)):
+    for ctx in (TlsCredentials.build(cert).server, TlsCredentials.build(cert).client):
         assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3
         assert ctx.maximum_version == ssl.TLSVersion.TLSv1_3
         assert ctx.verify_mode == ssl.CERT_REQUIRED
         assert ctx.options & ssl.OP_NO_TICKET
-    assert server_context(cert).num_tickets == 0
-    assert not client_context(cert).check_hostname
+    assert TlsCredentials.build(cert).server.num_tickets == 0
+    assert not TlsCredentials.build(cert).client.check_hostname
     # The key pair went through a private file (0600 in a 0700 directory), deleted right after.
     assert loaded
     for path, file_mode, dir_mode in loaded:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import random
+import ssl
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -15,7 +17,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from cryptography.x509.verification import PolicyBuilder, Store
 
 from hbone.identity import Identity
-from hbone.tls import WorkloadCertificate
+from hbone.tls import TlsPolicy, WorkloadCertificate
 from ztunnel.identity import CaError, CertificateUnavailable, FakeCA, SecretManager
 
 CLIENT = Identity("cluster.local", "demo", "client")
@@ -317,4 +319,36 @@ async def test_at_most_eight_ca_calls_at_once(clock: Clock, ca: CountingCA) -> N
     await realtime
     # The connection's fetch went ahead of the queued prefetches.
     assert ca.calls.index(ids[11]) == 8
+    await sm.close()
+
+
+# --- TLS credentials (the contexts come with the certificate) ---
+
+
+async def test_credentials_are_built_once_per_certificate_and_anew_on_rotation(
+    clock: Clock, ca: CountingCA
+) -> None:
+    sm = SecretManager(ca, clock=clock, tls=TlsPolicy(tls12=True))
+    first = await sm.credentials(CLIENT)
+    assert await sm.credentials(CLIENT) is first  # no context is built per handshake
+    assert first.cert is await sm.get(CLIENT)
+    assert first.server.minimum_version == ssl.TLSVersion.TLSv1_2  # built under the manager's policy
+    clock.now = T0 + 12 * 3600
+    assert await sm.refresh_due() == [CLIENT]
+    second = await sm.credentials(CLIENT)
+    assert second is not first and second.cert.not_before.timestamp() == clock.now
+    assert second.server is not first.server
+    await sm.close()
+
+
+async def test_unusable_certificate_material_is_a_fetch_failure(clock: Clock, ca: CountingCA) -> None:
+    class NoRoots(CountingCA):
+        async def fetch(self, identity: Identity) -> WorkloadCertificate:
+            cert = await super().fetch(identity)
+            return dataclasses.replace(cert, roots_pem=(b"",))
+
+    sm = SecretManager(NoRoots(clock), clock=clock)
+    with pytest.raises(CertificateUnavailable, match="has no trust roots"):
+        await sm.credentials(CLIENT)
+    assert sm.dump()[0]["state"].startswith("Unavailable")
     await sm.close()

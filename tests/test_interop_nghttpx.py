@@ -22,7 +22,7 @@ from hbone.client import HboneConnection
 from hbone.errors import H2HandshakeError, HttpStatusError, IdentityMismatch, TlsHandshakeError
 from hbone.identity import Identity
 from hbone.settings import H2Settings
-from hbone.tls import WorkloadCertificate
+from hbone.tls import TlsCredentials, WorkloadCertificate
 from tests.certs import CA, issue, make_ca, spiffe
 from tests.netns import require_tools
 
@@ -186,7 +186,9 @@ async def _open(proxy: Proxy, cert: WorkloadCertificate, expected: list[Identity
     sock = socket.socket()
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", proxy.port))
-    return await HboneConnection.open(sock, cert, expected, H2Settings(), handshake_timeout=5.0)
+    return await HboneConnection.open(
+        sock, TlsCredentials.build(cert), expected, H2Settings(), handshake_timeout=5.0
+    )
 
 
 class Sink(asyncio.Protocol):

@@ -19,6 +19,7 @@ from hbone.errors import HttpStatusError, IdentityMismatch
 from hbone.identity import Identity
 from hbone.inner import open_inner
 from hbone.settings import H2Settings
+from hbone.tls import TlsCredentials
 from tests.mesh import Echo, echo_roundtrip, proxy_env, sha, socks5_connect, start_echo, start_proxy
 from tests.relays import Onward, Relay, certificate, dial, start_gateway, start_waypoint
 from ztunnel.app import App
@@ -300,7 +301,10 @@ async def test_a_proxy_accepts_connections_for_what_it_is_the_waypoint_of(proxy_
         cert = certificate(Identity.parse(CLIENT_ID))
         sock = await dial(CLIENT, (INLINE_WP, 15008))
         conn = await HboneConnection.open(
-            sock, cert, [Identity.parse("spiffe://cluster.local/ns/demo/sa/inline-wp")], H2Settings()
+            sock,
+            TlsCredentials.build(cert),
+            [Identity.parse("spiffe://cluster.local/ns/demo/sa/inline-wp")],
+            H2Settings(),
         )
         try:
             with pytest.raises(HttpStatusError) as refused:
@@ -379,12 +383,17 @@ async def test_inner_tls_checks_the_final_identity(proxy_logs, servers) -> None:
     async with proxies(config(), ("remote", "remote", REMOTE), remote={"NETWORK": "net2"}):
         cert = certificate(Identity.parse(EAST_CLIENT_ID))
         sock = await dial(EAST_CLIENT, (GATEWAY, 15008))
-        outer_conn = await HboneConnection.open(sock, cert, [gateway.identity], H2Settings())
+        outer_conn = await HboneConnection.open(
+            sock, TlsCredentials.build(cert), [gateway.identity], H2Settings()
+        )
         try:
             outer = await outer_conn.connect(f"{REMOTE_HOST}:9080")
             with pytest.raises(IdentityMismatch):
                 await open_inner(
-                    outer, cert, [Identity.parse("spiffe://cluster.local/ns/demo/sa/nobody")], H2Settings()
+                    outer,
+                    TlsCredentials.build(cert),
+                    [Identity.parse("spiffe://cluster.local/ns/demo/sa/nobody")],
+                    H2Settings(),
                 )
         finally:
             outer_conn.abort()

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import uvloop
 
+from hbone.tls import TlsPolicy
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
 from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
 from ztunnel.config import Config, ConfigError, WorkloadInfo
+from ztunnel.crl import CrlError, CrlWatcher
 from ztunnel.identity import FakeCA, SecretManager
 from ztunnel.logs import setup_logging
 from ztunnel.metrics import Metrics
@@ -82,7 +84,13 @@ class App:
         self.state = ProxyState()
         self.metrics = Metrics(istio_version=config.istio_version)
         self.readiness = Readiness()
-        self.secrets = SecretManager(FakeCA()) if config.fake_ca else None
+        try:
+            self.crl = CrlWatcher.load(config.crl_path, self.metrics) if config.crl_path else None
+        except CrlError as e:
+            raise StartupError(str(e)) from None
+        # Every TLS context of the process is built under this policy (by the secret manager).
+        self.tls = TlsPolicy(tls12=config.tls12_enabled, revocation=self.crl.revocation if self.crl else None)
+        self.secrets = SecretManager(FakeCA(), tls=self.tls) if config.fake_ca else None
         self.static: LocalConfig | None = None
         self.proxies: list[ProxyInstance] = []
         self._stop = asyncio.Event()
@@ -142,8 +150,10 @@ class App:
                 secret_ttl=cfg.secret_ttl,
                 impersonate=cfg.proxy_mode == "shared",
             )
-            self.secrets = SecretManager(self._ca)
+            self.secrets = SecretManager(self._ca, tls=self.tls)
         self.static = load_static_config(cfg)
+        if self.crl is not None:
+            self.crl.start()
         state_task = self.readiness.register("state manager")
         proxy_task = self.readiness.register("proxy")
         # The local file is applied first; xDS (if any) then builds on it (SPEC §7.1).
@@ -212,7 +222,7 @@ class App:
             raise StartupError(f"failed to bind the proxy listeners: {e.strerror or e}") from None
         self.proxies.append(proxy)
         # The workload's certificate is requested at start-up, without gating readiness.
-        self.secrets.prefetch(proxy.identity(proxy.find_local_workload()))
+        self.secrets.prefetch(proxy.own_identity())
         if self.xds is None:
             await self._serve(proxy, socks, proxy_task)
         else:
@@ -272,7 +282,7 @@ class App:
             proxy = ProxyInstance(
                 self.config, self.state, secrets, self.metrics, info, NetnsSocketFactory(netns, options)
             )
-            secrets.prefetch(proxy.identity(proxy.find_local_workload()))
+            secrets.prefetch(proxy.own_identity())
             return proxy
 
         self.inpod = WorkloadProxyManager(
@@ -334,6 +344,8 @@ class App:
                 await server.close()
         if self.secrets is not None:
             await self.secrets.close()
+        if self.crl is not None:
+            await self.crl.close()
         if self._ca is not None:
             await self._ca.close()
 

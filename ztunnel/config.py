@@ -12,6 +12,8 @@ import json
 import math
 import os
 import re
+import ssl
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -20,6 +22,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from hbone.address import format_addr
 from ztunnel.logs import parse_filter
 
 OUTBOUND_PORT = 15001
@@ -179,15 +182,10 @@ def _dump_value(value: Any) -> Any:
     if isinstance(value, Mapping):
         return dict(value)
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], int):
-        return format_address(value)
+        return format_addr(*value)
     if isinstance(value, tuple):
         return [_dump_value(v) for v in value]
     return value
-
-
-def format_address(addr: Address) -> str:
-    host, port = addr
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # --- parsing -----------------------------------------------------------------------------------
@@ -337,6 +335,21 @@ def parse_log_format(value: str) -> LogFormat:
     if value == "json":
         return "json"
     raise ValueError("expected plain or json")
+
+
+def parse_compliance_policy(value: str) -> None:
+    """Only "no policy" can be honoured: `pqc` (key exchange restricted to X25519MLKEM768) needs
+    key-exchange group selection, which Python 3.11's ssl module does not offer, and an OpenSSL
+    with ML-KEM (3.5 or later). Refused rather than silently ignored."""
+    if value == "":
+        return None
+    if value == "pqc":
+        raise ValueError(
+            "not supported: it restricts key exchange to X25519MLKEM768, which this build cannot "
+            f"select (Python {sys.version_info.major}.{sys.version_info.minor} ssl sets no key-exchange "
+            f"groups; {ssl.OPENSSL_VERSION})"
+        )
+    raise ValueError("expected pqc or empty")
 
 
 def parse_log_level(value: str) -> str:
@@ -683,6 +696,7 @@ def _build(env: _Env, pc: _ProxyConfig) -> Config:
         dns_capture=dns_capture,
         dns_proxy_addr=dns_proxy_addr,
     )
+    env.parse("COMPLIANCE_POLICY", parse_compliance_policy, None)
     if cfg.dns_capture and cfg.xds_on_demand:
         raise ConfigError("invalid configuration: the DNS proxy does not support XDS_ON_DEMAND=true")
     if not cfg.enable_proxy and not cfg.dns_capture:

@@ -2,7 +2,9 @@
 fetches, shares, rotates and forgets certificates (SPEC §8.1, §8.3).
 
 The secret manager is process-wide: every proxy whose workload has the same identity shares one
-certificate. Rotation runs at half-life off an injectable clock; `refresh_due(now)` is the step the
+certificate. It is also the one owner of the TLS contexts: each certificate, when issued or
+rotated, is turned into `TlsCredentials` (the certificate with its server and client contexts)
+right away, and the listeners ask for those (`credentials(identity)`). Rotation runs at half-life off an injectable clock; `refresh_due(now)` is the step the
 background scheduler takes, so tests can drive rotation without waiting.
 """
 
@@ -15,7 +17,6 @@ import heapq
 import itertools
 import logging
 import random
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,12 +26,12 @@ from importlib import resources
 from typing import Any, Protocol
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import NameOID
 
-from hbone.identity import Identity
-from hbone.tls import WorkloadCertificate
+from hbone.identity import Identity, build_leaf
+from hbone.tls import TlsCredentials, TlsPolicy, WorkloadCertificate
 
 log = logging.getLogger(__name__)
 
@@ -97,48 +98,8 @@ class FakeCA:
         not_before = (now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
         not_after = not_before + FAKE_CA_VALIDITY
         key = ec.generate_private_key(ec.SECP256R1())
-        serial = 0
-        while serial == 0:
-            serial = secrets.randbits(159)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(_ORG)
-            .issuer_name(self._root.subject)
-            .public_key(key.public_key())
-            .serial_number(serial)
-            .not_valid_before(not_before)
-            .not_valid_after(not_after)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=True,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                critical=False,
-            )
-            .add_extension(
-                # RFC 5280 §4.2.1.6: not critical, the subject is not empty.
-                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]),
-                critical=False,
-            )
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False
-            )
-            # The leaf's subject equals the root's (O=cluster.local, as the reference's fake CA);
-            # without its own key identifier OpenSSL takes it for self-signed.
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(self._key, hashes.SHA256())
+        cert = build_leaf(
+            [str(identity)], key.public_key(), self._root, self._key, not_before, not_after, subject=_ORG
         )
         return WorkloadCertificate(
             identity=identity,
@@ -209,16 +170,20 @@ class _CallSlots:
 
 @dataclass(eq=False)
 class _Entry:
-    cert: WorkloadCertificate | None = None
+    creds: TlsCredentials | None = None
     error: str | None = None  # set only while there is no valid certificate
-    fetch: asyncio.Task[WorkloadCertificate] | None = None
+    fetch: asyncio.Task[TlsCredentials] | None = None
     ticket: _Ticket | None = None
     refresh_at: float | None = None
     backoff: float = INITIAL_BACKOFF
 
     @property
+    def cert(self) -> WorkloadCertificate | None:
+        return self.creds.cert if self.creds is not None else None
+
+    @property
     def state(self) -> str:
-        if self.cert is not None:
+        if self.creds is not None:
             return "Available"
         if self.error is not None:
             return f"Unavailable: {self.error}"
@@ -226,17 +191,22 @@ class _Entry:
 
 
 class SecretManager:
-    """Certificates by identity: one shared in-flight fetch, rotation at half-life, retry with backoff."""
+    """Certificates by identity: one shared in-flight fetch, rotation at half-life, retry with backoff.
+
+    Every certificate comes with its TLS contexts, built under `tls` (versions, CRLs) on arrival.
+    """
 
     def __init__(
         self,
         ca: CaClient,
         *,
+        tls: TlsPolicy | None = None,
         clock: Callable[[], float] = time.time,
         max_concurrent_fetches: int = MAX_CONCURRENT_FETCHES,
         rng: random.Random | None = None,
     ) -> None:
         self._ca = ca
+        self._tls = tls or TlsPolicy()
         self._clock = clock
         self._rng = rng or random.Random()
         self._slots = _CallSlots(max_concurrent_fetches)
@@ -247,10 +217,15 @@ class SecretManager:
 
     async def get(self, identity: Identity) -> WorkloadCertificate:
         """The identity's certificate, waiting for an in-flight fetch; raise CertificateUnavailable."""
+        return (await self.credentials(identity)).cert
+
+    async def credentials(self, identity: Identity) -> TlsCredentials:
+        """The identity's certificate with its TLS contexts, waiting for an in-flight fetch; raise
+        CertificateUnavailable. What the listeners present, on every handshake."""
         entry = self._entry(identity, Priority.REALTIME)
-        cert = entry.cert
-        if cert is not None and self._clock() < cert.not_after.timestamp():
-            return cert
+        creds = entry.creds
+        if creds is not None and self._clock() < creds.cert.not_after.timestamp():
+            return creds
         if entry.fetch is None:
             if entry.error is not None:
                 raise CertificateUnavailable(entry.error)
@@ -325,7 +300,7 @@ class SecretManager:
 
     def _start_fetch(
         self, identity: Identity, entry: _Entry, priority: Priority
-    ) -> asyncio.Task[WorkloadCertificate]:
+    ) -> asyncio.Task[TlsCredentials]:
         entry.refresh_at = None
         entry.ticket = self._slots.ticket(priority)
         task = asyncio.get_running_loop().create_task(
@@ -335,45 +310,47 @@ class SecretManager:
         entry.fetch = task
         return task
 
-    async def _run_fetch(self, identity: Identity, entry: _Entry, ticket: _Ticket) -> WorkloadCertificate:
+    async def _run_fetch(self, identity: Identity, entry: _Entry, ticket: _Ticket) -> TlsCredentials:
         try:
             await self._slots.acquire(ticket)
             try:
                 cert = await self._ca.fetch(identity)
+                # The contexts are built with the certificate, so a handshake never builds one.
+                creds = TlsCredentials.build(cert, self._tls)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 return self._fetch_failed(identity, entry, e)
             finally:
                 self._slots.release()
-            entry.cert, entry.error, entry.backoff = cert, None, INITIAL_BACKOFF
+            entry.creds, entry.error, entry.backoff = creds, None, INITIAL_BACKOFF
             not_before, not_after = cert.not_before.timestamp(), cert.not_after.timestamp()
             entry.refresh_at = not_before + (not_after - not_before) / 2
             log.debug("fetched certificate for %s, refresh at %s", identity, entry.refresh_at)
-            return cert
+            return creds
         finally:
             entry.fetch = None
             entry.ticket = None
             self._wake.set()
 
-    def _fetch_failed(self, identity: Identity, entry: _Entry, err: Exception) -> WorkloadCertificate:
+    def _fetch_failed(self, identity: Identity, entry: _Entry, err: Exception) -> TlsCredentials:
         now = self._clock()
         message = str(err) or type(err).__name__
         delay = entry.backoff * self._rng.uniform(0.8, 1.2)
         entry.backoff = min(entry.backoff * 2, MAX_BACKOFF)
-        cert = entry.cert
-        if cert is not None and now < cert.not_after.timestamp():
-            entry.refresh_at = min(now + delay, cert.not_after.timestamp())
+        creds = entry.creds
+        if creds is not None and now < creds.cert.not_after.timestamp():
+            entry.refresh_at = min(now + delay, creds.cert.not_after.timestamp())
             log.warning(
                 "failed to refresh certificate for %s, keeping the current one: %s", identity, message
             )
-            return cert
-        entry.cert, entry.error = None, message
+            return creds
+        entry.creds, entry.error = None, message
         entry.refresh_at = now + delay
         log.warning("failed to fetch certificate for %s: %s", identity, message)
         raise CertificateUnavailable(message)
 
-    def _start_due(self, now: float) -> list[tuple[Identity, asyncio.Task[WorkloadCertificate]]]:
+    def _start_due(self, now: float) -> list[tuple[Identity, asyncio.Task[TlsCredentials]]]:
         started = []
         for identity, entry in list(self._entries.items()):
             if entry.fetch is None and entry.refresh_at is not None and entry.refresh_at <= now:
@@ -403,7 +380,7 @@ class SecretManager:
                 pass
 
 
-def _consume_result(task: asyncio.Task[WorkloadCertificate]) -> None:
+def _consume_result(task: asyncio.Task[TlsCredentials]) -> None:
     # Prefetch and rotation fetches have no waiter; their failures are already in the entry's state.
     if not task.cancelled():
         task.exception()

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from hbone.address import format_addr
+
 TRACE = 5
 OFF = logging.CRITICAL + 10
 logging.addLevelName(TRACE, "TRACE")
@@ -211,8 +213,7 @@ def _bare_text(value: object) -> str | None:
     if isinstance(value, ipaddress.IPv4Address | ipaddress.IPv6Address):
         return str(value)
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], int):
-        host = str(value[0])
-        return f"[{host}]:{value[1]}" if ":" in host else f"{host}:{value[1]}"
+        return format_addr(value[0], value[1])
     return None
 
 

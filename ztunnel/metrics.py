@@ -194,6 +194,32 @@ class XdsCounters:
         self.terminations.cell((reason,)).inc()
 
 
+class CrlCounters:
+    """Certificate revocation (`CRL_PATH`): handshakes refused and sessions torn down because a CRL
+    revoked the peer's chain, and sessions admitted that are not kept for re-checks on a reload."""
+
+    def __init__(self) -> None:
+        self.rejections = _CounterFamily(
+            "istio_crl_policy_rejections",
+            "The total number of connections rejected or closed because a CRL revoked the peer certificate",
+            (),
+        )
+        self.untracked = _CounterFamily(
+            "istio_crl_untracked_connections",
+            "The total number of connections not re-checked when the CRL changes",
+            (),
+        )
+        # Shown from the start (at 0) once revocation is on.
+        self._rejections = self.rejections.cell(())
+        self._untracked = self.untracked.cell(())
+
+    def rejection(self) -> None:
+        self._rejections.inc()
+
+    def untracked_connection(self) -> None:
+        self._untracked.inc()
+
+
 class WorkloadManagerMetrics:
     """In-pod mode's proxy counts (SPEC §9, Appendix A: the names the reference's code registers)."""
 
@@ -260,6 +286,7 @@ class Metrics:
             registry=self.registry,
         )
         self._workload_manager: WorkloadManagerMetrics | None = None
+        self._crl: CrlCounters | None = None
         build = Gauge(
             "istio_build", "Istio component build info", ["component", "tag"], registry=self.registry
         )
@@ -276,6 +303,13 @@ class Metrics:
         if self._workload_manager is None:
             self._workload_manager = WorkloadManagerMetrics(self.registry)
         return self._workload_manager
+
+    def crl(self) -> CrlCounters:
+        """The revocation families, registered on first use (only with `CRL_PATH`)."""
+        if self._crl is None:
+            self._crl = CrlCounters()
+            self.registry.register(_TrafficCollector((self._crl.rejections, self._crl.untracked)))
+        return self._crl
 
     def sockets_open(self, reporter: Reporter) -> Gauge:
         """The `istio_tcp_sockets_open` gauge of one reporter (inc on accept, dec on close).

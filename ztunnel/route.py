@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol as TypingProtocol
 
+from hbone.address import format_addr
 from xds.model import (
     Endpoint,
     GatewayAddress,
@@ -100,12 +101,6 @@ class State(TypingProtocol):
         self, hostname: str, client_namespace: str | None, preferred_namespace: str | None = None
     ) -> Service | None: ...
     def endpoints(self, service_key: str) -> list[Endpoint]: ...
-
-
-def format_addr(ip: IPAddress | str, port: int) -> str:
-    if isinstance(ip, str):
-        return f"{ip}:{port}"
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 # --- the outbound decision ---------------------------------------------------------------------

@@ -13,6 +13,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from hbone.address import canonical_addr, canonical_host
+
 SOL_IP = 0
 SOL_IPV6 = 41
 SO_ORIGINAL_DST = 80
@@ -20,20 +22,11 @@ IP6T_SO_ORIGINAL_DST = 80
 IP_TRANSPARENT = 19
 IPV6_TRANSPARENT = 75
 SO_MARK = 36
+# Bind to an address but pick the port at connect(): without it, bind((ip, 0)) searches every port in
+# use, TIME_WAIT sockets included, on each new connection.
+IP_BIND_ADDRESS_NO_PORT = 24
 
 SockAddr = tuple[str, int]
-
-
-def canonical_ip(host: str) -> str:
-    """IPv4-mapped IPv6 addresses become plain IPv4 (SPEC §3.1 step 1)."""
-    ip = ipaddress.ip_address(host.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ip)
-
-
-def canonical_addr(addr: tuple[str, int] | tuple[str, int, int, int]) -> SockAddr:
-    return canonical_ip(addr[0]), addr[1]
 
 
 def original_dst(sock: socket.socket) -> SockAddr:
@@ -47,7 +40,7 @@ def original_dst(sock: socket.socket) -> SockAddr:
     try:
         raw = sock.getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST, 28)
         port, packed = struct.unpack_from("!2xH4x16s", raw)
-        return canonical_ip(str(ipaddress.IPv6Address(packed))), port
+        return canonical_host(str(ipaddress.IPv6Address(packed))), port
     except OSError:
         return canonical_addr(sock.getsockname())
 
@@ -157,6 +150,7 @@ class SocketFactory:
             if source_ip is not None and (":" in source_ip) == (family == socket.AF_INET6):
                 if transparent:
                     sock.setsockopt(*_transparent_option(family), 1)
+                sock.setsockopt(SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
                 sock.bind((source_ip, 0))
             async with asyncio.timeout(timeout):
                 await asyncio.get_running_loop().sock_connect(sock, (host, port))

@@ -203,12 +203,9 @@ class WorkloadProxyManager:
 
     def _release_identity(self, stopped: ProxyInstance) -> None:
         """Stop renewing the certificate of a stopped pod's identity, unless another pod shares it."""
-        identity = stopped.identity(stopped.find_local_workload())
+        identity = stopped.own_identity()
         for other in self.proxies.values():
-            if (
-                other.instance is not None
-                and other.instance.identity(other.instance.find_local_workload()) == identity
-            ):
+            if other.instance is not None and other.instance.own_identity() == identity:
                 return
         stopped.secrets.forget(identity)
 

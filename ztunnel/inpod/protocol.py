@@ -1,4 +1,8 @@
-"""ztunnel's side of the ZDS conversation as a state machine without I/O (SPEC §9.3, §9.4).
+"""ztunnel's side of the ZDS conversation as a state machine (SPEC §9.3, §9.4).
+
+It reads and writes no socket: the manager moves the packets. Its one system call is `fstat` on the
+namespace fds it is handed (their device and inode tell one network namespace from another), and it
+closes the fds of a message it rejects.
 
 `ZdsStateMachine.receive(packet, fds)` takes one packet from the node agent and returns a `Step`: the
 actions for the proxy manager (start or stop a pod's proxy) and the reply to send. A start's outcome is

@@ -1,17 +1,23 @@
-"""Open inbound connections, kept so that a policy change can close those it now denies (SPEC §5.5).
+"""Carrying a connection to its end, and the open inbound connections a policy change may close.
 
-Every allowed inbound connection is registered with what authorization saw of it. When the policy
-store changes, each one is authorized again against its workload's current policies; those now
-denied are cut, logged with `connection closed due to policy change` and recorded as `DENY`.
+`carry` relays the two sides until both are done and completes the connection's record (metrics and
+the access log). Every allowed inbound connection is registered with the `ConnectionTracker` with
+what authorization saw of it. When the policy store changes, each one is authorized again against
+its workload's current policies; those now denied are cut, logged with `connection closed due to
+policy change` and recorded as `DENY` (a late rejection, as the reference's).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hbone.relay import Inbox, RelayResult, relay
+from hbone.tls import REVOKED
 from policy import Authorization, Connection, Deny, authorize
+from ztunnel.proxy.telemetry import ConnectionRecord
 from ztunnel.state import ProxyState
 
 log = logging.getLogger("ztunnel.proxy")
@@ -63,3 +69,64 @@ class ConnectionTracker:
     def close(self) -> None:
         self._unsubscribe()
         self._open.clear()
+
+
+async def carry(
+    downstream: asyncio.Transport,
+    upstream: asyncio.Transport,
+    record: ConnectionRecord,
+    *,
+    down_inbox: Inbox | None = None,
+    up_inbox: Inbox | None = None,
+    tracker: ConnectionTracker | None = None,
+    authorized: tuple[Connection, str] | None = None,
+) -> None:
+    """Relay until both directions end, then complete the record.
+
+    With a `tracker`, `authorized` (what authorization saw, and the local workload's uid) keeps an
+    inbound connection under re-authorization, which cuts it if a policy change now denies it.
+    """
+    result: RelayResult | None = None
+    rejected: list[str] = []
+    tracked = None
+    if tracker is not None and authorized is not None:
+
+        def reject(error: str) -> None:
+            rejected.append(error)
+            downstream.abort()
+            upstream.abort()
+
+        tracked = tracker.register(*authorized, reject)
+    try:
+        result = await relay(
+            downstream,
+            upstream,
+            a_inbox=down_inbox,
+            b_inbox=up_inbox,
+            on_a_to_b=record.received,
+            on_b_to_a=record.sent,
+        )
+    finally:
+        if tracked is not None and tracker is not None:
+            tracker.unregister(tracked)
+        revoked = None if result is None else _revoked(downstream, upstream)
+        if result is None:  # cancelled (drain deadline) or crashed
+            record.finish(received=0, sent=0, error="connection closed: drain deadline")
+        elif revoked is not None:  # a CRL reload tore its HBONE connection down
+            record.finish(
+                received=result.a_to_b, sent=result.b_to_a, error=str(revoked), flags="CERT_REVOKED"
+            )
+        elif rejected:
+            record.finish(received=result.a_to_b, sent=result.b_to_a, error=rejected[0], flags="DENY")
+        else:
+            # Resets and broken pipes during the copy are normal TCP endings.
+            record.finish(received=result.a_to_b, sent=result.b_to_a)
+
+
+def _revoked(*transports: asyncio.Transport) -> object | None:
+    """The revocation that tore down the HBONE connection one of `transports` rides on, if any."""
+    for transport in transports:
+        revoked = transport.get_extra_info(REVOKED)
+        if revoked is not None:
+            return revoked
+    return None

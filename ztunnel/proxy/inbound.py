@@ -1,0 +1,140 @@
+"""The inbound HBONE listener (15008): each CONNECT stream admitted, authorized and delivered.
+
+The TLS and HTTP/2 side is `hbone.server.HboneServer`; each request it hands over is described as an
+`InboundRequest` and judged by `admit()` (pure, in `ztunnel.admission`). A rejection before
+authorization is a "connection failed" warning and its status (400/503); a denial is a 401 and a
+recorded connection with the `DENY` flag. An admitted stream gets its app connection (503 when
+that fails), then the 200 (with the destination's baggage), the PROXY v2 header for an application
+tunnel, and the relay, under re-authorization while it is open.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+from hbone.address import format_addr
+from hbone.identity import Identity
+from hbone.server import ConnectRequest, HboneServer
+from xds.model import Workload
+from ztunnel import baggage
+from ztunnel.admission import InboundRequest, Reject, parse_ip
+from ztunnel.proxy.connections import carry
+from ztunnel.proxy.outbound import describe
+from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
+from ztunnel.proxyprotocol import encode_tunnel_header
+
+if TYPE_CHECKING:
+    from ztunnel.proxy.instance import ProxyInstance
+
+log = logging.getLogger("ztunnel.proxy")
+
+
+class Inbound:
+    def __init__(self, proxy: ProxyInstance) -> None:
+        self.proxy = proxy
+        self.server = HboneServer(
+            credentials=proxy.credentials,
+            handler=self.handle,
+            settings=proxy.settings,
+            own_trust_domain=proxy.trust_domain,
+            on_tls_error=self._tls_error,
+        )
+
+    def _tls_error(self, peer: tuple[str, int], local: tuple[str, int], error: Exception) -> None:
+        connection_failed(format_addr(*peer), format_addr(*local), "inbound", f"tls: {error}")
+
+    async def handle(self, req: ConnectRequest) -> None:
+        proxy = self.proxy
+        src_s, local_s = format_addr(*req.peer_addr), format_addr(*req.local_addr)
+        identity = req.peer_identity
+        request = InboundRequest(
+            peer=(parse_ip(req.peer_addr[0]), req.peer_addr[1]),
+            local=(parse_ip(req.local_addr[0]), req.local_addr[1]),
+            method=req.method,
+            authority=req.authority,
+            identity=identity,
+            headers=req.headers,
+        )
+        decision = await proxy.admit(request)
+        if isinstance(decision, Reject) and decision.plan is None:
+            connection_failed(src_s, local_s, "inbound", decision.reason)
+            req.respond(decision.status)
+            return
+        plan = decision.plan
+        assert plan is not None
+        local = plan.local
+        record = ConnectionRecord(
+            proxy.metrics,
+            direction="inbound",
+            src_addr=src_s,
+            dst_addr=local_s,
+            src=self._peer_from_baggage(plan.src_workload, identity, req.headers.get("baggage")),
+            dst=Peer(local, _uri(proxy.identity(local))),
+            service=plan.service,
+            hbone_addr=req.authority,
+            mtls=True,
+        )
+        req.headers.clear()  # read by now; a held connection need not keep them
+        log_notes(decision.notes)
+        if isinstance(decision, Reject):
+            req.respond(decision.status)
+            record_denial(record, decision)
+            return
+        try:
+            app, app_inbox = await proxy.connect_tcp(
+                plan.app, source_ip=plan.source_ip, transparent=plan.transparent
+            )
+        except Exception as e:
+            req.respond(503)
+            record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
+            return
+        headers = []
+        if proxy.config.enable_response_baggage:
+            bag = baggage.encode(local)
+            if bag:
+                headers.append(("baggage", bag))
+        req.respond(200, headers)
+        if plan.proxy_header is not None:
+            # The app learns who connected, to what, and the client's identity.
+            client, target = plan.proxy_header
+            app.write(encode_tunnel_header(client, target, str(identity) if identity else None))
+        await carry(
+            req.stream,
+            app,
+            record,
+            up_inbox=app_inbox,
+            tracker=proxy.tracker,
+            authorized=(plan.connection, local.uid),
+        )
+
+    def _peer_from_baggage(self, w: Workload | None, identity: Identity | None, header: str | None) -> Peer:
+        ident = _uri(identity) if identity else None
+        if w is not None or not self.proxy.config.enable_response_baggage:
+            return Peer(w, ident)
+        b = baggage.parse(header)
+        return Peer(
+            None,
+            ident,
+            name=b.workload_name,
+            namespace=b.namespace,
+            cluster=b.cluster_id,
+            canonical_service=b.service_name,
+            canonical_revision=b.service_version,
+        )
+
+
+def record_denial(record: ConnectionRecord, decision: Reject) -> None:
+    """The one deny path of both inbound listeners: the connection recorded as denied by policy."""
+    record.finish(received=0, sent=0, error=decision.reason, flags="DENY")
+
+
+def log_notes(notes: tuple[str, ...]) -> None:
+    for note in notes:
+        log.debug("%s", note)
+
+
+@functools.lru_cache(maxsize=4096)
+def _uri(identity: Identity) -> str:
+    return str(identity)

@@ -1,0 +1,75 @@
+"""The inbound plaintext listener (15006): connections redirected into the pod without HBONE.
+
+The original destination is the target; `admit()` applies the self-call guard, finds our workload
+and authorizes without a peer identity (so only address, port and negated-identity rules can
+allow). A rejection closes the connection (there is no protocol to answer in); a denial is recorded
+with the `DENY` flag. An admitted connection is carried to the app from the client's own address
+where the listener is transparent, and stays under re-authorization while it is open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from hbone.address import canonical_addr, format_addr
+from hbone.relay import Inbox
+from ztunnel.admission import InboundRequest, Reject, parse_ip
+from ztunnel.proxy.connections import carry
+from ztunnel.proxy.inbound import log_notes, record_denial
+from ztunnel.proxy.outbound import describe
+from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
+from ztunnel.sockets import original_dst
+
+if TYPE_CHECKING:
+    from ztunnel.proxy.instance import ProxyInstance
+
+
+class InboundPassthrough:
+    def __init__(self, proxy: ProxyInstance) -> None:
+        self.proxy = proxy
+
+    async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> None:
+        proxy = self.proxy
+        src = canonical_addr(transport.get_extra_info("peername"))
+        dst = original_dst(transport.get_extra_info("socket"))
+        src_s, dst_s = format_addr(*src), format_addr(*dst)
+        request = InboundRequest(peer=(parse_ip(src[0]), src[1]), local=(parse_ip(dst[0]), dst[1]))
+        decision = await proxy.admit(request)
+        if isinstance(decision, Reject) and decision.plan is None:
+            connection_failed(src_s, dst_s, "inbound", decision.reason)
+            transport.close()
+            return
+        plan = decision.plan
+        assert plan is not None
+        record = ConnectionRecord(
+            proxy.metrics,
+            direction="inbound",
+            src_addr=src_s,
+            dst_addr=dst_s,
+            src=Peer(plan.src_workload),
+            dst=Peer(plan.local),
+            service=plan.service,
+        )
+        log_notes(decision.notes)
+        if isinstance(decision, Reject):
+            transport.close()
+            record_denial(record, decision)
+            return
+        try:
+            app, app_inbox = await proxy.connect_tcp(
+                plan.app, source_ip=plan.source_ip, transparent=plan.transparent
+            )
+        except Exception as e:
+            transport.close()
+            record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
+            return
+        await carry(
+            transport,
+            app,
+            record,
+            down_inbox=inbox,
+            up_inbox=app_inbox,
+            tracker=proxy.tracker,
+            authorized=(plan.connection, plan.local.uid),
+        )

@@ -1,0 +1,104 @@
+"""The SOCKS5 listener (15080): the sans-I/O handshake of `ztunnel.socks5`, then the outbound path.
+
+The client's CONNECT target (an address, or a name resolved here) goes through the same upstream
+logic as a redirected connection on 15001. Success is replied only once the upstream is established,
+so a client learns of a refused or denied destination from the reply code, which this module maps
+from the upstream's outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from typing import TYPE_CHECKING
+
+from hbone.address import canonical_addr, canonical_host, format_addr
+from hbone.relay import Inbox
+from xds.model import IPAddress
+from ztunnel.proxy.connections import carry
+from ztunnel.proxy.outbound import Outcome, UpstreamFailure
+from ztunnel.proxy.telemetry import connection_failed
+from ztunnel.socks5 import ConnectRequest, HandshakeFailed, Reply, Socks5Handshake, encode_reply
+
+if TYPE_CHECKING:
+    from ztunnel.proxy.instance import ProxyInstance
+
+log = logging.getLogger("ztunnel.proxy")
+
+HANDSHAKE_TIMEOUT = 10.0
+
+REPLIES = {
+    Outcome.DENIED: Reply.NOT_ALLOWED,
+    Outcome.REFUSED: Reply.CONNECTION_REFUSED,
+    Outcome.UNREACHABLE: Reply.HOST_UNREACHABLE,
+    Outcome.FAILED: Reply.GENERAL_FAILURE,
+}
+
+
+def reply_for(failure: UpstreamFailure) -> Reply:
+    return REPLIES[failure.outcome]
+
+
+class Socks5:
+    def __init__(self, proxy: ProxyInstance) -> None:
+        self.proxy = proxy
+
+    async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> None:
+        src = canonical_addr(transport.get_extra_info("peername"))
+        request = await self._handshake(transport, inbox, src)
+        if request is None:
+            transport.close()
+            return
+        try:
+            dst_ip = await self._resolve(request.host, ipaddress.ip_address(src[0]).version)
+        except (OSError, UnicodeError) as e:
+            connection_failed(
+                format_addr(*src), format_addr(request.host, request.port), "outbound", f"dns: {e}"
+            )
+            transport.write(encode_reply(Reply.HOST_UNREACHABLE))
+            transport.close()
+            return
+        up = await self.proxy.outbound.open_upstream(src, (dst_ip, request.port))
+        if isinstance(up, UpstreamFailure):
+            transport.write(encode_reply(reply_for(up)))
+            transport.close()
+            return
+        transport.write(encode_reply(Reply.SUCCEEDED))
+        await carry(transport, up.transport, up.record, down_inbox=inbox, up_inbox=up.inbox)
+
+    async def _handshake(
+        self, transport: asyncio.Transport, inbox: Inbox, src: tuple[str, int]
+    ) -> ConnectRequest | None:
+        """The client's CONNECT, or None when the handshake failed, timed out or was abandoned.
+        Bytes the client sent after its request are put back in `inbox` for the relay."""
+        hs = Socks5Handshake()
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                while True:
+                    await inbox.wait_data()
+                    events = hs.receive(inbox.take())
+                    out = hs.data_to_send()
+                    if out:
+                        transport.write(out)
+                    for ev in events:
+                        if isinstance(ev, HandshakeFailed):
+                            log.debug("socks5 handshake failed from %s: %s", format_addr(*src), ev.reason)
+                            return None
+                        if hs.leftover:
+                            inbox.buffer[:0] = hs.leftover
+                        return ev
+        except (EOFError, TimeoutError):
+            return None
+
+    async def _resolve(self, host: IPAddress | str, family: int) -> str:
+        if not isinstance(host, str):
+            return canonical_host(str(host))
+        loop = asyncio.get_running_loop()
+        fam = socket.AF_INET6 if family == 6 else socket.AF_INET
+        try:
+            infos = await loop.getaddrinfo(host, None, family=fam, type=socket.SOCK_STREAM)
+        except OSError:
+            infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        return canonical_host(str(infos[0][4][0]))
