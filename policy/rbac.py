@@ -10,15 +10,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from policy.model import (
+    MATCH_FIELDS,
     Action,
     Authorization,
-    Clause,
+    CompiledClause,
     Connection,
     Match,
-    Rule,
     ServiceAccountMatch,
     StringMatch,
     StringMatchKind,
+    compiled_match,
 )
 
 # The reference's wording: users grep access logs for these (SPEC §5.3).
@@ -85,26 +86,40 @@ def authorize(policies: Iterable[Authorization], conn: Connection) -> Decision:
 
 
 def matches(policy: Authorization, conn: Connection) -> bool:
-    """A policy matches when any of its rules does; a policy with zero rules never matches."""
-    return any(rule_matches(rule, conn) for rule in policy.rules)
+    """A policy matches when any of its rules does (a policy with zero rules never matches); a rule
+    when all its clauses do (a rule without clauses matches); a clause when any of its non-empty
+    entries does (a clause without entries matches). Evaluated on `Authorization.compiled`."""
+    return any(all(clause_matches(clause, conn) for clause in rule) for rule in policy.compiled)
 
 
-def rule_matches(rule: Rule, conn: Connection) -> bool:
-    """A rule matches when all its clauses do (so a rule without clauses matches)."""
-    return all(clause_matches(clause, conn) for clause in rule)
-
-
-def clause_matches(clause: Clause, conn: Connection) -> bool:
-    """A clause matches when any of its non-empty entries does; a clause without entries matches."""
-    if not clause:
+def clause_matches(clause: CompiledClause, conn: Connection) -> bool:
+    if clause.always:
         return True
-    # An empty entry passes `entry_matches`, so emptiness is checked only for entries that pass.
-    return any(entry_matches(entry, conn) and not is_empty(entry) for entry in clause)
+    if clause.source_ips is not None and conn.src_ip in clause.source_ips:
+        return True
+    if clause.destination_ips is not None and conn.dst_ip in clause.destination_ips:
+        return True
+    if clause.destination_ports is not None and conn.dst_port in clause.destination_ports:
+        return True
+    if clause.principals is not None:
+        principal = principal_of(conn)
+        if principal is not None and principal in clause.principals:
+            return True
+    if clause.namespaces is not None and (conn.src_namespace or "") in clause.namespaces:
+        return True
+    if (
+        clause.service_accounts is not None
+        and conn.src_namespace is not None
+        and conn.src_service_account is not None
+        and (conn.src_namespace, conn.src_service_account) in clause.service_accounts
+    ):
+        return True
+    return any(entry_matches(entry, conn) for entry in clause.entries)
 
 
 def is_empty(entry: Match) -> bool:
     """An entry with every field empty: skipped, it can never make its clause match."""
-    return entry.compiled.empty
+    return not any(getattr(entry, name) for name in MATCH_FIELDS)
 
 
 def entry_matches(entry: Match, conn: Connection) -> bool:
@@ -112,8 +127,8 @@ def entry_matches(entry: Match, conn: Connection) -> bool:
     passes when empty or when an element matches, a negative one when no element matches.
 
     An address of the other IP family is outside every network (`ipaddress` containment). The lists
-    are looked up in their precompiled sets (`Match.compiled`), never walked."""
-    c = entry.compiled
+    are looked up in their precompiled sets (`CompiledMatch`), never walked."""
+    c = compiled_match(entry)
     if entry.destination_ips and conn.dst_ip not in c.destination_ips:
         return False
     if entry.not_destination_ips and conn.dst_ip in c.not_destination_ips:

@@ -21,6 +21,7 @@ the proto numbers, so an enum converts with `Enum(number)` and nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum
 from typing import TypeVar
 
@@ -62,6 +63,7 @@ from xds.model import (
     app_tunnel_port,
     check_service_key,
     cidr,
+    cidr_from_bytes,
     ip_from_bytes,
 )
 
@@ -263,28 +265,45 @@ def _string_matches(items: object) -> tuple[StringMatch, ...]:
 
 
 def _cidrs(items: object) -> tuple[IPNetwork, ...]:
-    return tuple(cidr(ip_from_bytes(a.address), a.length) for a in items)  # type: ignore[attr-defined]
+    return tuple(cidr_from_bytes(a.address, a.length) for a in items)  # type: ignore[attr-defined]
 
 
 def _service_accounts(items: object) -> tuple[ServiceAccountMatch, ...]:
     return tuple(ServiceAccountMatch(sa.namespace, sa.serviceAccount) for sa in items)  # type: ignore[attr-defined]
 
 
+def _ports_of(field: str) -> Callable[[object], tuple[int, ...]]:
+    def read(items: object) -> tuple[int, ...]:
+        return tuple(_port(p, field) for p in items)  # type: ignore[attr-defined]
+
+    return read
+
+
+_MATCH_FIELDS: dict[str, Callable[[object], tuple[object, ...]]] = {
+    "namespaces": _string_matches,
+    "not_namespaces": _string_matches,
+    "principals": _string_matches,
+    "not_principals": _string_matches,
+    "source_ips": _cidrs,
+    "not_source_ips": _cidrs,
+    "destination_ips": _cidrs,
+    "not_destination_ips": _cidrs,
+    "destination_ports": _ports_of("destination_ports"),
+    "not_destination_ports": _ports_of("not_destination_ports"),
+    "service_accounts": _service_accounts,
+    "not_service_accounts": _service_accounts,
+}
+
+
 def _match(pb: authorization_pb2.Match) -> Match:
-    return Match(
-        namespaces=_string_matches(pb.namespaces),
-        not_namespaces=_string_matches(pb.not_namespaces),
-        principals=_string_matches(pb.principals),
-        not_principals=_string_matches(pb.not_principals),
-        source_ips=_cidrs(pb.source_ips),
-        not_source_ips=_cidrs(pb.not_source_ips),
-        destination_ips=_cidrs(pb.destination_ips),
-        not_destination_ips=_cidrs(pb.not_destination_ips),
-        destination_ports=tuple(_port(p, "destination_ports") for p in pb.destination_ports),
-        not_destination_ports=tuple(_port(p, "not_destination_ports") for p in pb.not_destination_ports),
-        service_accounts=_service_accounts(pb.service_accounts),
-        not_service_accounts=_service_accounts(pb.not_service_accounts),
-    )
+    # Only the fields present (`ListFields`): a big policy is mostly entries with one field set,
+    # and reading all twelve of each costs more than converting the one. Extensions are ignored.
+    fields = {}
+    for descriptor, value in pb.ListFields():
+        read = _MATCH_FIELDS.get(descriptor.name)
+        if read is not None:
+            fields[descriptor.name] = read(value)
+    return Match(**fields)  # type: ignore[arg-type]
 
 
 def authorization_from_wire(pb: authorization_pb2.Authorization) -> Authorization:
