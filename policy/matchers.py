@@ -1,4 +1,4 @@
-"""Precompiled forms of a match entry's value lists, built once when a `Match` is made.
+"""Precompiled forms of a policy's value lists, built once when the policy is made (`policy.model`).
 
 A policy from a control plane may list a hundred thousand CIDRs, ports or names in one field, and
 every inbound connection is checked against it. Walking such a list costs milliseconds on the shared
@@ -6,8 +6,8 @@ event loop; these forms answer in a few set lookups, whatever the list's length:
 
 * `NetworkSet`: networks as one set of network numbers per (family, prefix length), so containment
   is one shift and one set lookup per distinct prefix length (at most 33 for IPv4, 129 for IPv6).
-* `StringSet`: exact values as a set, prefixes and suffixes as tuples for `str.startswith`/`endswith`
-  (one C-level call), presence as a flag.
+* `StringSet`: exact values as a set, prefixes and suffixes as one set per length (a value is
+  sliced once per distinct length), presence as a flag.
 
 They take plain values (no model types), so `policy.model` can build them without a cycle.
 """
@@ -56,9 +56,16 @@ class NetworkSet:
         return any((number >> shift) in numbers for shift, numbers in table)
 
 
+def _by_length(values: Iterable[str]) -> tuple[tuple[int, frozenset[str]], ...]:
+    lengths: dict[int, set[str]] = {}
+    for value in values:
+        lengths.setdefault(len(value), set()).add(value)
+    return tuple((n, frozenset(group)) for n, group in sorted(lengths.items()))
+
+
 class StringSet:
     """Whether a string passes any of a list of string matches (case-sensitive; presence means
-    non-empty)."""
+    non-empty; the empty prefix or suffix passes everything)."""
 
     __slots__ = ("_exact", "_prefixes", "_presence", "_suffixes")
 
@@ -66,14 +73,22 @@ class StringSet:
         self, exact: Iterable[str], prefixes: Iterable[str], suffixes: Iterable[str], presence: bool
     ) -> None:
         self._exact = frozenset(exact)
-        self._prefixes = tuple(prefixes)
-        self._suffixes = tuple(suffixes)
+        self._prefixes = _by_length(prefixes)
+        self._suffixes = _by_length(suffixes)
         self._presence = presence
 
     def __contains__(self, value: str) -> bool:
-        return (
-            value in self._exact
-            or (self._presence and value != "")
-            or (bool(self._prefixes) and value.startswith(self._prefixes))
-            or (bool(self._suffixes) and value.endswith(self._suffixes))
-        )
+        if value in self._exact or (self._presence and value != ""):
+            return True
+        size = len(value)
+        for n, group in self._prefixes:
+            if n > size:
+                break
+            if value[:n] in group:
+                return True
+        for n, group in self._suffixes:
+            if n > size:
+                break
+            if (value[size - n :] if n else "") in group:
+                return True
+        return False
