@@ -289,10 +289,31 @@ def _construct_float(loader: yaml.SafeLoader, tagged: yaml.Node) -> float:
     return number
 
 
+def _text(value: str, node: yaml.Node) -> str:
+    """A string as written: `"\\ud83d\\ude00"` (how JSON, `/config_dump` too, escapes one character
+    above U+FFFF) is that one character, as in YAML 1.2; PyYAML reads two lone surrogates, which no
+    encoder takes. A lone surrogate is an error."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        pass
+    try:
+        return value.encode("utf-16", "surrogatepass").decode("utf-16")
+    except UnicodeDecodeError:
+        raise yaml.constructor.ConstructorError(
+            None, None, "string with an unpaired surrogate escape (\\ud800-\\udfff)", node.start_mark
+        ) from None
+
+
+def _construct_str(loader: yaml.SafeLoader, node: yaml.Node) -> str:
+    return _text(loader.construct_yaml_str(_scalar_only(node)), node)
+
+
 def _construct_tagged(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> _Tagged:
     value: object
     if isinstance(node, yaml.ScalarNode):
-        value = loader.construct_scalar(node)
+        value = _text(loader.construct_scalar(node), node)
     elif isinstance(node, yaml.SequenceNode):
         value = loader.construct_sequence(node, deep=True)
     else:
@@ -321,6 +342,7 @@ _Loader.add_implicit_resolver(
 _Loader.add_implicit_resolver("tag:yaml.org,2002:merge", re.compile(r"^(?:<<)$"), ["<"])
 _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+_Loader.add_constructor("tag:yaml.org,2002:str", _construct_str)
 _Loader.add_multi_constructor("!", _construct_tagged)
 
 

@@ -13,14 +13,25 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from controlplane.snapshot import Snapshot
 from controlplane.source import ConfigSource
 from tests.conftest import LogLines
+from tests.fuzz.test_fuzz_xds import authorizations, services, workloads
 from tests.waiting import eventually_async
-from xds.localconfig import LocalConfig, LocalConfigError, parse_local_config
+from xds import convert
+from xds.gen.istio.workload import workload_pb2
+from xds.localconfig import (
+    LocalConfig,
+    LocalConfigError,
+    parse_local_config,
+    policy_to_dict,
+    service_to_dict,
+    workload_to_dict,
+)
+from xds.model import ConversionError, NamespacedHostname, Service, Workload
 
 KEYS = [
     "workloads", "services", "policies", "uid", "name", "namespace", "workloadIps", "protocol", "services",
@@ -207,3 +218,45 @@ async def test_the_file_watcher_survives_bad_saves_and_publishes_a_later_good_on
         assert published[0] != first
     finally:
         watch.cancel()
+
+
+# -- what `/config_dump` renders reads back equal ---------------------------------------------------
+
+
+@given(st.one_of(workloads(), services()), authorizations())
+def test_rendered_model_values_read_back_equal(address: workload_pb2.Address, policy: object) -> None:
+    try:
+        item = convert.address_from_wire(address)
+        authorization = convert.authorization_from_wire(policy)  # type: ignore[arg-type]
+    except ConversionError:
+        return
+    # The file writes a gateway as "<namespace>/<hostname>": a namespace with a '/' (which
+    # Kubernetes never has) has no spelling there.
+    gateways = [item.waypoint, *(w.destination for w in getattr(item, "weighted_waypoints", ()))]
+    gateways.append(getattr(item, "network_gateway", None))
+    assume(
+        not any(
+            isinstance(g.destination, NamespacedHostname) and "/" in g.destination.namespace
+            for g in gateways
+            if g
+        )
+    )
+    document = {
+        "workloads": [workload_to_dict(item)] if isinstance(item, Workload) else [],
+        "services": [service_to_dict(item)] if isinstance(item, Service) else [],
+        "policies": [policy_to_dict(authorization)],
+    }
+    config = parse_local_config(json.dumps(document))
+    assert (*config.workloads, *config.services) == (item,)
+    assert config.policies == (authorization,)
+
+
+def test_json_escapes_of_one_character_above_u_ffff_read_as_that_character() -> None:
+    # As `/config_dump` (JSON) writes a name with an emoji; PyYAML alone reads two lone surrogates.
+    config = parse_local_config(json.dumps({"policies": [{**_POLICY, "namespace": "ns-\U0001f600"}]}))
+    assert config.policies[0].namespace == "ns-\U0001f600"
+    with pytest.raises(LocalConfigError, match="unpaired surrogate"):
+        parse_local_config('policies: [{name: "\\ud83d"}]')
+
+
+_POLICY = {"name": "p", "scope": "Global", "action": "Allow", "dryRun": False, "rules": []}
