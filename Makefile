@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
-DEBIAN_PACKAGES := iptables iproute2 nghttp2-proxy tinyproxy stunnel4 openssl curl containernetworking-plugins util-linux
+DEBIAN_PACKAGES := iptables iproute2 nghttp2-proxy tinyproxy stunnel4 openssl curl containernetworking-plugins util-linux bind9-dnsutils dnsmasq-base dnsperf
 
 .PHONY: demo test lint typecheck unit fuzz debs proto clean
 
@@ -50,9 +50,10 @@ unit: $(TEST_STAMP) debs
 
 test: lint typecheck unit
 
-# The fuzz targets (tests/fuzz/) with a long budget; `make test` runs them bounded.
+# The fuzz targets (tests/fuzz/ and the HTTP/2 frame walker's) with a long budget; `make test` runs
+# them bounded.
 fuzz: $(TEST_STAMP)
-	FUZZ_PROFILE=long $(PY) -m pytest -q -p no:cacheprovider --timeout 3600 tests/fuzz
+	FUZZ_PROFILE=long FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -p no:cacheprovider --timeout 3600 tests/fuzz tests/test_hbone_frames.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-logs", action="store_true", help="keep the processes' logs (their folder is printed)"
     )
+    p.add_argument("--dns", action="store_true", help="only the dns figure (benches/dns.py), vs dnsmasq")
     return p
 
 
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     if settings.rounds < 1 or settings.seconds <= 0 or settings.hold < 1:
         print("benches: --rounds, --seconds and --hold must be positive", file=sys.stderr)
         return 2
+    if args.dns:
+        from benches.dns import run_figure
+
+        return run_figure(settings.seconds, args.out)
     # Children inherit the limit: 1,000 held connections take four descriptors each along the path.
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -46,3 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"how long a pod's ADD waits for a ztunnel to connect before failing (default {DEFAULT_ZTUNNEL_WAIT:g})",
     )
+    parser.add_argument(
+        "--no-dns-capture",
+        action="store_true",
+        help="leave pods' DNS alone (by default UDP and TCP to port 53 go to the DNS proxy on 15053)",
+    )

@@ -75,6 +75,7 @@ class AgentConfig:
     cni_socket: Path
     state_file: Path
     ztunnel_wait: float
+    dns_capture: bool = True
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AgentConfig:
@@ -92,6 +93,7 @@ class AgentConfig:
             cni_socket=path("--cni-socket", DEFAULT_CNI_SOCKET),
             state_file=path("--state-file", DEFAULT_STATE_FILE),
             ztunnel_wait=float(wait),
+            dns_capture=not getattr(args, "no_dns_capture", False),
         )
         if config.zds_socket == config.cni_socket:
             raise AgentError(f"--zds-socket and --cni-socket are the same path: {config.zds_socket}")
@@ -169,7 +171,7 @@ class Agent:
                 )
                 continue
             try:
-                redirect.install(pod.netns)
+                redirect.install(pod.netns, self.config.dns_capture)
             except redirect.RedirectError as e:
                 log.warning("pod %s: cannot restore its redirection: %s", pod.display, e)
             self.pods[uid] = pod
@@ -414,7 +416,7 @@ class Agent:
                 False, AGENT_FAILURE, f"cannot open the network namespace {pod.netns}: {e.strerror or e}"
             )
         try:
-            await asyncio.to_thread(redirect.install, pod.netns)
+            await asyncio.to_thread(redirect.install, pod.netns, self.config.dns_capture)
         except redirect.RedirectError as e:
             _close_fd(pod)
             return Reply(False, AGENT_FAILURE, f"redirection not installed for pod {pod.display}: {e}")
@@ -460,7 +462,7 @@ class Agent:
         if pod is None:
             return Reply(False, NOT_ENROLLED, f"pod uid {event.uid} is not enrolled in the agent")
         try:
-            missing = await asyncio.to_thread(redirect.check, pod.netns)
+            missing = await asyncio.to_thread(redirect.check, pod.netns, self.config.dns_capture)
         except redirect.RedirectError as e:
             return Reply(False, NOT_ENROLLED, f"pod {pod.display}: cannot read its redirection rules: {e}")
         if missing:

@@ -7,7 +7,9 @@ In the nat table, the pod's own outbound TCP goes to ztunnel's 15001 and inbound
 * loopback traffic (out `lo`, or to 127.0.0.0/8; inbound to 127.0.0.1);
 * inbound HBONE to 15008, which ztunnel's listener in the pod receives directly.
 
-There is no DNS redirection (there is no DNS proxy). For inbound connections that ztunnel makes to the
+The pod's DNS (UDP and TCP to port 53, leaving by any interface but `lo`) goes to the DNS proxy on
+15053, unless the agent runs without DNS capture; ztunnel's own forwarded queries carry the mark and
+pass. IPv4 only: the proxy listens on 127.0.0.1. For inbound connections that ztunnel makes to the
 app with the client's address as source, the app's replies must come back to ztunnel rather than
 leave the pod: the mangle table gives such connections (first seen looping back with mark 0x539)
 connmark 0x111, restores it as the mark of the app's replies, and a policy rule sends marked packets
@@ -36,6 +38,8 @@ PREROUTING_CHAIN = "ZTUNNEL-PREROUTING"
 OUTPUT_CHAIN = "ZTUNNEL-OUTPUT"
 OUTBOUND_PORT = 15001
 INBOUND_PLAINTEXT_PORT = 15006
+DNS_PORT = 53
+DNS_PROXY_PORT = 15053
 HBONE_PORT = 15008
 PROBE_ADDRESS = "169.254.7.127"
 MARK = "0x539/0xfff"  # ztunnel's SO_MARK 1337, low 12 bits
@@ -80,7 +84,7 @@ IPV6 = Family("IPv6", "-6", "ip6tables-save", "ip6tables-restore", "::1/128", ":
 # -- pure: the rule text ---------------------------------------------------------------------------
 
 
-def chain_rules(family: Family = IPV4) -> dict[str, list[str]]:
+def chain_rules(family: Family = IPV4, dns: bool = True) -> dict[str, list[str]]:
     """Per table, the rules of our chains, spelled as `iptables-save` prints them (`check` compares)."""
     pre, out = PREROUTING_CHAIN, OUTPUT_CHAIN
     mangle = [
@@ -98,6 +102,13 @@ def chain_rules(family: Family = IPV4) -> dict[str, list[str]]:
         nat.append(f"-A {out} -d {family.probe_source} -j ACCEPT")
     nat += [
         f"-A {out} -m mark --mark {MARK} -j ACCEPT",
+    ]
+    if dns and family is IPV4:
+        nat += [
+            f"-A {out} ! -o lo -p {proto} -m {proto} --dport {DNS_PORT} -j REDIRECT --to-ports {DNS_PROXY_PORT}"
+            for proto in ("udp", "tcp")
+        ]
+    nat += [
         f"-A {out} -o lo -j ACCEPT",
         f"-A {out} -d {family.loopback_net} -j ACCEPT",
         f"-A {out} -p tcp -j REDIRECT --to-ports {OUTBOUND_PORT}",
@@ -133,13 +144,13 @@ def _jump(builtin: str, chain: str) -> str:
     return f"-A {builtin} -j {chain}"
 
 
-def install_script(saved: str, family: Family = IPV4) -> str:
+def install_script(saved: str, family: Family = IPV4, dns: bool = True) -> str:
     """`iptables-restore --noflush` input that leaves exactly our rules in place, whatever `saved` holds.
 
     Declaring our chains flushes them; the jumps are added (first in their built-in chain) only when
     missing, and extra copies are dropped."""
     lines = []
-    for table, rules in chain_rules(family).items():
+    for table, rules in chain_rules(family, dns).items():
         present = table_rules(saved, table)
         lines += [f"*{table}", f":{PREROUTING_CHAIN} - [0:0]", f":{OUTPUT_CHAIN} - [0:0]"]
         for builtin, chain in _JUMPS:
@@ -167,12 +178,12 @@ def remove_script(saved: str) -> str | None:
     return "\n".join(lines) + "\n" if lines else None
 
 
-def missing_rules(saved: str, family: Family = IPV4) -> list[str]:
+def missing_rules(saved: str, family: Family = IPV4, dns: bool = True) -> list[str]:
     """What of our rules `saved` lacks, as `-t <table> <rule>`: empty when they are all in place.
 
     Each of our chains must hold exactly our rules, in order (iptables-save prints chains sorted)."""
     missing = []
-    for table, rules in chain_rules(family).items():
+    for table, rules in chain_rules(family, dns).items():
         present = table_rules(saved, table)
         missing += [f"-t {table} {_jump(b, c)}" for b, c in _JUMPS if _jump(b, c) not in present]
         for _, chain in _JUMPS:
@@ -237,12 +248,13 @@ def _families() -> list[Family]:
     return [IPV4] + ([IPV6] if shutil.which(IPV6.restore) else [])
 
 
-def install(netns: str) -> None:
-    """Write the rules into the namespace at `netns` (idempotent). IPv4 failures raise RedirectError."""
+def install(netns: str, dns: bool = True) -> None:
+    """Write the rules into the namespace at `netns` (idempotent); `dns`: capture the pod's DNS too.
+    IPv4 failures raise RedirectError."""
     for family in _families():
         try:
             saved = _run(netns, [family.save])
-            _run(netns, [family.restore, "--noflush"], install_script(saved, family))
+            _run(netns, [family.restore, "--noflush"], install_script(saved, family, dns))
             rule, _ = has_reply_routing(_run(netns, ["ip", family.option, "-batch", "-"], _SHOW_ROUTING))
             _run(netns, ["ip", family.option, "-batch", "-"], reply_routing_batch(rule, family))
         except RedirectError as e:
@@ -251,9 +263,9 @@ def install(netns: str) -> None:
             log.debug("no %s redirection: %s", family.name, e)
 
 
-def check(netns: str) -> list[str]:
+def check(netns: str, dns: bool = True) -> list[str]:
     """What of the IPv4 redirection the namespace at `netns` lacks; empty when it is in place."""
-    missing = missing_rules(_run(netns, [IPV4.save]), IPV4)
+    missing = missing_rules(_run(netns, [IPV4.save]), IPV4, dns)
     rule, route = has_reply_routing(_run(netns, ["ip", "-4", "-batch", "-"], _SHOW_ROUTING))
     if not rule:
         missing.append(f"ip rule fwmark {REPLY_MARK} lookup {REPLY_TABLE}")

@@ -81,13 +81,21 @@ class HboneConnection:
             raise
         return await settle(session, transport, tls, expected, deadline, handshake_timeout, max_streams)
 
-    async def connect(self, authority: str, headers: Sequence[tuple[str, str]] = ()) -> HboneStream:
+    async def connect(
+        self, authority: str, headers: Sequence[tuple[str, str]] = (), early_data: bytes = b""
+    ) -> HboneStream:
         """Open a CONNECT stream to `authority` (`ip:port`, `[ip6]:port` or `host:port`).
 
+        `early_data` (what the app sent before the tunnel was up) goes out with the HEADERS, in the
+        same TLS record; the server holds it until it answers 200, and drops it otherwise.
         Returns the stream once the peer answered 200 (`stream.response_headers` holds its headers);
         raises `HttpStatusError` for any other status, `StreamReset` or `ConnectionClosed`.
         """
-        stream = self._session.open_stream([(":method", "CONNECT"), (":authority", authority), *headers])
+        stream = self._session.open_stream(
+            [(":method", "CONNECT"), (":authority", authority), *headers], flush=not early_data
+        )
+        if early_data:
+            stream.write(early_data)
         try:
             await stream.wait_response()
         except BaseException:

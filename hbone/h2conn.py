@@ -28,6 +28,18 @@ DATA frames, the bulk of the traffic, take a direct path; everything else goes t
   frame is a protocol error; HTTP/2 lets the streams below the GOAWAY's last stream id finish, so
   GOAWAY is sent and received here without that transition, and the session refuses new streams.
 * output is a list of buffers (see `take_output`), and `queue_data` writes a DATA frame into it.
+* a new stream past our MAX_CONCURRENT_STREAMS is refused alone (RST_STREAM REFUSED_STREAM) where h2
+  would end the connection, and the resets the peer's frames make us send are counted.
+The private internals relied on are pinned by `tests/test_hbone_h2_internals.py`.
+
+Abuse limits (`hbone.settings.H2Settings`) are enforced by the session, per connection: a frame
+larger than our maximum frame size and an oversized header block are refused at their frame
+header, before anything is buffered or decoded; streams the peer resets before they are answered,
+plus the resets it provokes, are counted per window (rapid reset); breaking a limit is a GOAWAY
+naming it, a warning, and the end of that connection only. Requests are handed to `on_request` at
+the end of the batch that opened them, so a stream reset in the same batch never starts any work.
+While the transport is over its high-water mark, reading stops once the replies to what is read
+pile up. A torn-down session ignores every later byte.
 """
 
 from __future__ import annotations
@@ -41,13 +53,14 @@ from typing import Any, cast
 
 import h2.events as ev
 from h2.config import H2Configuration
-from h2.connection import ConnectionState, H2Connection
+from h2.connection import ConnectionState, H2Connection, _decode_headers
 from h2.errors import ErrorCodes
-from h2.exceptions import H2Error, StreamClosedError, StreamIDTooLowError
+from h2.exceptions import H2Error, StreamClosedError, StreamIDTooLowError, TooManyStreamsError
 from h2.settings import SettingCodes, Settings
-from h2.stream import StreamState
-from hyperframe.frame import DataFrame, Frame, GoAwayFrame, RstStreamFrame
+from h2.stream import StreamClosedBy, StreamState
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
 
+from hbone import stream as hbone_stream
 from hbone.errors import ConnectionClosed, HboneError
 from hbone.identity import Identity
 from hbone.settings import H2Settings
@@ -72,8 +85,13 @@ _FRAME_HEADER = struct.Struct(">HBBBL")  # length (24 bits as 16+8), type, flags
 _WINDOW_UPDATE = struct.Struct(">HBBBLL")  # a frame header, then the increment
 _END_STREAM = 0x1
 _PADDED = 0x8
+_END_HEADERS = 0x4
 _TYPE_DATA = 0
+_TYPE_HEADERS = 1
+_TYPE_PUSH_PROMISE = 5
 _TYPE_WINDOW_UPDATE = 8
+_TYPE_CONTINUATION = 9
+_HEADER_BLOCK_TYPES = (_TYPE_HEADERS, _TYPE_PUSH_PROMISE, _TYPE_CONTINUATION)
 _PREFACE_LEN = 24  # "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", sent by the client first
 
 # States are compared by identity: `in` on a set of enum members calls the Python-level
@@ -83,6 +101,15 @@ _SERVER_OPEN = ConnectionState.SERVER_OPEN
 _OPEN = StreamState.OPEN
 _HALF_CLOSED_LOCAL = StreamState.HALF_CLOSED_LOCAL
 _HALF_CLOSED_REMOTE = StreamState.HALF_CLOSED_REMOTE
+_STREAM_CLOSED = hbone_stream.StreamState.CLOSED
+
+
+class PeerMisbehaved(H2Error):
+    """The peer broke a limit of ours (`hbone.settings`): the connection ends with GOAWAY(`error_code`)."""
+
+    def __init__(self, error_code: ErrorCodes, message: str) -> None:
+        super().__init__(message)
+        self.error_code = error_code
 
 
 class _ReadBuffers(threading.local):
@@ -117,6 +144,9 @@ class _H2Connection(H2Connection):
         # Output is a list of buffers: small frames accumulate in `_data_to_send` (as in h2), large
         # DATA payloads are queued as they are, sparing the three copies of h2's serialisation.
         self._chunks: list[bytes | bytearray | memoryview] = []
+        # RST_STREAMs the peer's frames made us send (frames on streams it closed, refused streams);
+        # frames still in flight on a stream we reset are the peer's right, not counted.
+        self.provoked_resets = 0
 
     def _prepare_for_sending(self, frames: list[Frame]) -> None:
         out = self._data_to_send
@@ -177,9 +207,40 @@ class _H2Connection(H2Connection):
                 raise StreamClosedError(e.stream_id) from e
             else:
                 raise
+        except TooManyStreamsError:
+            if type(frame) is not HeadersFrame:
+                raise
+            self._refuse_stream(frame)
+            self.provoked_resets += 1
+            events = []
         else:
+            for f in frames:
+                if type(f) is RstStreamFrame:
+                    self._count_provoked(f.stream_id)  # e.g. DATA on a stream the peer reset
             self._prepare_for_sending(frames)
+            return events
+        self._count_provoked(frame.stream_id)
         return events
+
+    def _count_provoked(self, stream_id: int) -> None:
+        stream = self.streams.get(stream_id)
+        closed_by = stream.closed_by if stream is not None else self._closed_streams.get(stream_id)
+        if closed_by is not StreamClosedBy.SEND_RST_STREAM:
+            self.provoked_resets += 1
+
+    def _refuse_stream(self, frame: HeadersFrame) -> None:
+        """A new stream past our MAX_CONCURRENT_STREAMS: RST_STREAM(REFUSED_STREAM) on it alone
+        (RFC 9113 §5.1.2), where h2 would end the whole connection."""
+        sid = frame.stream_id
+        if sid % 2 == 0 or sid <= self.highest_inbound_stream_id or self.config.client_side:
+            raise TooManyStreamsError(f"stream {sid} cannot be opened")
+        # The header block is decoded all the same: HPACK's dynamic table is shared by the streams.
+        _decode_headers(self.decoder, frame.data)
+        self.highest_inbound_stream_id = sid
+        self._closed_streams[sid] = StreamClosedBy.SEND_RST_STREAM
+        f = RstStreamFrame(sid)
+        f.error_code = ErrorCodes.REFUSED_STREAM
+        self._prepare_for_sending([f])
 
     def _receive_goaway_frame(self, frame: GoAwayFrame) -> tuple[list[Frame], list[ev.Event]]:
         event = ev.ConnectionTerminated()
@@ -262,7 +323,18 @@ class H2Session(asyncio.BufferedProtocol):
         self._data_stream: HboneStream | None = None
         # Flow-controlled bytes consumed per stream, acknowledged to h2 at the next flush.
         self._acks: dict[int, int] = {}
-        self._ack_flush_scheduled = False
+        self._flush_scheduled = False
+        # Abuse accounting (limits in `hbone.settings`).
+        self._max_frame = settings.frame_size
+        self._header_block = 0  # compressed bytes of the header block being received
+        self._continuations = 0
+        self._resets = 0  # streams reset before their answer, and resets provoked, this window
+        self._reset_window_start = self.loop.time()
+        self._provoked_seen = 0
+        self._paused_output = 0  # bytes our replies added while the transport was over its mark
+        self._read_paused = False
+        # Requests of the batch being received: handed to `on_request` at its end, unless reset.
+        self._new_requests: list[tuple[HboneStream, Headers]] = []
         self._dispatch: dict[type[ev.Event], Callable[[Any], None]] = {
             ev.DataReceived: self._on_data,
             ev.WindowUpdated: self._on_window_updated,
@@ -293,6 +365,8 @@ class H2Session(asyncio.BufferedProtocol):
         return _READ.current()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._dead:
+            return  # torn down: late bytes are not parsed
         reads = _READ
         depth = reads.depth
         view = reads.views[depth][:nbytes]  # the buffer `get_buffer` returned at this depth
@@ -308,6 +382,8 @@ class H2Session(asyncio.BufferedProtocol):
 
     def data_received(self, data: bytes) -> None:
         """For transports that do not use `get_buffer` (the bytes are ours to keep)."""
+        if self._dead:
+            return
         if not self._started:
             if self._early is not None:
                 self._early.append(bytes(data))
@@ -332,9 +408,14 @@ class H2Session(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self._paused_output = 0
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        if self._read_paused:
+            self._read_paused = False
+            if self.transport is not None and not self._dead and not self._transport_gone:
+                self.transport.resume_reading()
         self._pump_pending()
         self.kick()
 
@@ -398,6 +479,8 @@ class H2Session(asyncio.BufferedProtocol):
         self.close_reason = reason
         self._early = None
         self._data_stream = None
+        self._data_left = 0
+        self._new_requests.clear()
         for handle in (self._ping_handle, self._pong_handle):
             if handle is not None:
                 handle.cancel()
@@ -406,7 +489,7 @@ class H2Session(asyncio.BufferedProtocol):
         self.streams.clear()
         self._pending.clear()
         for stream in streams:
-            stream._on_connection_lost(reason)
+            stream.session_lost(reason)
         if not self.remote_settings.done():
             self.remote_settings.set_exception(reason)
             self.remote_settings.exception()  # retrieved: a failed open() reports it itself
@@ -423,9 +506,17 @@ class H2Session(asyncio.BufferedProtocol):
     # -- receiving -----------------------------------------------------------------------------
 
     def _receive(self, data: memoryview) -> None:
+        if self._dead:
+            return
         self._in_batch = True
         try:
             self._split(data)
+            if self._new_requests and not self._dead:
+                self._start_requests()
+        except PeerMisbehaved as e:
+            self._in_batch = False
+            self._misbehaved(e)
+            return
         except H2Error as e:
             self._in_batch = False
             self._flush_always()  # h2 queued a GOAWAY naming the error
@@ -435,6 +526,61 @@ class H2Session(asyncio.BufferedProtocol):
             self._in_batch = False
         if not self._dead:
             self._flush_always()
+
+    def _misbehaved(self, e: PeerMisbehaved) -> None:
+        log.warning(
+            "hbone: closing the connection of %s (%s) with GOAWAY %s: %s",
+            self.extra.get("peername"),
+            self.peer_identity,
+            e.error_code.name,
+            e,
+        )
+        self._h2.send_goaway(e.error_code, self._h2.highest_inbound_stream_id, str(e).encode())
+        self.goaway_sent = True
+        self._flush_always()
+        self._teardown(ConnectionClosed(f"http2 protocol error: {e}"))
+
+    def _count_resets(self, n: int) -> None:
+        now = self.loop.time()
+        settings = self.settings
+        if now - self._reset_window_start >= settings.reset_window:
+            self._reset_window_start = now
+            self._resets = 0
+        self._resets += n
+        if self._resets > settings.max_resets:
+            raise PeerMisbehaved(
+                ErrorCodes.ENHANCE_YOUR_CALM,
+                f"too many stream resets (rapid reset): {self._resets} within {settings.reset_window:g}s",
+            )
+
+    def _check_header_block(self, ftype: int, flags: int, length: int) -> None:
+        """Bound a header block by its frame headers, before its bytes are buffered or decoded."""
+        if ftype == _TYPE_CONTINUATION:
+            self._header_block += length
+            self._continuations += 1
+            if self._continuations > self.settings.max_continuations:
+                raise PeerMisbehaved(
+                    ErrorCodes.ENHANCE_YOUR_CALM,
+                    f"header block of more than {self.settings.max_continuations} CONTINUATION frames",
+                )
+        else:
+            self._header_block = length
+            self._continuations = 0
+        if self._header_block > self.settings.max_header_block:
+            raise PeerMisbehaved(
+                ErrorCodes.ENHANCE_YOUR_CALM,
+                f"header block of more than {self.settings.max_header_block} bytes",
+            )
+        if flags & _END_HEADERS:
+            self._header_block = self._continuations = 0
+
+    def _start_requests(self) -> None:
+        new, self._new_requests = self._new_requests, []
+        on_request = self._on_request
+        assert on_request is not None  # only the server side queues requests
+        for stream, headers in new:
+            if stream.state is not _STREAM_CLOSED and not self._dead:
+                on_request(stream, headers)
 
     def _split(self, data: memoryview) -> None:
         """Walk the frames in `data`: DATA payloads straight to their streams, the rest to h2."""
@@ -448,8 +594,8 @@ class H2Session(asyncio.BufferedProtocol):
                 pos += take
                 self._data_left -= take
                 stream = self._data_stream
-                assert stream is not None
-                stream._on_data(piece, take)
+                if stream is not None:
+                    stream.received_data(piece, take)
                 if self._dead:
                     return
                 continue
@@ -476,16 +622,25 @@ class H2Session(asyncio.BufferedProtocol):
                 pos += 9
             hi, lo, ftype, flags, sid = _FRAME_HEADER.unpack(head)
             length = (hi << 8) | lo
-            if ftype == _TYPE_DATA and length and not flags & (_END_STREAM | _PADDED):
-                if to_h2:
-                    self._feed_h2()  # the frames before this one may open, end or reset its stream
-                    if self._dead:
-                        return
-                stream = self._direct_data_stream(sid & 0x7FFFFFFF, length)
-                if stream is not None:
-                    self._data_left = length
-                    self._data_stream = stream
-                    continue
+            if length > self._max_frame:
+                # Said as soon as the header is seen, not after buffering up to 16 MiB of it.
+                raise PeerMisbehaved(
+                    ErrorCodes.FRAME_SIZE_ERROR,
+                    f"frame of {length} bytes, more than the maximum frame size {self._max_frame}",
+                )
+            if ftype == _TYPE_DATA:
+                if length and not flags & (_END_STREAM | _PADDED):
+                    if to_h2:
+                        self._feed_h2()  # the frames before this one may open, end or reset its stream
+                        if self._dead:
+                            return
+                    stream = self._direct_data_stream(sid & 0x7FFFFFFF, length)
+                    if stream is not None:
+                        self._data_left = length
+                        self._data_stream = stream
+                        continue
+            elif ftype in _HEADER_BLOCK_TYPES:
+                self._check_header_block(ftype, flags, length)
             to_h2 += head
             self._h2_left = length
         if to_h2 and not self._dead:
@@ -523,7 +678,21 @@ class H2Session(asyncio.BufferedProtocol):
     def _feed_h2(self) -> None:
         data = bytes(self._to_h2)
         self._to_h2.clear()
-        events = self._h2.receive_data(data)
+        h2c = self._h2
+        queued = len(h2c._data_to_send)
+        events = h2c.receive_data(data)
+        if self._write_paused:
+            # The peer does not read what we send: stop reading what makes us reply.
+            self._paused_output += len(h2c._data_to_send) - queued
+            if self._paused_output > self.settings.paused_output_limit and not self._read_paused:
+                transport = self.transport
+                if transport is not None and not self._transport_gone:
+                    self._read_paused = True
+                    transport.pause_reading()
+        if h2c.provoked_resets != self._provoked_seen:
+            n = h2c.provoked_resets - self._provoked_seen
+            self._provoked_seen = h2c.provoked_resets
+            self._count_resets(n)
         dispatch = self._dispatch
         for event in events:
             handler = dispatch.get(type(event))
@@ -537,7 +706,7 @@ class H2Session(asyncio.BufferedProtocol):
         if stream is None:
             self.ack(event.stream_id, event.flow_controlled_length)  # type: ignore[arg-type]
             return
-        stream._on_data(event.data, event.flow_controlled_length)  # type: ignore[arg-type]
+        stream.received_data(event.data, event.flow_controlled_length)  # type: ignore[arg-type]
 
     def _on_window_updated(self, event: ev.WindowUpdated) -> None:
         if not self._pending:
@@ -547,39 +716,43 @@ class H2Session(asyncio.BufferedProtocol):
         else:
             stream = self._pending.get(event.stream_id)  # type: ignore[arg-type]
             if stream is not None:
-                stream._pump()
+                stream.window_available()
 
     def _on_stream_ended(self, event: ev.StreamEnded) -> None:
         stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
         if stream is not None:
-            stream._on_remote_end()
+            stream.received_end()
 
     def _on_stream_reset(self, event: ev.StreamReset) -> None:
         stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
         if stream is not None:
-            stream._on_reset(int(event.error_code))  # type: ignore[arg-type]
+            unanswered = not self.client_side and not stream.responded
+            stream.received_reset(int(event.error_code))  # type: ignore[arg-type]
+            if unanswered:
+                self._count_resets(1)  # work started for nothing: what rapid reset exploits
 
     def _on_request_received(self, event: ev.RequestReceived) -> None:
         sid: int = event.stream_id  # type: ignore[assignment]
-        if self.client_side or self._on_request is None:
+        if self.client_side or self._on_request is None or sid > self._refuse_above:
             self.reset(sid, ErrorCodes.REFUSED_STREAM)
-            return
-        if sid > self._refuse_above:
-            self.reset(sid, ErrorCodes.REFUSED_STREAM)
+            self._count_resets(1)
             return
         stream = HboneStream(self, sid, high_water=self.settings.server_send_buffer)
         self.streams[sid] = stream
-        self._on_request(stream, decode_headers(event.headers))  # type: ignore[arg-type]
+        self._new_requests.append((stream, decode_headers(event.headers)))  # type: ignore[arg-type]
 
     def _on_response_received(self, event: ev.ResponseReceived) -> None:
         stream = self.streams.get(event.stream_id)  # type: ignore[arg-type]
         if stream is not None:
-            stream._on_response(decode_headers(event.headers))  # type: ignore[arg-type]
+            stream.received_response(decode_headers(event.headers))  # type: ignore[arg-type]
 
     def _on_remote_settings(self, event: ev.RemoteSettingsChanged) -> None:
         if not self.remote_settings.done():
             self.remote_settings.set_result(None)
-        self._pump_pending()  # the initial window may have grown
+        # Only a grown initial window can unblock a stream: other SETTINGS do not walk them.
+        window = event.changed_settings.get(SettingCodes.INITIAL_WINDOW_SIZE)
+        if window is not None and self._pending and window.new_value > (window.original_value or 0):
+            self._pump_pending()
 
     def _on_goaway(self, event: ev.ConnectionTerminated) -> None:
         self.goaway_received = True
@@ -592,7 +765,7 @@ class H2Session(asyncio.BufferedProtocol):
         refused = ConnectionClosed("stream refused: peer sent GOAWAY")
         for sid, stream in list(self.streams.items()):
             if sid > last and self._h2._stream_id_is_outbound(sid):
-                stream._on_connection_lost(refused)
+                stream.session_lost(refused)
         self._maybe_close_idle()
 
     # -- keepalive -----------------------------------------------------------------------------
@@ -657,7 +830,8 @@ class H2Session(asyncio.BufferedProtocol):
         if not self._in_batch:
             self._flush_always()
 
-    def open_stream(self, headers: list[tuple[str, str]]) -> HboneStream:
+    def open_stream(self, headers: list[tuple[str, str]], *, flush: bool = True) -> HboneStream:
+        """Send a request's HEADERS; `flush=False` leaves them queued for the caller's first write."""
         if not self.is_usable():
             raise self.close_reason or ConnectionClosed("connection is not usable (closing)")
         try:
@@ -665,20 +839,25 @@ class H2Session(asyncio.BufferedProtocol):
             self._h2.send_headers(sid, headers)
         except H2Error as e:
             raise HboneError(f"cannot open stream: {e}") from e
-        stream = HboneStream(self, sid, high_water=self.settings.client_send_buffer)
-        stream._expect_response()
+        stream = HboneStream(self, sid, high_water=self.settings.client_send_buffer, client_side=True)
         self.streams[sid] = stream
-        self.kick()
+        if flush:
+            self.kick()
         return stream
 
-    def send_headers(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool) -> bool:
+    def send_headers(
+        self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool, *, flush: bool = True
+    ) -> bool:
+        """Queue HEADERS and flush; `flush=False` leaves them queued for the caller's next flush
+        (one TLS record and one syscall for a 200 and the first data)."""
         if self._dead:
             return False
         try:
             self._h2.send_headers(stream_id, headers, end_stream=end_stream)
         except H2Error:
             return False
-        self.kick()
+        if flush:
+            self.kick()
         return True
 
     def send_data(self, stream_id: int, data: bytes | memoryview) -> int:
@@ -754,13 +933,17 @@ class H2Session(asyncio.BufferedProtocol):
         if n and not self._dead:
             acks = self._acks
             acks[stream_id] = acks.get(stream_id, 0) + n
-            if not self._in_batch and not self._ack_flush_scheduled:
-                self._ack_flush_scheduled = True
-                self.loop.call_soon(self._scheduled_flush)
+            if not self._in_batch:
+                self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._scheduled_flush)
 
     def _scheduled_flush(self) -> None:
-        self._ack_flush_scheduled = False
-        if not self._dead and self._acks:
+        self._flush_scheduled = False
+        if not self._dead:
             self.kick()
 
     def _apply_acks(self) -> None:
@@ -808,7 +991,7 @@ class H2Session(asyncio.BufferedProtocol):
         for stream in list(self._pending.values()):
             if self._write_paused or self._dead:
                 return
-            stream._pump()
+            stream.window_available()
 
     def forget(self, stream: HboneStream) -> None:
         self.streams.pop(stream.stream_id, None)

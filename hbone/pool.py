@@ -44,7 +44,9 @@ class PooledConnection(Protocol):
 
     def is_usable(self) -> bool: ...
 
-    async def connect(self, authority: str, headers: Sequence[tuple[str, str]] = ()) -> HboneStream: ...
+    async def connect(
+        self, authority: str, headers: Sequence[tuple[str, str]] = (), early_data: bytes = b""
+    ) -> HboneStream: ...
 
     def close(self) -> None: ...
 
@@ -92,12 +94,17 @@ class Pool(Generic[C]):
         return slot.conn if slot is not None else None
 
     async def connect(
-        self, key: PoolKey, authority: str, headers: Sequence[tuple[str, str]] = ()
+        self,
+        key: PoolKey,
+        authority: str,
+        headers: Sequence[tuple[str, str]] = (),
+        early_data: bytes = b"",
     ) -> HboneStream:
-        """Check out a connection for `key` and open a CONNECT stream on it."""
+        """Check out a connection for `key` and open a CONNECT stream on it (`early_data`: see
+        `HboneConnection.connect`)."""
         conn = await self.checkout(key)
         try:
-            return await conn.connect(authority, headers)
+            return await conn.connect(authority, headers, early_data)
         finally:
             if self.pooled(key) is not conn:
                 conn.close()  # left the pool: close once its streams are done

@@ -2,8 +2,14 @@
 
 The server does not judge requests: every request stream becomes a `ConnectRequest` handed to the
 handler, which answers with `respond` (SPEC §2.6: 400/401/503, or 200 and then the stream carries
-the bytes). A handler that fails or returns without answering gets a 503 sent for it. One stream's
-failure never affects the other streams of its connection.
+the bytes). A handler that fails or returns without answering gets a 503 sent for it; a handler
+whose stream the client resets, or whose connection dies, before it answered is cancelled. One
+stream's failure never affects the other streams of its connection.
+
+An accepted socket costs a file descriptor and a timer until its first TLS record (the ClientHello)
+is complete: no TLS object and no task exist before that, so connections that hold half a
+ClientHello (slowloris) are cheap, and closed at the handshake timeout. A first byte that does not
+begin a TLS handshake record closes the connection at once.
 """
 
 from __future__ import annotations
@@ -23,6 +29,14 @@ from hbone.stream import HboneStream
 from hbone.tls import REVOKED, TlsCredentials
 
 log = logging.getLogger("hbone")
+
+_TLS_HANDSHAKE_RECORD = 0x16
+_TLS_MAJOR_VERSION = 0x03
+_MAX_RECORD = 5 + 16384 + 256  # a TLS record header and the largest record body
+# While a ClientHello is incomplete the socket is looked at again after these delays (doubling):
+# peeking leaves the bytes in the socket, so waiting for readability would spin.
+_HELLO_RECHECK_FIRST = 0.005
+_HELLO_RECHECK_MAX = 0.5
 
 
 class ConnectRequest:
@@ -90,6 +104,68 @@ class _Listener:
         self.sockets[0].close()
 
 
+class _HelloWait:
+    """An accepted socket until its first TLS record has fully arrived (peeked, not read)."""
+
+    __slots__ = ("deadline", "delay", "handle", "local", "peer", "server", "sock")
+
+    def __init__(self, server: HboneServer, sock: socket.socket, peer: Address, local: Address) -> None:
+        loop = asyncio.get_running_loop()
+        self.server = server
+        self.sock = sock
+        self.peer = peer
+        self.local = local
+        self.deadline = loop.time() + server.handshake_timeout
+        self.delay = _HELLO_RECHECK_FIRST
+        self.handle: asyncio.TimerHandle | None = None
+        loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.sock.fileno())
+        try:
+            head = self.sock.recv(_MAX_RECORD, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            head = None
+        except OSError:
+            self.close()
+            return
+        if head is not None:
+            if not head:
+                self.close()  # gone before saying anything
+                return
+            if head[0] != _TLS_HANDSHAKE_RECORD or (len(head) > 1 and head[1] != _TLS_MAJOR_VERSION):
+                self.close(TlsHandshakeError("tls handshake error: not a TLS handshake record"))
+                return
+            if len(head) >= 5 and len(head) >= 5 + int.from_bytes(head[3:5], "big"):
+                self.server._hello_waits.discard(self)
+                self.server._start_tls(self.sock, self.peer, self.local, self.deadline - loop.time())
+                return
+        remaining = self.deadline - loop.time()
+        if remaining <= 0:
+            self.close(
+                TlsHandshakeError("tls handshake error: no complete ClientHello within the handshake timeout")
+            )
+            return
+        self.handle = loop.call_later(min(self.delay, remaining), self._recheck)
+        self.delay = min(self.delay * 2, _HELLO_RECHECK_MAX)
+
+    def _recheck(self) -> None:
+        self.handle = None
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._readable)
+
+    def close(self, err: Exception | None = None) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        if self.sock.fileno() >= 0:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
+        self.server._hello_waits.discard(self)
+        if err is not None:
+            self.server._tls_error(self.peer, self.local, err)
+
+
 class HboneServer:
     def __init__(
         self,
@@ -99,7 +175,7 @@ class HboneServer:
         own_trust_domain: Callable[[], str] | str | None = None,
         on_tls_error: TlsErrorHook | None = None,
         *,
-        handshake_timeout: float = 10.0,
+        handshake_timeout: float | None = None,
     ) -> None:
         """`own_trust_domain`: the trust domain client identities must be in; by default the one of
         the certificate served."""
@@ -108,8 +184,11 @@ class HboneServer:
         self.settings = settings
         self._trust_domain = own_trust_domain
         self._on_tls_error = on_tls_error
-        self._handshake_timeout = handshake_timeout
+        self.handshake_timeout = (
+            settings.handshake_timeout if handshake_timeout is None else handshake_timeout
+        )
         self._servers: list[_Listener] = []
+        self._hello_waits: set[_HelloWait] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self.sessions: set[H2Session] = set()
@@ -149,7 +228,17 @@ class HboneServer:
         if self._shutting_down:
             sock.close()
             return
-        task = asyncio.get_running_loop().create_task(self._handshake(sock))
+        try:
+            peer = canonical_addr(sock.getpeername())
+            local = canonical_addr(sock.getsockname())
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            sock.close()  # the peer is already gone
+            return
+        self._hello_waits.add(_HelloWait(self, sock, peer, local))
+
+    def _start_tls(self, sock: socket.socket, peer: Address, local: Address, timeout: float) -> None:
+        task = asyncio.get_running_loop().create_task(self._handshake(sock, peer, local, max(timeout, 0.001)))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
 
@@ -162,15 +251,9 @@ class HboneServer:
         else:
             log.warning("hbone: connection failed src=%s dst=%s: %s", peer, local, err)
 
-    async def _handshake(self, sock: socket.socket) -> None:
+    async def _handshake(self, sock: socket.socket, peer: Address, local: Address, timeout: float) -> None:
         loop = asyncio.get_running_loop()
-        try:
-            peer = canonical_addr(sock.getpeername())
-            local = canonical_addr(sock.getsockname())
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            sock.close()  # the peer is already gone
-            return
+        deadline = loop.time() + timeout  # what is left of the handshake timeout after the ClientHello
         session = H2Session(
             client_side=False,
             settings=self.settings,
@@ -179,7 +262,7 @@ class HboneServer:
         try:
             creds = self._credentials
             if not isinstance(creds, TlsCredentials):
-                async with asyncio.timeout(self._handshake_timeout):  # no task per handshake
+                async with asyncio.timeout(timeout):  # no task per handshake
                     creds = await creds()
         except asyncio.CancelledError:
             sock.close()
@@ -193,7 +276,10 @@ class HboneServer:
         try:
             # On failure or cancellation the loop closes the transport, and with it the socket.
             tls, _ = await loop.connect_accepted_socket(
-                lambda: session, sock, ssl=creds.server, ssl_handshake_timeout=self._handshake_timeout
+                lambda: session,
+                sock,
+                ssl=creds.server,
+                ssl_handshake_timeout=max(deadline - loop.time(), 0.001),
             )
         except asyncio.CancelledError:
             raise
@@ -239,6 +325,7 @@ class HboneServer:
         task = session.loop.create_task(self._run_handler(req))
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
+        stream.on_abandoned = task.cancel  # reset (or its connection lost) before it was answered
 
     async def _run_handler(self, req: ConnectRequest) -> None:
         try:
@@ -262,6 +349,8 @@ class HboneServer:
         for server in self._servers:
             server.close()
         self._servers.clear()
+        for wait in list(self._hello_waits):
+            wait.close()
         for task in list(self._handshakes):
             task.cancel()
         sessions = list(self.sessions)

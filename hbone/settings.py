@@ -1,4 +1,9 @@
-"""HTTP/2 parameters of an HBONE connection (SPEC §2.4, §12.3): one immutable object, passed in."""
+"""HTTP/2 parameters of an HBONE connection (SPEC §2.4, §12.3): one immutable object, passed in.
+
+Besides the negotiated values it states the limits that keep one abusive peer from costing the
+node more than one connection's worth: each is enforced per connection, and exceeding it closes
+that connection (GOAWAY naming the error) or refuses one stream, never more.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,27 @@ class H2Settings:
     ping_timeout: float = 20.0
     # Per-stream send buffer before the writer is paused on the server side (SPEC §2.4).
     server_send_buffer: int = 409600
+    # -- abuse limits (ours; the reference's h2 library has equivalents) --
+    # Compressed bytes of one header block (HEADERS + CONTINUATIONs), checked at each frame header,
+    # before anything is buffered or decoded: a block that is larger is a GOAWAY(ENHANCE_YOUR_CALM).
+    # Twice the larger header list size: HPACK never needs more for a list it would accept.
+    max_header_block: int = 131072
+    # CONTINUATION frames in one header block (a flood of empty ones costs per frame, not per byte).
+    max_continuations: int = 16
+    # Rapid reset (CVE-2023-44487, CVE-2025-8671 "MadeYouReset"): streams the peer resets before
+    # they were answered, plus the resets its frames make us send (frames on closed streams, streams
+    # refused), counted per connection in windows of `reset_window` seconds; past `max_resets` in
+    # one window: GOAWAY(ENHANCE_YOUR_CALM), a warning, and the connection closes.
+    max_resets: int = 1000
+    reset_window: float = 10.0
+    # While the TLS transport's buffer is over its high-water mark (the peer does not read), the
+    # replies our received frames produce (PING and SETTINGS ACKs, resets) may add this many bytes;
+    # past it the session stops reading until the buffer drains (a PING/SETTINGS flood stalls).
+    paused_output_limit: int = 65536
+    # A TLS server handshake, from accept to the first HTTP/2 byte; the first TLS record (the
+    # ClientHello) is awaited without a TLS object, and bytes that are not a TLS handshake record
+    # close the connection at once.
+    handshake_timeout: float = 10.0
 
     @property
     def client_send_buffer(self) -> int:

@@ -6,43 +6,177 @@ write-buffer marks); received DATA is handed to the protocol and the receive win
 it is consumed, so a paused reader stops the peer. `write_eof` sends END_STREAM; END_STREAM and a
 clean reset (NO_ERROR, CANCEL) arrive as `eof_received`; any other reset ends the stream with
 `StreamReset`; a dead connection ends it with `ConnectionClosed`.
+
+The module owns both sides of the session/stream boundary as typed protocols: `StreamSession` is
+what a stream needs of its HTTP/2 connection, `SessionStream` the events the connection delivers
+to a stream. The stream's life cycle is one `StreamState`, changed only through `TRANSITIONS`
+(the two directions' ends, the EOF handed to the protocol, `close()`), as h11 does for HTTP/1.1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from h2.errors import ErrorCodes
 
 from hbone.errors import HboneError, StreamReset
-
-if TYPE_CHECKING:
-    from hbone.h2conn import H2Session
+from hbone.identity import Identity
 
 log = logging.getLogger("hbone")
 
 _CLEAN_RESETS = (ErrorCodes.NO_ERROR, ErrorCodes.CANCEL)
 
 
+class StreamSession(Protocol):
+    """What a stream needs of the HTTP/2 connection it belongs to (`hbone.h2conn.H2Session`)."""
+
+    loop: asyncio.AbstractEventLoop
+    extra: dict[str, Any]
+    peer_identity: Identity | None
+
+    @property
+    def transport(self) -> asyncio.Transport | None: ...
+
+    def send_data(self, stream_id: int, data: bytes | memoryview) -> int: ...
+
+    def send_headers(
+        self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool, *, flush: bool = True
+    ) -> bool: ...
+
+    def end_stream(self, stream_id: int) -> None: ...
+
+    def reset(self, stream_id: int, error_code: int) -> None: ...
+
+    def ack(self, stream_id: int, n: int) -> None: ...
+
+    def kick(self) -> None: ...
+
+    def want_window(self, stream: HboneStream) -> None: ...
+
+    def window_satisfied(self, stream: HboneStream) -> None: ...
+
+    def forget(self, stream: HboneStream) -> None: ...
+
+
+class SessionStream(Protocol):
+    """The events an HTTP/2 connection delivers to one of its streams (`HboneStream` is one)."""
+
+    def received_data(self, data: bytes, flow_len: int) -> None:
+        """A DATA payload (`flow_len` flow-controlled bytes, padding included) arrived."""
+
+    def received_end(self) -> None:
+        """The peer ended its direction (END_STREAM)."""
+
+    def received_reset(self, error_code: int) -> None:
+        """The peer reset the stream (RST_STREAM)."""
+
+    def received_response(self, headers: list[tuple[str, str]]) -> None:
+        """Client side: the response HEADERS arrived."""
+
+    def window_available(self) -> None:
+        """The send window grew, or the connection's transport drained: send what waits."""
+
+    def session_lost(self, reason: HboneError) -> None:
+        """The connection is gone, or refused the stream (GOAWAY)."""
+
+
+class StreamState(enum.Enum):
+    """Where a stream is in its life; each value says (closing, local ended, remote ended, EOF pending).
+
+    "Local ended": our END_STREAM or RST_STREAM went out (or can no longer). "Remote ended": the
+    peer's END_STREAM arrived. "EOF pending": that end still waits to be handed to the protocol
+    (it is paused or not set yet). "Closing": `close()` was called, or the stream is over; its reads
+    are dropped and `is_closing()` is true.
+    """
+
+    OPEN = (False, False, False, False)
+    SEND_ENDED = (False, True, False, False)
+    RECV_ENDED = (False, False, True, True)
+    RECV_DONE = (False, False, True, False)  # the EOF was delivered; the protocol kept writing
+    BOTH_ENDED = (False, True, True, True)  # both ends on the wire; the EOF still to deliver
+    CLOSING = (True, False, False, False)
+    CLOSING_SENT = (True, True, False, False)
+    CLOSING_RECEIVED = (True, False, True, False)
+    CLOSED = (True, True, True, False)
+
+    def __init__(self, closing: bool, local_ended: bool, remote_ended: bool, eof_pending: bool) -> None:
+        # Plain attributes: read on every write and every received chunk.
+        self.closing = closing
+        self.local_ended = local_ended
+        self.remote_ended = remote_ended
+        self.eof_pending = eof_pending
+
+
+class StreamEvent(enum.Enum):
+    SEND_END = enum.auto()  # END_STREAM sent, or nothing more can be sent
+    RECV_END = enum.auto()  # the peer's END_STREAM
+    EOF_DELIVERED = enum.auto()  # the protocol's eof_received was called
+    CLOSE = enum.auto()  # close(): stop reading, end once both directions ended
+    RESET = enum.auto()  # a clean RST_STREAM (NO_ERROR, CANCEL): both directions end at once
+
+
+S, E = StreamState, StreamEvent
+# Every allowed change of state; resets, a lost connection and a refusing response go straight to
+# CLOSED (`_finish`). An event absent for a state changes nothing (e.g. `close()` twice).
+TRANSITIONS: dict[tuple[StreamState, StreamEvent], StreamState] = {
+    (S.OPEN, E.SEND_END): S.SEND_ENDED,
+    (S.OPEN, E.RECV_END): S.RECV_ENDED,
+    (S.OPEN, E.CLOSE): S.CLOSING,
+    (S.SEND_ENDED, E.RECV_END): S.BOTH_ENDED,
+    (S.SEND_ENDED, E.CLOSE): S.CLOSING_SENT,
+    (S.RECV_ENDED, E.SEND_END): S.BOTH_ENDED,
+    (S.RECV_ENDED, E.EOF_DELIVERED): S.RECV_DONE,
+    (S.RECV_ENDED, E.CLOSE): S.CLOSING_RECEIVED,  # the undelivered EOF is dropped with the reads
+    (S.RECV_DONE, E.SEND_END): S.CLOSED,
+    (S.RECV_DONE, E.CLOSE): S.CLOSING_RECEIVED,
+    (S.BOTH_ENDED, E.EOF_DELIVERED): S.CLOSED,
+    (S.BOTH_ENDED, E.CLOSE): S.CLOSED,
+    (S.CLOSING, E.SEND_END): S.CLOSING_SENT,
+    (S.CLOSING, E.RECV_END): S.CLOSING_RECEIVED,
+    (S.CLOSING_SENT, E.RECV_END): S.CLOSED,
+    (S.CLOSING_RECEIVED, E.SEND_END): S.CLOSED,
+    (S.OPEN, E.RESET): S.BOTH_ENDED,
+    (S.SEND_ENDED, E.RESET): S.BOTH_ENDED,
+    (S.RECV_ENDED, E.RESET): S.BOTH_ENDED,
+    (S.RECV_DONE, E.RESET): S.CLOSED,
+    (S.CLOSING, E.RESET): S.CLOSED,
+    (S.CLOSING_SENT, E.RESET): S.CLOSED,
+    (S.CLOSING_RECEIVED, E.RESET): S.CLOSED,
+}
+del S, E
+
+_OPEN = StreamState.OPEN
+_CLOSED = StreamState.CLOSED
+_BOTH_ENDED = StreamState.BOTH_ENDED
+_RECV_DONE = StreamState.RECV_DONE
+
+_SEND_END = StreamEvent.SEND_END
+_RECV_END = StreamEvent.RECV_END
+_EOF_DELIVERED = StreamEvent.EOF_DELIVERED
+_CLOSE = StreamEvent.CLOSE
+_RESET = StreamEvent.RESET
+
+
 class HboneStream(asyncio.Transport):
-    """A CONNECT stream. Data received before the first `set_protocol` is held, unacknowledged."""
+    """A CONNECT stream. Data received before the first `set_protocol` is held, unacknowledged.
+
+    Server side, `on_abandoned` (if set) is called once when the peer resets the stream or the
+    connection is lost before the stream was answered: whoever works on the answer can stop.
+    """
 
     # One per proxied connection on each side, most of them idle: slots, and the two queues
     # (a deque is ~600 bytes even empty) only exist while something waits in them.
     __slots__ = (
-        "_closing",
+        "_client_side",
         "_deliver_scheduled",
-        "_eof_delivered",
-        "_eof_pending",
         "_eof_requested",
-        "_finished",
         "_high",
         "_inbox",
-        "_local_ended",
         "_loop",
         "_lost_delivered",
         "_lost_exc",
@@ -51,49 +185,62 @@ class HboneStream(asyncio.Transport):
         "_outbox_size",
         "_protocol",
         "_reading",
-        "_remote_ended",
         "_response",
         "_session",
+        "_state",
         "_writer_paused",
+        "on_abandoned",
         "responded",
         "response_headers",
         "status",
         "stream_id",
     )
 
-    def __init__(self, session: H2Session, stream_id: int, *, high_water: int) -> None:
+    def __init__(
+        self, session: StreamSession, stream_id: int, *, high_water: int, client_side: bool = False
+    ) -> None:
         super().__init__()
         self._session = session
         self._loop = session.loop
         self.stream_id = stream_id
+        self._client_side = client_side
+        self._state = _OPEN
         self.status: int | None = None
         self.response_headers: list[tuple[str, str]] = []
-        self._response: asyncio.Future[None] | None = None
+        self._response: asyncio.Future[None] | None = self._loop.create_future() if client_side else None
         self._protocol: asyncio.BaseProtocol | None = None
         # inbound
         self._inbox: deque[tuple[bytes, int]] | None = None
-        self._remote_ended = False  # END_STREAM or reset received (or connection gone)
-        self._eof_pending = False  # an EOF to deliver after the inbox
-        self._eof_delivered = False
         self._reading = True
         self._deliver_scheduled = False
         # outbound
         self._outbox: deque[bytes | memoryview] | None = None
         self._outbox_size = 0
         self._eof_requested = False  # write_eof/close called: END_STREAM after the outbox
-        self._local_ended = False  # END_STREAM or RST_STREAM sent (or no longer possible)
         self._high = high_water
         self._low = high_water // 4
         self._writer_paused = False
-        # life cycle
-        self._closing = False
-        self._finished = False
+        # the end
         self._lost_exc: Exception | None = None
         self._lost_delivered = False
         self.responded = False  # server side: a response was sent
+        self.on_abandoned: Callable[[], object] | None = None
 
     def __repr__(self) -> str:
-        return f"<HboneStream id={self.stream_id} local_ended={self._local_ended} remote_ended={self._remote_ended}>"
+        return f"<HboneStream id={self.stream_id} state={self._state.name}>"
+
+    @property
+    def state(self) -> StreamState:
+        return self._state
+
+    def _advance(self, event: StreamEvent) -> None:
+        new = TRANSITIONS.get((self._state, event))
+        if new is None:
+            return
+        if new is _CLOSED:
+            self._finish(None)
+        else:
+            self._state = new
 
     # -- asyncio.BaseTransport -----------------------------------------------------------------
 
@@ -109,42 +256,41 @@ class HboneStream(asyncio.Transport):
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self._protocol = protocol
-        if self._finished:
+        if self._state is _CLOSED:
             if not self._lost_delivered:
                 self._lost_delivered = True
                 self._loop.call_soon(self._call_connection_lost, self._lost_exc)
-        elif self._reading and (self._inbox or self._eof_pending):
+        elif self._reading and (self._inbox or self._state.eof_pending):
             self._schedule_delivery()
 
     def get_protocol(self) -> asyncio.BaseProtocol:
         return self._protocol  # type: ignore[return-value]
 
     def is_closing(self) -> bool:
-        return self._closing or self._finished
+        return self._state.closing
 
     def close(self) -> None:
         """Stop reading; send the buffered bytes, then END_STREAM. Done when the peer ends too."""
-        if self._closing or self._finished:
+        if self._state.closing:
             return
-        self._closing = True
         self._reading = False
         self._drop_inbox()
+        self._advance(_CLOSE)
         self.write_eof()
-        self._maybe_finish()
 
     # -- asyncio.ReadTransport -----------------------------------------------------------------
 
     def is_reading(self) -> bool:
-        return self._reading and not self._closing and not self._finished
+        return self._reading and not self._state.closing
 
     def pause_reading(self) -> None:
         self._reading = False
 
     def resume_reading(self) -> None:
-        if self._reading or self._closing or self._finished:
+        if self._reading or self._state.closing:
             return
         self._reading = True
-        if self._inbox or self._eof_pending:
+        if self._inbox or self._state.eof_pending:
             self._schedule_delivery()
 
     # -- asyncio.WriteTransport ----------------------------------------------------------------
@@ -166,11 +312,12 @@ class HboneStream(asyncio.Transport):
         return self._outbox_size
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self._closing or self._finished:
+        state = self._state
+        if state.closing:
             return  # like a closed socket transport: dropped
         if self._eof_requested:
             raise RuntimeError("Cannot call write() after write_eof()")
-        if self._local_ended:
+        if state.local_ended:
             return  # reset: nowhere to send
         if not data:
             return
@@ -198,7 +345,7 @@ class HboneStream(asyncio.Transport):
         self.write(b"".join(list_of_data))
 
     def write_eof(self) -> None:
-        if self._eof_requested or self._local_ended or self._finished:
+        if self._eof_requested or self._state.local_ended:
             return
         self._eof_requested = True
         if not self._outbox:
@@ -213,12 +360,11 @@ class HboneStream(asyncio.Transport):
 
     def reset(self, error_code: int = ErrorCodes.CANCEL) -> None:
         """End the stream now with RST_STREAM(`error_code`); the protocol gets connection_lost(None)."""
-        if self._finished:
+        state = self._state
+        if state is _CLOSED:
             return
-        self._closing = True
-        if not (self._local_ended and self._remote_ended):
+        if not (state.local_ended and state.remote_ended):
             self._session.reset(self.stream_id, error_code)
-        self._local_ended = self._remote_ended = True
         self._drop_inbox()
         self._drop_outbox()
         self._finish(None)
@@ -230,25 +376,25 @@ class HboneStream(asyncio.Transport):
         if self.responded:
             raise RuntimeError("already responded")
         self.responded = True
-        if self._finished:
+        if self._state is _CLOSED:
             return  # reset by the client meanwhile
         end = status != 200
         if not self._session.send_headers(
-            self.stream_id, [(":status", str(status)), *headers], end_stream=end
+            self.stream_id, [(":status", str(status)), *headers], end_stream=end, flush=end
         ):
             end = True  # the stream is gone (reset by the client): nothing more to send or read
+        elif not end:
+            # The 200 leaves with the first delivery callback, after the caller has set its
+            # protocol: the bytes that came with the request, and the answer they get at once,
+            # share its TLS record and syscall.
+            self._schedule_delivery()
         if end:
-            if not self._remote_ended:
+            if not self._state.remote_ended:
                 # RFC 9113 §8.1: a complete response before the request ended; stop the request.
                 self._session.reset(self.stream_id, ErrorCodes.NO_ERROR)
-            self._local_ended = self._remote_ended = True
-            self._closing = True
             self._finish(None)
 
     # -- client side ---------------------------------------------------------------------------
-
-    def _expect_response(self) -> None:
-        self._response = self._loop.create_future()
 
     async def wait_response(self) -> None:
         assert self._response is not None
@@ -257,12 +403,19 @@ class HboneStream(asyncio.Transport):
 
     def refused(self) -> None:
         """After a non-200 response: end our side too (the server normally ended its side)."""
-        if self._remote_ended:
+        if self._state.remote_ended:
             self.close()
         else:
             self.abort()
 
-    def _on_response(self, headers: list[tuple[str, str]]) -> None:
+    def _fail_response(self, exc: Exception) -> None:
+        if self._response is not None and not self._response.done():
+            self._response.set_exception(exc)
+            self._response.exception()  # a cancelled connect() would otherwise leave it unretrieved
+
+    # -- events from the session (`SessionStream`) -----------------------------------------------
+
+    def received_response(self, headers: list[tuple[str, str]]) -> None:
         status = next((v for k, v in headers if k == ":status"), "")
         if status.startswith("1"):
             return  # informational
@@ -274,15 +427,8 @@ class HboneStream(asyncio.Transport):
         if self._response is not None and not self._response.done():
             self._response.set_result(None)
 
-    def _fail_response(self, exc: Exception) -> None:
-        if self._response is not None and not self._response.done():
-            self._response.set_exception(exc)
-            self._response.exception()  # a cancelled connect() would otherwise leave it unretrieved
-
-    # -- events from the session ---------------------------------------------------------------
-
-    def _on_data(self, data: bytes, flow_len: int) -> None:
-        if self._closing or self._finished:
+    def received_data(self, data: bytes, flow_len: int) -> None:
+        if self._state.closing:
             self._session.ack(self.stream_id, flow_len)
             return
         if self._reading and self._protocol is not None and not self._inbox and not self._deliver_scheduled:
@@ -297,87 +443,37 @@ class HboneStream(asyncio.Transport):
             self._inbox = deque()
         self._inbox.append((data, flow_len))
 
-    def _on_remote_end(self) -> None:
-        self._remote_ended = True
-        if self._closing or self._finished:
-            self._maybe_finish()
-            return
-        self._eof_pending = True
-        if self._reading and self._protocol is not None and not self._deliver_scheduled:
+    def received_end(self) -> None:
+        closing = self._state.closing
+        self._advance(_RECV_END)
+        if not closing and self._reading and self._protocol is not None and not self._deliver_scheduled:
             self._deliver()
 
-    def _on_reset(self, error_code: int) -> None:
-        self._local_ended = self._remote_ended = True
+    def received_reset(self, error_code: int) -> None:
+        if self._state is _CLOSED:
+            return
         self._drop_outbox()
         if self._response is not None and not self._response.done():
             self._fail_response(StreamReset(error_code))
-        if error_code in _CLEAN_RESETS and not self._closing:
-            if not self._eof_delivered:
-                self._eof_pending = True
-                if self._reading and self._protocol is not None and not self._deliver_scheduled:
-                    self._deliver()
-                    return
-            self._maybe_finish()
+        clean = error_code in _CLEAN_RESETS
+        if not self._client_side and not self.responded:
+            self._abandon()  # reset before it was answered: nobody will read it
+            return
+        if clean and not self._state.closing:
+            self._advance(_RESET)
+            state = self._state
+            if (
+                state.eof_pending
+                and self._reading
+                and self._protocol is not None
+                and not self._deliver_scheduled
+            ):
+                self._deliver()
             return
         self._drop_inbox()
-        self._finish(None if error_code in _CLEAN_RESETS else StreamReset(error_code))
+        self._finish(None if clean else StreamReset(error_code))
 
-    def _on_connection_lost(self, reason: HboneError) -> None:
-        if self._finished:
-            return
-        self._fail_response(reason)
-        self._local_ended = self._remote_ended = True
-        self._inbox = None
-        self._drop_outbox()
-        self._finish(reason)
-
-    # -- delivery --------------------------------------------------------------------------------
-
-    def _schedule_delivery(self) -> None:
-        if not self._deliver_scheduled:
-            self._deliver_scheduled = True
-            self._loop.call_soon(self._deliver_soon)
-
-    def _deliver_soon(self) -> None:
-        self._deliver_scheduled = False
-        self._deliver()
-        self._session.kick()  # window updates for what was consumed
-
-    def _deliver(self) -> None:
-        protocol = self._protocol
-        if protocol is None or (self._finished and not self._eof_pending):
-            return
-        inbox = self._inbox
-        while inbox and self._reading and not self._closing:
-            data, n = inbox.popleft()
-            self._session.ack(self.stream_id, n)
-            if data:
-                try:
-                    protocol.data_received(data)  # type: ignore[attr-defined]
-                except Exception:
-                    self._protocol_failed("data_received")
-                    return
-        if self._eof_pending and not inbox and self._reading and not self._closing:
-            self._eof_pending = False
-            self._eof_delivered = True
-            try:
-                keep_open = protocol.eof_received()  # type: ignore[attr-defined]
-            except Exception:
-                self._protocol_failed("eof_received")
-                return
-            if not keep_open:
-                self.close()
-        if self._inbox is not None and not self._inbox:
-            self._inbox = None  # drained: an idle stream keeps no queue
-        self._maybe_finish()
-
-    def _protocol_failed(self, callback: str) -> None:
-        log.exception("hbone: stream %d: protocol %s failed; resetting the stream", self.stream_id, callback)
-        self.abort()
-
-    # -- sending ---------------------------------------------------------------------------------
-
-    def _pump(self) -> None:
+    def window_available(self) -> None:
         """Send buffered bytes as the window allows (called by the session on WINDOW_UPDATE)."""
         outbox = self._outbox
         session = self._session
@@ -394,7 +490,7 @@ class HboneStream(asyncio.Transport):
         if not outbox:
             self._outbox = None  # drained: an idle stream keeps no queue
             session.window_satisfied(self)
-            if self._eof_requested and not self._local_ended:
+            if self._eof_requested and not self._state.local_ended:
                 self._send_end()
         if self._writer_paused and self._outbox_size <= self._low:
             self._writer_paused = False
@@ -403,6 +499,71 @@ class HboneStream(asyncio.Transport):
                     self._protocol.resume_writing()
                 except Exception:
                     self._protocol_failed("resume_writing")
+
+    def session_lost(self, reason: HboneError) -> None:
+        if self._state is _CLOSED:
+            return
+        self._fail_response(reason)
+        self._inbox = None
+        self._drop_outbox()
+        if not self._client_side and not self.responded:
+            self._abandon()
+            return
+        self._finish(reason)
+
+    def _abandon(self) -> None:
+        self._drop_inbox()
+        self._finish(None)
+        hook, self.on_abandoned = self.on_abandoned, None
+        if hook is not None:
+            try:
+                hook()
+            except Exception:
+                log.exception("hbone: stream %d: on_abandoned failed", self.stream_id)
+
+    # -- delivery --------------------------------------------------------------------------------
+
+    def _schedule_delivery(self) -> None:
+        if not self._deliver_scheduled:
+            self._deliver_scheduled = True
+            self._loop.call_soon(self._deliver_soon)
+
+    def _deliver_soon(self) -> None:
+        self._deliver_scheduled = False
+        self._deliver()
+        self._session.kick()  # window updates for what was consumed
+
+    def _deliver(self) -> None:
+        protocol = self._protocol
+        if protocol is None or self._state is _CLOSED:
+            return
+        inbox = self._inbox
+        while inbox and self._reading and not self._state.closing:
+            data, n = inbox.popleft()
+            self._session.ack(self.stream_id, n)
+            if data:
+                try:
+                    protocol.data_received(data)  # type: ignore[attr-defined]
+                except Exception:
+                    self._protocol_failed("data_received")
+                    return
+        if self._state.eof_pending and not inbox and self._reading:
+            self._advance(_EOF_DELIVERED)
+            try:
+                keep_open = protocol.eof_received()  # type: ignore[attr-defined]
+            except Exception:
+                self._protocol_failed("eof_received")
+                return
+            if not keep_open:
+                self.close()
+        if self._inbox is not None and not self._inbox:
+            self._inbox = None  # drained: an idle stream keeps no queue
+
+    def _protocol_failed(self, callback: str) -> None:
+        log.exception("hbone: stream %d: protocol %s failed; resetting the stream", self.stream_id, callback)
+        self.abort()
+
+    # -- sending ---------------------------------------------------------------------------------
 
     def _maybe_pause_writer(self) -> None:
         if not self._writer_paused and self._outbox_size > self._high and self._protocol is not None:
@@ -413,9 +574,8 @@ class HboneStream(asyncio.Transport):
                 self._protocol_failed("pause_writing")
 
     def _send_end(self) -> None:
-        self._local_ended = True
         self._session.end_stream(self.stream_id)
-        self._maybe_finish()
+        self._advance(_SEND_END)
 
     def _drop_outbox(self) -> None:
         self._outbox = None
@@ -428,21 +588,13 @@ class HboneStream(asyncio.Transport):
         while inbox:
             _, n = inbox.popleft()
             self._session.ack(self.stream_id, n)
-        self._eof_pending = False
 
     # -- the end -------------------------------------------------------------------------------
 
-    def _maybe_finish(self) -> None:
-        if self._finished or not (self._local_ended and self._remote_ended):
-            return
-        if self._closing or self._eof_delivered:
-            self._finish(None)
-
     def _finish(self, exc: Exception | None) -> None:
-        if self._finished:
+        if self._state is _CLOSED:
             return
-        self._finished = True
-        self._closing = True
+        self._state = _CLOSED
         self._lost_exc = exc
         self._drop_inbox()
         self._session.forget(self)

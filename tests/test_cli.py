@@ -122,6 +122,7 @@ def test_demo_runs_and_everything_behaves() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "frontend" in r.stdout and "allowed" in r.stdout
     assert "denied (SOCKS5 reply 2)" in r.stdout
+    assert "240.240.0.10" in r.stdout  # the DNS proxy answered the mesh-only name
     assert "everything behaved" in r.stdout
     # The rows a user reads, columns as printed (whitespace-separated).
     rows = {" ".join(line.split()) for line in r.stdout.splitlines()}

@@ -301,6 +301,8 @@ def test_the_rules_follow_spec_1_1() -> None:
         "-A ZTUNNEL-PREROUTING ! -d 127.0.0.1/32 -p tcp -m tcp ! --dport 15008 -j REDIRECT --to-ports 15006",
         "-A ZTUNNEL-OUTPUT -d 169.254.7.127/32 -j ACCEPT",
         "-A ZTUNNEL-OUTPUT -m mark --mark 0x539/0xfff -j ACCEPT",
+        "-A ZTUNNEL-OUTPUT ! -o lo -p udp -m udp --dport 53 -j REDIRECT --to-ports 15053",
+        "-A ZTUNNEL-OUTPUT ! -o lo -p tcp -m tcp --dport 53 -j REDIRECT --to-ports 15053",
         "-A ZTUNNEL-OUTPUT -o lo -j ACCEPT",
         "-A ZTUNNEL-OUTPUT -d 127.0.0.0/8 -j ACCEPT",
         "-A ZTUNNEL-OUTPUT -p tcp -j REDIRECT --to-ports 15001",
@@ -314,6 +316,9 @@ def test_the_rules_follow_spec_1_1() -> None:
         "-A ZTUNNEL-PREROUTING ! -d ::1/128 -p tcp -m tcp ! --dport 15008 -j REDIRECT --to-ports 15006" in v6
     )
     assert not any("169.254" in r for r in v6)
+    # DNS capture is IPv4 only (the proxy listens on 127.0.0.1), and off with --no-dns-capture.
+    assert not any("15053" in r for r in v6)
+    assert not any("15053" in r for r in redirect.chain_rules(dns=False)["nat"])
 
 
 def test_install_script_on_fresh_tables_adds_the_jumps() -> None:
@@ -324,7 +329,7 @@ def test_install_script_on_fresh_tables_adds_the_jumps() -> None:
     assert nat[5:] == [*redirect.chain_rules()["nat"], "COMMIT"]
     assert script.count("-I OUTPUT 1 -j ZTUNNEL-OUTPUT") == 2  # mangle and nat
     assert "-t nat -A OUTPUT -j ZTUNNEL-OUTPUT" in redirect.missing_rules(EMPTY)
-    assert len(redirect.missing_rules(EMPTY)) == 4 + 2 + 8
+    assert len(redirect.missing_rules(EMPTY)) == 4 + 2 + 10
 
 
 def test_install_script_again_keeps_one_jump_each() -> None:

@@ -9,6 +9,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+import hpack
 import pytest
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
@@ -20,7 +21,9 @@ from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
 from hbone.tls import TlsCredentials
+from tests import h2peer
 from tests.certs import CA, issue, make_ca, spiffe
+from tests.waiting import eventually_async
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -222,26 +225,63 @@ async def test_connect_request_reaches_handler_with_headers(loopback) -> None:
 
 async def test_settings_on_the_wire(loopback) -> None:
     lb = await loopback()
-    conn = await lb.connect()
-    await open_stream(conn)  # a round trip: both SETTINGS and the window update have arrived
-    [srv] = lb.server_sessions()
-    client_h2 = conn._session._h2
-    server_h2 = srv._h2
-    # what the server received from the client
-    seen_by_server = server_h2.remote_settings
-    assert seen_by_server[SettingCodes.INITIAL_WINDOW_SIZE] == 4194304
-    assert seen_by_server[SettingCodes.MAX_FRAME_SIZE] == 1048576
-    assert seen_by_server[SettingCodes.MAX_HEADER_LIST_SIZE] == 16384
-    assert seen_by_server[SettingCodes.ENABLE_PUSH] == 0
-    # what the client received from the server
-    seen_by_client = client_h2.remote_settings
-    assert seen_by_client[SettingCodes.MAX_CONCURRENT_STREAMS] == 200
-    assert seen_by_client[SettingCodes.MAX_HEADER_LIST_SIZE] == 65536
-    assert seen_by_client[SettingCodes.INITIAL_WINDOW_SIZE] == 4194304
-    # each side raised the connection window to 16 MiB with a WINDOW_UPDATE on stream 0
-    assert client_h2.outbound_flow_control_window == 16777216
-    assert server_h2.outbound_flow_control_window == 16777216
-    assert conn.max_streams == 100
+    # what the server sends, as a raw client sees it
+    peer = await h2peer.RawH2.connect(lb.addr, lb.client_cert)
+    try:
+        server_settings = await peer.read_until(lambda f: f.type == h2peer.SETTINGS and not f.flags, 5)
+        server_window = await peer.read_until(lambda f: f.type == h2peer.WINDOW_UPDATE, 5)
+    finally:
+        peer.close()
+    assert (
+        h2peer.settings_of(server_settings).items()
+        >= {
+            SettingCodes.INITIAL_WINDOW_SIZE: 4194304,
+            SettingCodes.MAX_FRAME_SIZE: 1048576,
+            SettingCodes.MAX_CONCURRENT_STREAMS: 200,
+            SettingCodes.MAX_HEADER_LIST_SIZE: 65536,
+        }.items()
+    )
+    # the connection window raised to 16 MiB with a WINDOW_UPDATE on stream 0
+    assert server_window.stream_id == 0
+    assert int.from_bytes(server_window.payload, "big") == 16777216 - 65535
+
+    # what the client sends, as a raw server sees it
+    raw_server = h2peer.RawH2Server(lb.server_cert)
+    await raw_server.start()
+    try:
+        sock = socket.socket()
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, raw_server.addr)
+        opening = asyncio.create_task(
+            HboneConnection.open(
+                sock, TlsCredentials.build(lb.client_cert), [lb.server_cert.identity], H2Settings()
+            )
+        )
+        server_side = await asyncio.wait_for(raw_server.peers.get(), 5)
+        preface = await asyncio.wait_for(server_side.reader.readexactly(24), 5)
+        assert preface == h2peer.PREFACE
+        client_settings = await server_side.read_until(lambda f: f.type == h2peer.SETTINGS, 5)
+        client_window = await server_side.read_until(lambda f: f.type == h2peer.WINDOW_UPDATE, 5)
+        server_side.send(h2peer.frame(h2peer.SETTINGS, 0, 0, bytes.fromhex("000300000064")))  # 100 streams
+        conn = await asyncio.wait_for(opening, 5)
+        assert conn.max_streams == 100
+        conn.abort()
+        server_side.close()
+    finally:
+        await raw_server.close()
+    assert (
+        h2peer.settings_of(client_settings).items()
+        >= {
+            SettingCodes.INITIAL_WINDOW_SIZE: 4194304,
+            SettingCodes.MAX_FRAME_SIZE: 1048576,
+            SettingCodes.MAX_HEADER_LIST_SIZE: 16384,
+            SettingCodes.ENABLE_PUSH: 0,
+        }.items()
+    )
+    assert client_window.stream_id == 0
+    assert int.from_bytes(client_window.payload, "big") == 16777216 - 65535
+    conn2 = await lb.connect()
+    assert conn2.max_streams == 100  # the pool's limit, below the server's 200
 
 
 async def test_non_200_raises_and_connection_stays_usable(loopback) -> None:
@@ -277,12 +317,17 @@ async def test_non_connect_method_is_left_to_the_handler(loopback) -> None:
         req.respond(400 if req.method != "CONNECT" else 200)
 
     lb = await loopback(handler)
-    conn = await lb.connect()
-    stream = conn._session.open_stream(
-        [(":method", "GET"), (":scheme", "https"), (":path", "/"), (":authority", "127.0.0.1:80")]
-    )
-    await stream.wait_response()
-    assert stream.status == 400
+    peer = await h2peer.RawH2.connect(lb.addr, lb.client_cert)
+    try:
+        block = peer.encoder.encode(
+            [(":method", "GET"), (":scheme", "https"), (":path", "/"), (":authority", "127.0.0.1:80")]
+        )
+        peer.send(h2peer.frame(h2peer.HEADERS, h2peer.END_HEADERS, 1, block))
+        response = await peer.read_until(lambda f: f.type == h2peer.HEADERS, 5)
+    finally:
+        peer.close()
+    assert (":status", "400") in hpack.Decoder().decode(response.payload)
+    assert response.flags & h2peer.END_STREAM
     assert seen == ["GET"]
 
 
@@ -378,6 +423,9 @@ async def test_unread_data_is_not_acknowledged(loopback) -> None:
     payload = os.urandom(5 * 1024 * 1024)  # more than the 4 MiB stream window
 
     async def handler(req: ConnectRequest) -> None:
+        if req.authority.endswith(":81"):
+            await echo_handler(req)
+            return
         req.respond(200)
         req.stream.write(payload)
         req.stream.write_eof()
@@ -395,7 +443,11 @@ async def test_unread_data_is_not_acknowledged(loopback) -> None:
         if streams and streams[0].get_write_buffer_size() == len(payload) - 4194304:
             break
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)
+    # A round trip on another stream: a WINDOW_UPDATE sent before it would have reached the
+    # server, and let it send more, before this echo comes back.
+    other, other_sink = await open_stream(conn, "127.0.0.1:81")
+    other.write(b"ping")
+    await other_sink.wait_for(4)
     assert sink.count == 0
     assert streams[0].get_write_buffer_size() == len(payload) - 4194304
     stream.resume_reading()
@@ -405,26 +457,26 @@ async def test_unread_data_is_not_acknowledged(loopback) -> None:
 
 
 async def test_tls_transport_backpressure_holds_stream_data(loopback) -> None:
-    server_side: list[Collector] = []
+    server_streams: list[HboneStream] = []
 
     async def handler(req: ConnectRequest) -> None:
         req.respond(200)
-        c = Collector(req.stream)
-        server_side.append(c)
-        req.stream.set_protocol(c)
+        req.stream.set_protocol(Collector(req.stream))
+        server_streams.append(req.stream)
 
     lb = await loopback(handler)
     conn = await lb.connect()
-    stream, _ = await open_stream(conn)
-    session = conn._session
+    _, sink = await open_stream(conn)
+    [session] = lb.server_sessions()
     session.pause_writing()  # as the TLS transport does when its buffer is full
-    stream.write(b"x" * 1000)
-    await asyncio.sleep(0.05)
-    assert server_side[0].count == 0
-    assert stream.get_write_buffer_size() == 1000
+    server_streams[0].write(b"x" * 1000)
+    # A later answer on another stream overtakes the held DATA: had it been sent, it came first.
+    await open_stream(conn, "127.0.0.1:81")
+    assert sink.count == 0
+    assert server_streams[0].get_write_buffer_size() == 1000
     session.resume_writing()
-    await server_side[0].wait_for(1000)
-    assert stream.get_write_buffer_size() == 0
+    await sink.wait_for(1000)
+    assert server_streams[0].get_write_buffer_size() == 0
 
 
 async def test_eof_received_returning_false_closes_the_stream(loopback) -> None:
@@ -444,8 +496,7 @@ async def test_eof_received_returning_false_closes_the_stream(loopback) -> None:
     stream.write_eof()
     await asyncio.wait_for(sink.eof, 5)
     assert await asyncio.wait_for(sink.lost, 5) is None
-    await asyncio.sleep(0.01)
-    assert lost == [None]
+    await eventually_async(lambda: lost == [None], "the server protocol's connection_lost", 5)
 
 
 async def transfer_8mib(lb: Loopback) -> None:
@@ -635,26 +686,44 @@ async def test_client_close_waits_for_streams(loopback) -> None:
 
 
 async def test_keepalive_tears_down_when_peer_stops_answering(loopback) -> None:
-    lb = await loopback(settings=H2Settings(ping_interval=60.0, ping_timeout=60.0))
-    # A PING answered late under load is no timeout: 2 s, well inside the 5 s waited for the close.
-    quick = H2Settings(ping_interval=0.05, ping_timeout=2.0)
-    conn = await lb.connect(quick)
-    _stream, sink = await open_stream(conn)
-    for _ in range(500):  # several PINGs answered: still alive
-        if conn._session._ping_count >= 3:
-            break
-        await asyncio.sleep(0.01)
-    assert conn._session._ping_count >= 3
-    assert conn.is_usable()
-
-    [srv] = lb.server_sessions()
-    assert srv.transport is not None
-    srv.transport.pause_reading()  # the server goes silent
-    await asyncio.wait_for(conn.wait_closed(), 5)
-    assert not conn.is_usable()
-    assert "keepalive timeout" in str(conn.close_reason)
-    exc = await asyncio.wait_for(sink.lost, 5)
-    assert isinstance(exc, ConnectionClosed)
+    lb = await loopback()
+    raw_server = h2peer.RawH2Server(lb.server_cert)
+    await raw_server.start()
+    try:
+        sock = socket.socket()
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, raw_server.addr)
+        # A PING answered late under load is no timeout: 2 s, well inside the 5 s waited for the close.
+        quick = H2Settings(ping_interval=0.05, ping_timeout=2.0)
+        opening = asyncio.create_task(
+            HboneConnection.open(sock, TlsCredentials.build(lb.client_cert), [lb.server_cert.identity], quick)
+        )
+        peer = await asyncio.wait_for(raw_server.peers.get(), 5)
+        await asyncio.wait_for(peer.reader.readexactly(24), 5)
+        peer.send(h2peer.frame(h2peer.SETTINGS, 0, 0))
+        conn = await asyncio.wait_for(opening, 5)
+        connecting = asyncio.create_task(open_stream(conn))
+        request = await peer.read_until(lambda f: f.type == h2peer.HEADERS, 5)
+        status = peer.encoder.encode([(":status", "200")])
+        peer.send(h2peer.frame(h2peer.HEADERS, h2peer.END_HEADERS, request.stream_id, status))
+        _stream, sink = await asyncio.wait_for(connecting, 5)
+        answered: list[h2peer.Frame] = []
+        for _ in range(3):  # several PINGs answered: still alive
+            f = await peer.read_until(
+                lambda f: f.type == h2peer.PING and not f.flags and f not in answered, 5
+            )
+            answered.append(f)
+            peer.send(h2peer.frame(h2peer.PING, h2peer.ACK, 0, f.payload))
+        assert conn.is_usable()
+        # the peer goes silent
+        await asyncio.wait_for(conn.wait_closed(), 5)
+        assert not conn.is_usable()
+        assert "keepalive timeout" in str(conn.close_reason)
+        exc = await asyncio.wait_for(sink.lost, 5)
+        assert isinstance(exc, ConnectionClosed)
+        peer.close()
+    finally:
+        await raw_server.close()
 
 
 async def test_received_frames_are_not_formatted(loopback, monkeypatch) -> None:

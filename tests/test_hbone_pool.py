@@ -34,7 +34,9 @@ class FakeConnection:
     def is_usable(self) -> bool:
         return self.usable and not self.closed and not self.aborted
 
-    async def connect(self, authority: str, headers: Sequence[tuple[str, str]] = ()) -> HboneStream:
+    async def connect(
+        self, authority: str, headers: Sequence[tuple[str, str]] = (), early_data: bytes = b""
+    ) -> HboneStream:
         self.authorities.append(authority)
         self.active_streams += 1
         return cast(HboneStream, (self, authority, tuple(headers)))  # a stand-in the tests compare

@@ -156,6 +156,8 @@ class App:
             self.crl.start()
         state_task = self.readiness.register("state manager")
         proxy_task = self.readiness.register("proxy")
+        # Released once the proxies (and with them the DNS servers) are made, as the reference.
+        dns_task = self.readiness.register("dns proxy") if cfg.dns_capture else None
         # The local file is applied first; xDS (if any) then builds on it (SPEC §7.1).
         if self.static is not None:
             self.state.apply_local_config(self.static)
@@ -201,11 +203,15 @@ class App:
 
         if not self.data_plane:
             proxy_task.release()  # the listeners are the workers'
+            if dns_task is not None:
+                dns_task.release()
             return
         if cfg.proxy_mode == "shared":
             await self._start_self_listener()
             self._start_inpod()
             proxy_task.release()  # each pod's listeners are the workload proxy manager's
+            if dns_task is not None:
+                dns_task.release()
             return
         assert cfg.workload_info is not None
         proxy = ProxyInstance(
@@ -221,6 +227,8 @@ class App:
         except OSError as e:
             raise StartupError(f"failed to bind the proxy listeners: {e.strerror or e}") from None
         self.proxies.append(proxy)
+        if dns_task is not None:
+            dns_task.release()
         # The workload's certificate is requested at start-up, without gating readiness.
         self.secrets.prefetch(proxy.own_identity())
         if self.xds is None:

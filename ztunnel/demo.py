@@ -7,7 +7,8 @@ an echo app, and two clients with different identities (`demo/frontend` on 127.0
 `demo/intruder` on 127.0.0.4). A namespace policy allows only the frontend's identity.
 
 The demo drives connections through each client's SOCKS5 listener, over HBONE to the server's
-proxy. Then it edits the control plane's file to deny the frontend as well: the control plane
+proxy, and shows the frontend's DNS proxy answering a name only the mesh knows (a service declared
+in the control plane's file), which SOCKS5 then reaches by name. Then it edits the control plane's file to deny the frontend as well: the control plane
 pushes the change, the server's proxy closes the frontend's open connection, and the next attempt
 is denied.
 """
@@ -19,6 +20,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +47,8 @@ workloads:
     workloadName: server
     workloadType: deployment
     clusterId: Kubernetes
+    services:
+      "demo/echo.mesh.internal": {8080: 8080}
   - uid: demo//v1/Pod/demo/frontend
     name: frontend
     namespace: demo
@@ -67,6 +71,13 @@ workloads:
     workloadName: intruder
     workloadType: deployment
     clusterId: Kubernetes
+services:
+  # A name only the mesh knows (a ServiceEntry): the proxies' DNS answers it with its VIP.
+  - name: echo-mesh
+    namespace: demo
+    hostname: echo.mesh.internal
+    vips: ["/240.240.0.10"]
+    ports: {8080: 8080}
 policies:
   - name: only-frontend
     namespace: demo
@@ -177,8 +188,12 @@ async def socks5_exchange(proxy_ip: str, target: tuple[str, int], payload: bytes
     try:
         writer.write(b"\x05\x01\x00")
         await reader.readexactly(2)
-        ip = bytes(int(x) for x in target[0].split("."))
-        writer.write(b"\x05\x01\x00\x01" + ip + target[1].to_bytes(2, "big"))
+        host = target[0]
+        if host.replace(".", "").isdigit():
+            address = b"\x01" + bytes(int(x) for x in host.split("."))
+        else:  # a name, resolved by the proxy
+            address = b"\x03" + bytes((len(host),)) + host.encode()
+        writer.write(b"\x05\x01\x00" + address + target[1].to_bytes(2, "big"))
         head = await reader.readexactly(4)
         code = head[1]
         if code != 0:
@@ -286,6 +301,34 @@ def wait_control_plane(process: subprocess.Popen[bytes], log_path: Path, timeout
     raise RuntimeError(f"control plane not up after {timeout}s: see {log_path}")
 
 
+MESH_NAME = "echo.mesh.internal"
+
+
+async def mesh_name(frontend: DemoProxy) -> tuple[list[list[str]], bool]:
+    """The frontend's DNS proxy answers a name only the mesh knows, and SOCKS5 reaches it by name."""
+    import dns.message
+
+    rows = [["step", "outcome"]]
+    loop = asyncio.get_running_loop()
+    addresses: list[str] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.setblocking(False)
+        s.connect((frontend.ip, 15053))
+        await loop.sock_sendall(s, dns.message.make_query(MESH_NAME, "A").to_wire())
+        try:
+            reply = dns.message.from_wire(await asyncio.wait_for(loop.sock_recv(s, 4096), 3))
+            addresses = [r.to_text() for rrset in reply.answer for r in rrset]
+        except (TimeoutError, OSError, ValueError):
+            pass
+    resolved = addresses == ["240.240.0.10"]
+    rows.append([f"DNS A {MESH_NAME} at {frontend.ip}:15053", ", ".join(addresses) or "no answer"])
+    payload = b"hello by name\n"
+    code, echoed = await socks5_exchange(frontend.ip, (MESH_NAME, APP_PORT), payload)
+    reached = code == 0 and echoed == payload
+    rows.append([f"frontend SOCKS5 to {MESH_NAME}:{APP_PORT}", "echoed" if reached else f"FAILED ({code})"])
+    return rows, resolved and reached
+
+
 def run_demo(*, keep: bool = False) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ztunnel-demo-"))
     config_path = workdir / "mesh.yaml"
@@ -333,6 +376,10 @@ def run_demo(*, keep: bool = False) -> int:
             )
             rows, ok = await drive(server, [frontend, intruder])
             print(table(rows))
+            print()
+            named, named_ok = await mesh_name(frontend)
+            ok &= named_ok
+            print(table(named))
             print()
             change, changed_ok = await live_policy_change(server, frontend, config_path)
             ok &= changed_ok

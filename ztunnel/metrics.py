@@ -1,5 +1,5 @@
-"""Prometheus metrics of the proxy: the `istio_tcp_*` traffic families, open sockets, build info, and
-their rendering for the stats endpoint (SPEC §10.1-§10.3).
+"""Prometheus metrics of the proxy: the `istio_tcp_*` traffic families, open sockets, build info, the
+DNS proxy's `istio_dns_*` families, and their rendering for the stats endpoint (SPEC §10.1-§10.3).
 
 Everything lives in one `CollectorRegistry` per `Metrics` (never the process-global one). The traffic
 counters are our own collector rather than `prometheus_client.Counter`: a connection resolves its
@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -194,6 +194,105 @@ class XdsCounters:
         self.terminations.cell((reason,)).inc()
 
 
+DNS_LABEL_NAMES = (
+    "request_query_type",
+    "request_protocol",
+    "source_canonical_service",
+    "source_canonical_revision",
+)
+DNS_UPSTREAM_BUCKETS = (0.0005, 0.001, 0.01, 0.1, 1.0, 5.0)
+
+
+class _HistogramFamily:
+    """A histogram without `_created` samples (as `_CounterFamily` for counters)."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.buckets = buckets
+        self.cells: dict[tuple[str, ...], list[float]] = {}  # per bucket (not cumulative), then +Inf, sum
+
+    def observe(self, values: tuple[str, ...], value: float) -> None:
+        cell = self.cells.get(values)
+        if cell is None:
+            cell = self.cells[values] = [0.0] * (len(self.buckets) + 2)
+        i = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
+        cell[i] += 1
+        cell[-1] += value
+
+    def family(self) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, cell in list(self.cells.items()):
+            cumulative, buckets = 0.0, []
+            for bound, count in zip((*map(floatToGoString, self.buckets), "+Inf"), cell[:-1], strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            fam.add_metric(list(values), buckets, cell[-1])
+        return fam
+
+
+class DnsMetrics:
+    """The DNS proxy's families (the reference's names), labelled per query type, protocol and
+    client, and the outbound path's on-demand resolutions of workload hostnames."""
+
+    def __init__(self) -> None:
+        self.requests = _CounterFamily(
+            "istio_dns_requests", "Total number of DNS requests (unstable)", DNS_LABEL_NAMES
+        )
+        self.upstream_requests = _CounterFamily(
+            "istio_dns_upstream_requests",
+            "Total number of DNS requests forwarded to upstream (unstable)",
+            DNS_LABEL_NAMES,
+        )
+        self.upstream_failures = _CounterFamily(
+            "istio_dns_upstream_failures",
+            "Total number of DNS requests that failed upstream (unstable)",
+            DNS_LABEL_NAMES,
+        )
+        self.on_demand = _CounterFamily(
+            "istio_on_demand_dns",
+            "Number of requests for on-demand DNS resolution (unstable)",
+            (
+                "source_workload",
+                "source_canonical_service",
+                "source_canonical_revision",
+                "source_workload_namespace",
+                "source_principal",
+                "source_app",
+                "source_version",
+                "source_cluster",
+                "hostname",
+            ),
+        )
+        self.upstream_duration = _HistogramFamily(
+            "istio_dns_upstream_request_duration_seconds",
+            "Total time in seconds taken to get a DNS response from upstream (unstable)",
+            DNS_LABEL_NAMES,
+            DNS_UPSTREAM_BUCKETS,
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        for f in (self.requests, self.upstream_requests, self.upstream_failures, self.on_demand):
+            if f.cells:
+                yield f.family()
+        if self.upstream_duration.cells:
+            yield self.upstream_duration.family()
+
+
+class _DnsCollector(Collector):
+    def __init__(self, dns: DnsMetrics) -> None:
+        self._dns = dns
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        return self._dns.collect()
+
+
 class CrlCounters:
     """Certificate revocation (`CRL_PATH`): handshakes refused and sessions torn down because a CRL
     revoked the peer's chain, and sessions admitted that are not kept for re-checks on a reload."""
@@ -286,6 +385,7 @@ class Metrics:
             registry=self.registry,
         )
         self._workload_manager: WorkloadManagerMetrics | None = None
+        self._dns: DnsMetrics | None = None
         self._crl: CrlCounters | None = None
         build = Gauge(
             "istio_build", "Istio component build info", ["component", "tag"], registry=self.registry
@@ -303,6 +403,13 @@ class Metrics:
         if self._workload_manager is None:
             self._workload_manager = WorkloadManagerMetrics(self.registry)
         return self._workload_manager
+
+    def dns(self) -> DnsMetrics:
+        """The DNS proxy's families, registered on first use and shared by every DNS server."""
+        if self._dns is None:
+            self._dns = DnsMetrics()
+            self.registry.register(_DnsCollector(self._dns))
+        return self._dns
 
     def crl(self) -> CrlCounters:
         """The revocation families, registered on first use (only with `CRL_PATH`)."""

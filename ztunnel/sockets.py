@@ -74,8 +74,8 @@ class SocketFactory:
     def __init__(self, options: SocketOptions | None = None) -> None:
         self.options = options or SocketOptions()
 
-    def _new(self, family: int) -> socket.socket:
-        sock = socket.socket(family, socket.SOCK_STREAM)
+    def _new(self, family: int, kind: int = socket.SOCK_STREAM) -> socket.socket:
+        sock = socket.socket(family, kind)
         if self.options.mark is not None:
             sock.setsockopt(socket.SOL_SOCKET, SO_MARK, self.options.mark)
         return sock
@@ -111,6 +111,13 @@ class SocketFactory:
         except BaseException:
             sock.close()
             raise
+        return sock
+
+    def datagram(self, family: int) -> socket.socket:
+        """A fresh, unbound, non-blocking UDP socket, made as this factory makes all of its sockets
+        (the pod's namespace, the mark): the DNS proxy's listeners and its upstream queries."""
+        sock = self._new(family, socket.SOCK_DGRAM)
+        sock.setblocking(False)
         return sock
 
     def tune_accepted(self, sock: socket.socket) -> None:

@@ -292,11 +292,18 @@ class ProxyState:
         return best
 
     def service_by_hostname(
-        self, hostname: str, client_namespace: str | None, preferred_namespace: str | None = None
+        self,
+        hostname: str,
+        client_namespace: str | None,
+        preferred_namespace: str | None = None,
+        candidate: Callable[[Service], bool] | None = None,
     ) -> Service | None:
-        """`preferred_namespace` is the DNS proxy's PREFERED_SERVICE_NAMESPACE tie-break."""
-        keys = self._services_by_hostname.get(hostname, ())
-        return _preferred([self._services[key] for key in keys], client_namespace, preferred_namespace)
+        """`preferred_namespace` is the DNS proxy's PREFERED_SERVICE_NAMESPACE tie-break; `candidate`,
+        when given, decides which of the services with that hostname take part."""
+        services = [self._services[key] for key in self._services_by_hostname.get(hostname, ())]
+        if candidate is not None:
+            services = [s for s in services if candidate(s)]
+        return _preferred(services, client_namespace, preferred_namespace)
 
     def service_by_key(self, key: str) -> Service | None:
         return self._services.get(key)

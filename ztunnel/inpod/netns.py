@@ -78,9 +78,9 @@ class NetnsSocketFactory(SocketFactory):
         super().__init__(options)
         self.netns = netns
 
-    def _new(self, family: int) -> socket.socket:
+    def _new(self, family: int, kind: int = socket.SOCK_STREAM) -> socket.socket:
         with self.netns.entered():
-            return super()._new(family)
+            return super()._new(family, kind)
 
 
 def check_privileges(mark: int | None) -> None:

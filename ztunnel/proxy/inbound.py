@@ -10,6 +10,7 @@ tunnel, and the relay, under re-authorization while it is open.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from typing import TYPE_CHECKING
@@ -86,6 +87,10 @@ class Inbound:
             app, app_inbox = await proxy.connect_tcp(
                 plan.app, source_ip=plan.source_ip, transparent=plan.transparent
             )
+        except asyncio.CancelledError:
+            # The client reset the stream (or its connection went) while the app was dialled.
+            record.finish(received=0, sent=0, error="connect to app: cancelled, the stream was reset")
+            raise
         except Exception as e:
             req.respond(503)
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")

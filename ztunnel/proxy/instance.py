@@ -24,6 +24,7 @@ from hbone.relay import Inbox
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
 from xds.model import Workload
+from ztunnel import dns
 from ztunnel.admission import UNKNOWN_LOCAL, AdmissionRules, Admit, InboundRequest, Reject, admit
 from ztunnel.config import (
     HBONE_PORT,
@@ -120,6 +121,8 @@ class ProxyInstance:
         self._unsubscribe = state.subscribe(self._state_changed)
         self.outbound = Outbound(self)
         self.inbound = Inbound(self)
+        # The DNS proxy of this workload, made when the listeners are bound (off with DNS capture off).
+        self.dns: dns.DnsServer | None = None
         self._handlers: dict[str, Callable[[asyncio.Transport, Inbox], Awaitable[None]]] = {
             "outbound": self.outbound.handle,
             "inbound_plaintext": InboundPassthrough(self).handle,
@@ -234,6 +237,11 @@ class ProxyInstance:
             if self.config.enable_socks5:
                 shost, sport = self.config.socks5_address
                 socks["socks5"] = self.sockets.listener(shost, sport)
+            if self.config.dns_capture:
+                server = dns.dns_server(self.config, self.state, self, self.sockets, self.metrics)
+                server.bind()
+                self.dns = server
+                self.addresses["dns"] = server.address
         except BaseException:
             for s in socks.values():
                 s.close()
@@ -254,6 +262,8 @@ class ProxyInstance:
         # The inbound listener needs our certificate; fetch it before accepting.
         with contextlib.suppress(Exception):
             await self.credentials()
+        if self.dns is not None:
+            await self.dns.start()
         for name, sock in socks.items():
             if name == "inbound":
                 await self.inbound.server.serve(sock)  # closed by its shutdown
@@ -266,6 +276,8 @@ class ProxyInstance:
     async def drain(self, deadline: float, *, graceful: bool = True) -> None:
         """Stop accepting, let connections finish for up to `deadline` seconds, then cut the rest
         (SPEC §12.1). HBONE peers get a GOAWAY; a non-graceful drain cuts everything at once."""
+        if self.dns is not None:
+            await self.dns.close()
         for server in self._servers:
             server.close()
         current = asyncio.current_task()

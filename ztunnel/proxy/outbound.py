@@ -30,6 +30,7 @@ from hbone.stream import HboneStream
 from xds.model import IPAddress, Workload
 from ztunnel import baggage
 from ztunnel.admission import RECURSIVE_CALL, is_self_call, parse_ip
+from ztunnel.metrics import UNKNOWN
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
 from ztunnel.route import NoRoute, Protocol, Route, pick_resolved, route
@@ -147,6 +148,9 @@ class Outbound:
         if r.needs_dns:
             # A workload known by hostname only.
             hostname = str(r.next_hop[0])
+            proxy.metrics.dns().on_demand.cell(
+                on_demand_labels(local, _uri(proxy.identity(local)), hostname)
+            ).inc()
             try:
                 r = r.resolved(await self._resolve_workload(hostname, dst_ip.version))
             except OSError as e:
@@ -261,6 +265,25 @@ class Outbound:
 
 # Held connections keep these values for their lifetime: one shared copy each, not one per connection.
 @functools.lru_cache(maxsize=4096)
+def on_demand_labels(local: Workload, principal: str, hostname: str) -> tuple[str, ...]:
+    """The `istio_on_demand_dns_total` labels: the source workload's, then the hostname."""
+    src = Peer(local, principal)
+    return tuple(
+        v or UNKNOWN
+        for v in (
+            src.workload_name,
+            src.app,
+            src.version,
+            src.ns,
+            principal,
+            src.app,
+            src.version,
+            src.cluster_id,
+            hostname,
+        )
+    )
+
+
 def _identities(uris: tuple[str, ...]) -> tuple[Identity, ...]:
     return tuple(i for i in map(Identity.try_parse, uris) if i is not None)
 

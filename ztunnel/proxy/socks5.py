@@ -1,6 +1,7 @@
 """The SOCKS5 listener (15080): the sans-I/O handshake of `ztunnel.socks5`, then the outbound path.
 
-The client's CONNECT target (an address, or a name resolved here) goes through the same upstream
+The client's CONNECT target (an address, or a name: a mesh name as the DNS proxy would answer it, so
+it reaches the service's VIP, any other by the system resolver) goes through the same upstream
 logic as a redirected connection on 15001. Success is replied only once the upstream is established,
 so a client learns of a refused or denied destination from the reply code, which this module maps
 from the upstream's outcome.
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING
 from hbone.address import canonical_addr, canonical_host, format_addr
 from hbone.relay import Inbox
 from xds.model import IPAddress
+from ztunnel import dns
+from ztunnel.dns.resolver import Authoritative, resolve
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.outbound import Outcome, UpstreamFailure
 from ztunnel.proxy.telemetry import connection_failed
@@ -95,6 +98,16 @@ class Socks5:
     async def _resolve(self, host: IPAddress | str, family: int) -> str:
         if not isinstance(host, str):
             return canonical_host(str(host))
+        local = await self.proxy.local_workload()
+        if local is not None:
+            server = self.proxy.dns
+            settings = server.settings if server is not None else dns.resolver_settings(self.proxy.config, ())
+            rdtype = 28 if family == 6 else 1  # AAAA for IPv6 clients, else A
+            mesh = resolve(self.proxy.state, local, host.lower().rstrip("."), rdtype, settings)
+            if isinstance(mesh, Authoritative):
+                if not mesh.addresses:
+                    raise OSError(f"no IPv{family} address for {host}")
+                return str(mesh.addresses[0])
         loop = asyncio.get_running_loop()
         fam = socket.AF_INET6 if family == 6 else socket.AF_INET
         try:

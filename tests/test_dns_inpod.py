@@ -1,0 +1,145 @@
+"""In-pod DNS capture end to end (root): a pod's unmodified resolver (glibc's `getent`, `dig`) asks
+some nameserver on port 53; the node agent's rules redirect it to the pod's DNS proxy, which answers
+mesh names itself and forwards the rest from inside the pod's namespace to the nameserver of
+ztunnel's own `/etc/resolv.conf` (a dnsmasq on the node, bind-mounted into ztunnel's private mount
+namespace; the machine's own file is never touched).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.cninode import Pod
+from tests.netns import require_tools
+from tests.test_inpod_node import ZTUNNEL, Mesh, Ztunnel, mesh, workload_yaml
+from tests.waiting import eventually
+
+__all__ = ["mesh"]  # the fixture, shared with the in-pod node tests
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.root]
+
+SERVICES = """services:
+  - {name: echo, namespace: ns1, hostname: echo.ns1.svc.cluster.local, vips: ["/10.96.7.7"], ports: {80: 8080}}
+  - {name: mesh-only, namespace: ns1, hostname: mesh-only.example, vips: ["/240.0.0.1"], ports: {80: 8080}}
+"""
+POD_RESOLV = (
+    "nameserver 10.96.0.10\n"  # any address: the pod's DNS is captured
+    "search ns1.svc.cluster.local svc.cluster.local cluster.local\n"
+    "options ndots:5 timeout:2 attempts:2\n"
+)
+
+
+@dataclass
+class ResolvZtunnel(Ztunnel):
+    """`ztunnel proxy` with its own /etc/resolv.conf bind-mounted in a private mount namespace."""
+
+    resolv: Path | None = None
+
+    def start(self) -> None:
+        assert self.resolv is not None
+        env = dict(os.environ)
+        env.update(
+            PROXY_MODE="shared",
+            INPOD_UDS=str(self.node.zds_socket),
+            XDS_ADDRESS=self.xds,
+            FAKE_CA="true",
+            CONNECTION_TERMINATION_DEADLINE="2s",
+            LOG_LEVEL="info,dns=debug",
+            ADMIN_ADDRESS=f"127.0.0.1:{self.ports[0]}",
+            STATS_ADDRESS=f"0.0.0.0:{self.ports[1]}",
+            READINESS_ADDRESS=f"0.0.0.0:{self.ports[2]}",
+        )
+        script = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.node.ns.name, "unshare", "-m", "--propagation", "private",
+                 "sh", "-c", script, str(self.resolv), ZTUNNEL, "proxy"],
+                env=env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+
+def in_pod(pod: Pod, resolv: Path, *cmd: str) -> subprocess.CompletedProcess[str]:
+    """`cmd` in the pod with `resolv` as its /etc/resolv.conf (a private mount namespace)."""
+    script = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
+    return pod.exec(
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        script,
+        str(resolv),
+        *cmd,
+        check=False,
+        timeout=30,
+    )
+
+
+def test_pod_dns_is_captured_and_answered_or_forwarded(mesh: Mesh, tmp_path: Path) -> None:
+    (dnsmasq,) = require_tools("dnsmasq", hint="Debian package dnsmasq-base")
+    (dig,) = require_tools("dig", hint="Debian package bind9-dnsutils")
+    node = mesh.cluster.nodes[0]
+    own_resolv = tmp_path / "ztunnel-resolv.conf"
+    own_resolv.write_text(f"nameserver {node.gateway}\n")
+    node.start_agent()
+    zt = ResolvZtunnel(node, mesh.xds, resolv=own_resolv)
+    zt.start()
+    mesh.ztunnels[f"{node.ns.name}/{zt.name}"] = zt
+    eventually(zt.ready, "ztunnel readiness")
+
+    client = node.add_pod("client", namespace="ns1", service_account="client")
+    assert "--dport 53 -j REDIRECT --to-ports 15053" in client.iptables_save()
+    mesh.push("workloads:\n" + workload_yaml(client) + SERVICES)
+    mesh.wait_for_workloads(zt, [client])
+
+    # The upstream: dnsmasq on the node's bridge address (it exists once a pod is attached).
+    hosts = tmp_path / "hosts"
+    hosts.write_text("192.0.2.7 known.upstream.test\n")
+    up_log = tmp_path / "dnsmasq.log"
+    upstream = subprocess.Popen(
+        ["ip", "netns", "exec", node.ns.name, dnsmasq, "--keep-in-foreground", "--no-resolv", "--no-hosts",
+         f"--addn-hosts={hosts}", "--bind-interfaces", f"--listen-address={node.gateway}", "--port=53",
+         "--local=/upstream.test/", "--log-queries", "--log-facility=-", "--user=root",
+         f"--pid-file={tmp_path / 'dnsmasq.pid'}"],
+        stdout=up_log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        eventually(lambda: "started" in up_log.read_text(), "dnsmasq start")
+        pod_resolv = tmp_path / "pod-resolv.conf"
+        pod_resolv.write_text(POD_RESOLV)
+
+        for name, want in [
+            ("echo.ns1.svc.cluster.local", "10.96.7.7"),
+            ("echo", "10.96.7.7"),
+            ("mesh-only.example", "240.0.0.1"),
+            ("known.upstream.test", "192.0.2.7"),
+        ]:
+            done = in_pod(client, pod_resolv, "getent", "hosts", name)
+            assert done.returncode == 0 and done.stdout.split()[0] == want, (name, done.stdout, done.stderr)
+        # Forwarded from the pod's namespace: the upstream saw the pod's address.
+        assert f"query[A] known.upstream.test from {client.ip}" in up_log.read_text()
+
+        # TCP is captured too; an unknown name gets the upstream's NXDOMAIN.
+        done = in_pod(client, pod_resolv, dig, "+tcp", "+short", "@10.96.0.10", "echo.ns1.svc.cluster.local")
+        assert done.stdout.strip() == "10.96.7.7", done.stdout + done.stderr
+        done = in_pod(client, pod_resolv, dig, "+tcp", "@10.96.0.10", "nothere.upstream.test")
+        assert "status: NXDOMAIN" in done.stdout, done.stdout
+        # Each query logged at debug under the `dns` target (the reference's fields), the pod as client.
+        out = zt.output()
+        assert (
+            'src.workload="client" src.namespace="ns1" query="a" domain="echo.ns1.svc.cluster.local" result="success" endpoints=[10.96.7.7]'
+            in out
+        )
+        assert 'domain="known.upstream.test" result="forwarded"' in out
+        metrics = zt.metrics()
+        assert 'istio_dns_requests_total{request_query_type="a",request_protocol="tcp"' in metrics
+        assert 'istio_dns_upstream_requests_total{request_query_type="a",request_protocol="udp"' in metrics
+    finally:
+        upstream.terminate()
+        upstream.wait(10)

@@ -1,0 +1,242 @@
+"""The DNS proxy's authoritative answers as a table: (client, name, type) -> the records a client would
+see, or "forwarded" (the resolver is a pure function over the store, so no sockets here); then the
+reply message itself (flags, TTL, CNAME, EDNS)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import pytest
+
+from xds.localconfig import parse_local_config
+from xds.model import Workload
+from ztunnel.dns.forwarder import parse_resolv_conf
+from ztunnel.dns.resolver import (
+    FORWARD,
+    Authoritative,
+    ResolverSettings,
+    aliases,
+    answer,
+    kube_expansions,
+    resolve,
+)
+from ztunnel.state import ProxyState
+
+# The mesh every DNS test uses: clients in ns1 and ns2, services of each kind of §11.2.
+MESH = """
+workloads:
+  - {uid: c//Pod/ns1/client, name: client, namespace: ns1, serviceAccount: client,
+     trustDomain: cluster.local, workloadIps: ["10.0.0.1"], canonicalName: client-app,
+     canonicalRevision: v1}
+  - {uid: c//Pod/ns2/client, name: client2, namespace: ns2, serviceAccount: client,
+     trustDomain: cluster.local, workloadIps: ["10.0.0.2"]}
+  - {uid: c//Pod/ns1/h1, name: h1, namespace: ns1, serviceAccount: h, trustDomain: cluster.local,
+     workloadIps: ["10.1.0.1", "fd00::1:1"],
+     services: {"ns1/headless.ns1.svc.cluster.local": {80: 80}, "ns1/novip.example": {80: 80}}}
+  - {uid: c//Pod/ns1/h2, name: h2, namespace: ns1, serviceAccount: h, trustDomain: cluster.local,
+     workloadIps: ["10.1.0.2"], services: {"ns1/headless.ns1.svc.cluster.local": {80: 80}}}
+services:
+  - {name: web, namespace: ns1, hostname: web.ns1.svc.cluster.local, vips: ["/10.96.0.10", "/fd00::10"],
+     ports: {80: 8080}}
+  - {name: web, namespace: ns2, hostname: web.ns2.svc.cluster.local, vips: ["/10.96.0.20"], ports: {80: 8080}}
+  - {name: v4, namespace: ns1, hostname: v4.ns1.svc.cluster.local, vips: ["/10.96.0.11", "/fd00::11"],
+     ports: {80: 80}, ipFamilies: IPv4}
+  - {name: v6, namespace: ns1, hostname: v6.ns1.svc.cluster.local, vips: ["/fd00::12"], ports: {80: 80},
+     ipFamilies: IPv6}
+  - {name: headless, namespace: ns1, hostname: headless.ns1.svc.cluster.local, vips: [], ports: {80: 80}}
+  - {name: novip, namespace: ns1, hostname: novip.example, vips: [], ports: {80: 80}}
+  - {name: wild, namespace: ns1, hostname: "*.wild.example", vips: ["/240.0.0.3"], ports: {80: 80}}
+  - {name: mesh-only, namespace: ns1, hostname: mesh-only.example, vips: ["/240.0.0.1"], ports: {80: 80}}
+  - {name: private, namespace: ns2, hostname: private.ns2.svc.cluster.local, vips: ["/10.96.0.30"],
+     ports: {80: 80}, visibility: Namespace}
+  - {name: shared, namespace: ns3, hostname: shared.example, vips: ["/240.0.1.3"], ports: {80: 80}}
+  - {name: shared, namespace: ns4, hostname: shared.example, vips: ["/240.0.1.4"], ports: {80: 80}}
+  - {name: canon, namespace: ns3, hostname: canon.example, vips: ["/240.0.2.3"], ports: {80: 80}}
+  - {name: canon, namespace: ns4, hostname: canon.example, vips: ["/240.0.2.4"], ports: {80: 80},
+     canonical: true}
+  - {name: elsewhere, namespace: ns1, hostname: elsewhere.example, vips: ["net2/240.0.3.1"], ports: {80: 80}}
+"""
+
+SETTINGS = ResolverSettings(preferred_namespace="ns3")
+NO_IPV6 = ResolverSettings(ipv6_enabled=False)
+SEARCH = "ns1.svc.cluster.local"
+
+
+def mesh() -> ProxyState:
+    state = ProxyState()
+    state.apply_local_config(parse_local_config(MESH))
+    return state
+
+
+def client(state: ProxyState, uid: str = "c//Pod/ns1/client") -> Workload:
+    w = state.workload_by_uid(uid)
+    assert w is not None
+    return w
+
+
+def seen(result: object) -> object:
+    """What the client sees: "forwarded", or (cname target or None, sorted addresses)."""
+    if result is FORWARD:
+        return "forwarded"
+    assert isinstance(result, Authoritative)
+    return (
+        result.owner if result.owner != result.name else None,
+        sorted(str(a) for a in result.addresses),
+    )
+
+
+CASES = [
+    # (client, name, type, settings, what the client sees)
+    ("ns1", "web.ns1.svc.cluster.local", "A", SETTINGS, (None, ["10.96.0.10"])),
+    ("ns1", "web.ns1.svc.cluster.local", "AAAA", SETTINGS, (None, ["fd00::10"])),
+    ("ns1", "WEB.ns1.svc.cluster.local", "A", SETTINGS, (None, ["10.96.0.10"])),
+    # Kubernetes expansions for the client's namespace.
+    ("ns1", "web", "A", SETTINGS, (None, ["10.96.0.10"])),
+    ("ns2", "web", "A", SETTINGS, (None, ["10.96.0.20"])),
+    ("ns2", "web.ns1", "A", SETTINGS, (None, ["10.96.0.10"])),
+    ("ns1", "web.ns1.svc", "A", SETTINGS, (None, ["10.96.0.10"])),
+    ("ns1", "web.ns2.svc.cluster", "A", SETTINGS, "forwarded"),
+    # A search domain appended by the client's resolver: stripped, answered with a CNAME.
+    (
+        "ns1",
+        "web.ns2.svc.cluster.local.ns1.svc.cluster.local",
+        "A",
+        SETTINGS,
+        ("web.ns2.svc.cluster.local", ["10.96.0.20"]),
+    ),
+    ("ns1", "web.ns2.ns1.svc.cluster.local", "A", SETTINGS, ("web.ns2", ["10.96.0.20"])),
+    ("ns1", "mesh-only.example.svc.cluster.local", "A", SETTINGS, ("mesh-only.example", ["240.0.0.1"])),
+    # Wildcards: the asked name owns the records, also when it came through stripping.
+    ("ns1", "a.wild.example", "A", SETTINGS, (None, ["240.0.0.3"])),
+    ("ns1", "a.b.wild.example", "A", SETTINGS, (None, ["240.0.0.3"])),
+    ("ns1", "a.wild.example.cluster.local", "A", SETTINGS, (None, ["240.0.0.3"])),
+    ("ns1", "wild.example", "A", SETTINGS, "forwarded"),
+    # Headless: the endpoints' first address of the family; a VIP-less non-Kubernetes name is forwarded.
+    ("ns1", "headless.ns1.svc.cluster.local", "A", SETTINGS, (None, ["10.1.0.1", "10.1.0.2"])),
+    ("ns1", "headless", "AAAA", SETTINGS, (None, ["fd00::1:1"])),
+    ("ns1", "novip.example", "A", SETTINGS, "forwarded"),
+    # IP families: a known name never gets NXDOMAIN.
+    ("ns1", "v4.ns1.svc.cluster.local", "AAAA", SETTINGS, (None, [])),
+    ("ns1", "v4.ns1.svc.cluster.local", "A", SETTINGS, (None, ["10.96.0.11"])),
+    ("ns1", "v6.ns1.svc.cluster.local", "A", SETTINGS, (None, [])),
+    ("ns1", "v6.ns1.svc.cluster.local", "AAAA", SETTINGS, (None, ["fd00::12"])),
+    ("ns1", "mesh-only.example", "AAAA", SETTINGS, (None, [])),
+    ("ns1", "web.ns1.svc.cluster.local", "AAAA", NO_IPV6, (None, [])),
+    # Visibility, network, preference.
+    ("ns1", "private.ns2.svc.cluster.local", "A", SETTINGS, "forwarded"),
+    ("ns2", "private", "A", SETTINGS, (None, ["10.96.0.30"])),
+    ("ns1", "elsewhere.example", "A", SETTINGS, (None, [])),
+    ("ns1", "shared.example", "A", SETTINGS, (None, ["240.0.1.3"])),
+    ("ns1", "shared.example", "A", ResolverSettings(preferred_namespace="ns4"), (None, ["240.0.1.4"])),
+    ("ns1", "shared.example", "A", ResolverSettings(), (None, ["240.0.1.3"])),
+    ("ns1", "canon.example", "A", SETTINGS, (None, ["240.0.2.4"])),
+    # Not ours: other types, unknown names.
+    ("ns1", "web.ns1.svc.cluster.local", "TXT", SETTINGS, "forwarded"),
+    ("ns1", "web.ns1.svc.cluster.local", "MX", SETTINGS, "forwarded"),
+    ("ns1", "example.com", "A", SETTINGS, "forwarded"),
+    ("ns1", "nothere.ns1.svc.cluster.local", "A", SETTINGS, "forwarded"),
+]
+
+
+@pytest.mark.parametrize(("ns", "name", "rdtype", "settings", "expected"), CASES)
+def test_resolve(ns: str, name: str, rdtype: str, settings: ResolverSettings, expected: object) -> None:
+    state = mesh()
+    who = client(state, f"c//Pod/{ns}/client")
+    got = resolve(state, who, name.lower(), dns.rdatatype.from_text(rdtype), settings)
+    assert seen(got) == expected
+
+
+def test_dedicated_search_list_is_the_one_given() -> None:
+    state = mesh()
+    settings = ResolverSettings(search_domains=("corp.example",))
+    got = resolve(state, client(state), "web.ns1.corp.example", dns.rdatatype.A, settings)
+    assert seen(got) == ("web.ns1", ["10.96.0.10"])
+    # The Kubernetes search list is not applied when another one is given.
+    got = resolve(state, client(state), "web.ns2.ns1.svc.cluster.local", dns.rdatatype.A, settings)
+    assert got is FORWARD
+
+
+def test_expansions_and_aliases() -> None:
+    assert kube_expansions("a", "ns", "cd") == ["a.ns.svc.cd"]
+    assert kube_expansions("a.b", "ns", "cd") == ["a.b.svc.cd", "a.b.ns.svc.cd"]
+    assert kube_expansions("a.b.svc", "ns", "cd") == ["a.b.svc.cd", "a.b.svc.svc.cd"]
+    assert kube_expansions("a.b.c", "ns", "cd") == ["a.b.c.svc.cd"]
+    assert kube_expansions("a.b.svc.x", "ns", "cd") == []
+    assert kube_expansions("a.b.c.svc", "ns", "cd") == ["a.b.c.svc.cd"]
+    names = [(a.name, a.stripped) for a in aliases("a.ns.svc.cluster.local", "ns", ResolverSettings())]
+    assert names == [
+        ("a.ns.svc.cluster.local", None),
+        ("a", "a"),
+        ("a.ns", "a.ns"),
+        ("a.ns.ns.svc.cluster.local", "a.ns"),
+        ("a.ns.svc", "a.ns.svc"),
+        ("a.ns.svc.svc.cluster.local", "a.ns.svc"),
+    ]
+
+
+def _query(name: str, rdtype: str, **kw: object) -> dns.message.Message:
+    return dns.message.make_query(name, rdtype, **kw)  # type: ignore[arg-type]
+
+
+def test_reply_message() -> None:
+    state = mesh()
+    query = _query(
+        "web.ns2.svc.cluster.local.ns1.svc.cluster.local.", "A", use_edns=0, payload=4096, want_dnssec=True
+    )
+    reply = answer(state, client(state), query, SETTINGS)
+    assert reply is not None
+    assert reply.rcode() == dns.rcode.NOERROR
+    assert reply.flags & dns.flags.AA and reply.flags & dns.flags.RA and reply.flags & dns.flags.QR
+    assert reply.flags & dns.flags.RD  # copied from the query
+    assert reply.edns == 0 and reply.payload == 4096 and reply.ednsflags & dns.flags.DO
+    cname, a = reply.answer
+    assert cname.rdtype == dns.rdatatype.CNAME and cname.name.to_text() == query.question[0].name.to_text()
+    assert cname[0].target.to_text() == "web.ns2.svc.cluster.local."
+    assert a.name.to_text() == "web.ns2.svc.cluster.local." and [r.address for r in a] == ["10.96.0.20"]
+    assert cname.ttl == a.ttl == 30
+
+
+def test_reply_small_payload_and_no_edns() -> None:
+    state = mesh()
+    reply = answer(
+        state, client(state), _query("web.ns1.svc.cluster.local.", "A", use_edns=0, payload=100), SETTINGS
+    )
+    assert reply is not None and reply.payload == 512
+    reply = answer(state, client(state), _query("web.ns1.svc.cluster.local.", "A"), SETTINGS)
+    assert reply is not None and reply.edns == -1
+
+
+def test_empty_answer_is_noerror_authoritative() -> None:
+    state = mesh()
+    reply = answer(state, client(state), _query("v4.ns1.svc.cluster.local.", "AAAA"), SETTINGS)
+    assert reply is not None
+    assert reply.rcode() == dns.rcode.NOERROR and reply.flags & dns.flags.AA and reply.answer == []
+
+
+def test_addresses_are_shuffled() -> None:
+    state = mesh()
+    orders = set()
+    for _ in range(50):
+        r = resolve(state, client(state), "headless.ns1.svc.cluster.local", dns.rdatatype.A, SETTINGS)
+        assert isinstance(r, Authoritative)
+        orders.add(r.addresses)
+    assert orders == {
+        (ipaddress.ip_address("10.1.0.1"), ipaddress.ip_address("10.1.0.2")),
+        (ipaddress.ip_address("10.1.0.2"), ipaddress.ip_address("10.1.0.1")),
+    }
+
+
+def test_resolv_conf() -> None:
+    conf = parse_resolv_conf(
+        "# comment\nnameserver 10.0.0.53\nnameserver fe80::1%eth0\nnameserver bogus\n"
+        "search a.example b.example.\noptions ndots:5 timeout:2 attempts:3 rotate\n"
+    )
+    assert conf.nameservers == (("10.0.0.53", 53), ("fe80::1", 53))
+    assert conf.search == ("a.example", "b.example")
+    assert (conf.timeout, conf.attempts, conf.rotate) == (2.0, 3, True)
+    assert parse_resolv_conf("").nameservers == ()
+    assert parse_resolv_conf("").timeout == 5.0

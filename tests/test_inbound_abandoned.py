@@ -1,0 +1,99 @@
+"""A CONNECT the client gives up on while the server proxy still dials the app: the dial is cancelled
+at once (not left to its 10 s timeout) and the connection is still recorded as closed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from hbone.client import HboneConnection
+from hbone.identity import Identity
+from hbone.settings import H2Settings
+from hbone.tls import TlsCredentials
+from tests.mesh import proxy_env, start_proxy
+from tests.waiting import eventually_async
+from ztunnel.app import App
+from ztunnel.identity import FakeCA
+
+pytestmark = pytest.mark.timeout(60)
+
+NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+SERVER = f"{NET}.3"
+
+CONFIG = f"""
+workloads:
+  - uid: a//v1/Pod/demo/server
+    name: server
+    namespace: demo
+    serviceAccount: server
+    trustDomain: cluster.local
+    workloadIps: ["{SERVER}"]
+    protocol: HBONE
+"""
+
+
+@pytest.fixture
+async def server(proxy_logs) -> AsyncIterator[App]:  # type: ignore[no-untyped-def]
+    app = await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG))
+    try:
+        yield app
+    finally:
+        await app.drain()
+
+
+def closed_total(app: App) -> float:
+    body, _ = app.metrics.render(None)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.decode().splitlines()
+        if line.startswith("istio_tcp_connections_closed_total{")
+    )
+
+
+async def test_client_reset_during_the_app_dial_cancels_it_and_records_the_close(
+    server: App,
+    proxy_logs,  # type: ignore[no-untyped-def]
+) -> None:
+    # An app whose accept queue is full: the proxy's connect to it hangs (its SYNs are dropped).
+    app = socket.socket()
+    app.bind((SERVER, 8080))
+    app.listen(0)
+    fillers = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect((SERVER, 8080))
+        except BlockingIOError:
+            pass
+        fillers.append(s)
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    await loop.sock_connect(sock, (SERVER, 15008))
+    creds = TlsCredentials.build(FakeCA().issue(Identity("cluster.local", "demo", "client")))
+    server_id = Identity("cluster.local", "demo", "server")
+    conn = await HboneConnection.open(sock, creds, [server_id], H2Settings())
+    try:
+        before = closed_total(server)
+        connecting = asyncio.create_task(conn.connect(f"{SERVER}:8080"))
+        # Admission is immediate here; give the request time to reach the hanging dial (a cancel
+        # that came earlier would create no record, and the log awaited below would never come).
+        await asyncio.sleep(0.3)
+        assert not connecting.done()
+        connecting.cancel()  # RST_STREAM(CANCEL)
+        await eventually_async(
+            lambda: "cancelled, the stream was reset" in proxy_logs.text(),
+            "the abandoned dial to be cancelled and logged",
+            3.0,  # long before the 10 s connect timeout
+        )
+        await eventually_async(lambda: closed_total(server) == before + 1, "the close to be counted", 3.0)
+    finally:
+        conn.abort()
+        for s in fillers:
+            s.close()
+        app.close()

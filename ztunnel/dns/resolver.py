@@ -1,0 +1,235 @@
+"""What the DNS proxy answers itself: A and AAAA for names of known services, as a pure function of
+the state store, the client's workload and the question.
+
+`resolve` names the outcome (`Authoritative` records or `FORWARD`); `answer` turns it into the reply
+message. Names are tried as asked, as their Kubernetes expansions for the client's namespace, and
+with a search domain stripped (then the reply carries a CNAME from the asked name to the stripped
+one); each candidate also as wildcards of decreasing specificity. A known name never gets NXDOMAIN:
+no address of the asked family is NOERROR with an empty answer.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import dns.flags
+import dns.message
+import dns.name
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
+
+from xds.model import IPAddress, IPFamilies, Service, Workload
+from ztunnel.state import ProxyState
+
+TTL: Final = 30
+MIN_UDP_PAYLOAD: Final = 512
+
+
+@dataclass(frozen=True, slots=True)
+class ResolverSettings:
+    """What the resolver needs of the configuration."""
+
+    cluster_domain: str = "cluster.local"
+    # Stripped from asked names; None: the client's Kubernetes search list (in-pod mode).
+    search_domains: tuple[str, ...] | None = None
+    ipv6_enabled: bool = True
+    preferred_namespace: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Alias:
+    name: str
+    stripped: str | None = None  # the asked name with a search domain stripped, when it came from one
+
+
+@dataclass(frozen=True, slots=True)
+class Authoritative:
+    """A reply of our own: `addresses` owned by `owner`, after a CNAME `name -> owner` when they differ."""
+
+    name: str  # as asked, lowercase, no trailing dot
+    owner: str
+    addresses: tuple[IPAddress, ...]
+    service: Service | None = None  # None: the record type is not served for this name
+
+
+class _Forward:
+    def __repr__(self) -> str:
+        return "FORWARD"
+
+
+FORWARD: Final = _Forward()
+Resolution = Authoritative | _Forward
+
+
+def search_domains(namespace: str, settings: ResolverSettings) -> tuple[str, ...]:
+    if settings.search_domains is not None:
+        return settings.search_domains
+    cd = settings.cluster_domain
+    return (f"{namespace}.svc.{cd}", f"svc.{cd}", cd)
+
+
+def kube_expansions(name: str, namespace: str, cluster_domain: str) -> list[str]:
+    """The Kubernetes names a short name may stand for, for a client in `namespace`."""
+    labels = name.split(".")
+    cd = cluster_domain
+    if len(labels) == 1:
+        return [f"{name}.{namespace}.svc.{cd}"]
+    if len(labels) == 2:
+        return [f"{name}.svc.{cd}", f"{name}.{namespace}.svc.{cd}"]
+    if len(labels) == 3:
+        out = [f"{labels[0]}.{labels[1]}.svc.{cd}"] if labels[2] == "svc" else []
+        return [*out, f"{name}.svc.{cd}"]
+    if len(labels) == 4 and labels[3] == "svc":
+        return [f"{name}.{cd}"]
+    return []
+
+
+def aliases(name: str, namespace: str, settings: ResolverSettings) -> list[Alias]:
+    """The candidate names for `name` (lowercase, no trailing dot), deduplicated, in the order tried."""
+    out: dict[str, Alias] = {}
+
+    def add(alias: Alias) -> None:
+        out.setdefault(alias.name, alias)
+
+    add(Alias(name))
+    for expanded in kube_expansions(name, namespace, settings.cluster_domain):
+        add(Alias(expanded))
+    for domain in search_domains(namespace, settings):
+        if not name.endswith("." + domain):
+            continue
+        stripped = name[: -len(domain) - 1]
+        add(Alias(stripped, stripped))
+        for expanded in kube_expansions(stripped, namespace, settings.cluster_domain):
+            add(Alias(expanded, stripped))
+    return list(out.values())
+
+
+def wildcards(name: str) -> list[str]:
+    """`a.b.c` -> `*.b.c`, `*.c`: the wildcard hostnames that cover it, most specific first."""
+    labels = name.split(".")
+    return ["*." + ".".join(labels[i:]) for i in range(1, len(labels))]
+
+
+def find_service(
+    state: ProxyState, client: Workload, name: str, settings: ResolverSettings
+) -> tuple[Service, Alias, str] | None:
+    """The service a name means to this client: (service, the alias that matched, hostname matched)."""
+    headless_suffix = f".svc.{settings.cluster_domain}"
+
+    def candidate(s: Service) -> bool:
+        # A service with no VIP is answerable only as a headless Kubernetes service (from its endpoints).
+        return bool(s.vips) or s.hostname.endswith(headless_suffix)
+
+    for alias in aliases(name, client.namespace, settings):
+        for hostname in (alias.name, *wildcards(alias.name)):
+            service = state.service_by_hostname(
+                hostname, client.namespace, settings.preferred_namespace, candidate=candidate
+            )
+            if service is not None:
+                return service, alias, hostname
+    return None
+
+
+def _family_ok(ip: IPAddress, rdtype: int) -> bool:
+    return ip.version == (4 if rdtype == dns.rdatatype.A else 6)
+
+
+def addresses_of(state: ProxyState, service: Service, client: Workload, rdtype: int) -> list[IPAddress]:
+    if service.vips:
+        return [
+            v.address for v in service.vips if v.network == client.network and _family_ok(v.address, rdtype)
+        ]
+    out: list[IPAddress] = []
+    for endpoint in state.endpoints(service.key):
+        w = state.workload_by_uid(endpoint.workload_uid)
+        if w is None:
+            continue
+        ip = next((a for a in w.addresses if _family_ok(a, rdtype)), None)
+        if ip is not None:
+            out.append(ip)
+    return out
+
+
+def _served(service: Service, rdtype: int, settings: ResolverSettings) -> bool:
+    if rdtype == dns.rdatatype.AAAA:
+        return settings.ipv6_enabled and service.ip_families is not IPFamilies.IPV4_ONLY
+    return service.ip_families is not IPFamilies.IPV6_ONLY
+
+
+def resolve(
+    state: ProxyState,
+    client: Workload,
+    name: str,
+    rdtype: int,
+    settings: ResolverSettings,
+    shuffle: Callable[[list[IPAddress]], None] = random.shuffle,
+) -> Resolution:
+    """Our answer to `name` (lowercase, no trailing dot) of type `rdtype`, or FORWARD."""
+    if rdtype not in (dns.rdatatype.A, dns.rdatatype.AAAA):
+        return FORWARD
+    found = find_service(state, client, name, settings)
+    if found is None:
+        return FORWARD
+    service, alias, hostname = found
+    if not _served(service, rdtype, settings):
+        return Authoritative(name, name, ())
+    addresses = addresses_of(state, service, client, rdtype)
+    shuffle(addresses)
+    owner = alias.stripped if alias.stripped is not None and not hostname.startswith("*.") else name
+    return Authoritative(name, owner, tuple(addresses), service)
+
+
+def question_name(query: dns.message.Message) -> str:
+    return query.question[0].name.to_text(omit_final_dot=True).lower()
+
+
+def response_for(
+    query: dns.message.Message, rcode: dns.rcode.Rcode, *, authoritative: bool = False
+) -> dns.message.Message:
+    """A reply to `query` with RA set and its EDNS echoed (version, DO bit, payload of at least 512)."""
+    response = dns.message.make_response(query, recursion_available=True)
+    if authoritative:
+        response.flags |= dns.flags.AA
+    response.set_rcode(rcode)
+    if query.edns >= 0:
+        response.use_edns(
+            query.edns, query.ednsflags & dns.flags.DO, payload=max(query.payload, MIN_UDP_PAYLOAD)
+        )
+    return response
+
+
+def authoritative_response(query: dns.message.Message, result: Authoritative) -> dns.message.Message:
+    """The reply message of `result`: TTL 30 on every record, AA and RA set."""
+    response = response_for(query, dns.rcode.NOERROR, authoritative=True)
+    if not result.addresses:
+        return response
+    qname = query.question[0].name
+    rdtype = query.question[0].rdtype
+    owner = qname
+    if result.owner != result.name:
+        owner = dns.name.from_text(result.owner)
+        response.answer.append(
+            dns.rrset.from_text(qname, TTL, dns.rdataclass.IN, dns.rdatatype.CNAME, owner.to_text())
+        )
+    response.answer.append(
+        dns.rrset.from_text_list(owner, TTL, dns.rdataclass.IN, rdtype, [str(ip) for ip in result.addresses])
+    )
+    return response
+
+
+def answer(
+    state: ProxyState, client: Workload, query: dns.message.Message, settings: ResolverSettings
+) -> dns.message.Message | None:
+    """The reply to a well-formed query with one IN question, or None when it is to be forwarded."""
+    q = query.question[0]
+    if q.rdclass != dns.rdataclass.IN:
+        return None
+    result = resolve(state, client, question_name(query), q.rdtype, settings)
+    if not isinstance(result, Authoritative):
+        return None
+    return authoritative_response(query, result)
