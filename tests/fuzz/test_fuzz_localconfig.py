@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from google.protobuf.message import Message
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -31,7 +32,7 @@ from xds.localconfig import (
     service_to_dict,
     workload_to_dict,
 )
-from xds.model import ConversionError, NamespacedHostname, Service, Workload
+from xds.model import ConversionError, Service, Workload
 
 KEYS = [
     "workloads", "services", "policies", "uid", "name", "namespace", "workloadIps", "protocol", "services",
@@ -223,6 +224,17 @@ async def test_the_file_watcher_survives_bad_saves_and_publishes_a_later_good_on
 # -- what `/config_dump` renders reads back equal ---------------------------------------------------
 
 
+def _slash_in_names(message: Message) -> bool:
+    for descriptor, value in message.ListFields():
+        if descriptor.name in ("network", "namespace") and isinstance(value, str) and "/" in value:
+            return True
+        if descriptor.message_type is None or descriptor.message_type.GetOptions().map_entry:
+            continue
+        if any(_slash_in_names(m) for m in (value if descriptor.is_repeated else [value])):
+            return True
+    return False
+
+
 @given(st.one_of(workloads(), services()), authorizations())
 def test_rendered_model_values_read_back_equal(address: workload_pb2.Address, policy: object) -> None:
     try:
@@ -230,17 +242,12 @@ def test_rendered_model_values_read_back_equal(address: workload_pb2.Address, po
         authorization = convert.authorization_from_wire(policy)  # type: ignore[arg-type]
     except ConversionError:
         return
-    # The file writes a gateway as "<namespace>/<hostname>": a namespace with a '/' (which
-    # Kubernetes never has) has no spelling there.
-    gateways = [item.waypoint, *(w.destination for w in getattr(item, "weighted_waypoints", ()))]
-    gateways.append(getattr(item, "network_gateway", None))
-    assume(
-        not any(
-            isinstance(g.destination, NamespacedHostname) and "/" in g.destination.namespace
-            for g in gateways
-            if g
-        )
-    )
+    # The file writes addresses as "<network>/<ip>" and gateways also as "<namespace>/<hostname>": a
+    # network or namespace with a '/' (which Kubernetes never has) has no spelling there.
+    assume(not _slash_in_names(address))
+    # Ports are a map there: a wire list repeating a service port has no spelling either.
+    port_lists = [ports for _, ports in item.services] if isinstance(item, Workload) else [item.ports]
+    assume(all(len({svc for svc, _ in ports}) == len(ports) for ports in port_lists))
     document = {
         "workloads": [workload_to_dict(item)] if isinstance(item, Workload) else [],
         "services": [service_to_dict(item)] if isinstance(item, Service) else [],
