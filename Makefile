@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 DEBIAN_PACKAGES := iptables iproute2 nghttp2-proxy tinyproxy stunnel4 openssl curl containernetworking-plugins util-linux bind9-dnsutils dnsmasq-base dnsperf buildah debootstrap iperf3 gcc libc6-dev
 
-.PHONY: demo test lint typecheck unit debs proto clean image
+.PHONY: demo test lint typecheck unit fuzz debs proto clean image
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ test: lint typecheck unit
 # IMAGE, BASE_IMAGE and IMAGE_CACHE (default /var/cache/ztunnel-image) are passed through.
 image:
 	sh deploy/build-image.sh
+
+# The fuzz targets (tests/fuzz/ and the HTTP/2 frame walker's) with a long budget; `make test` runs
+# them bounded.
+fuzz: $(TEST_STAMP)
+	FUZZ_PROFILE=long FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -p no:cacheprovider --timeout 3600 tests/fuzz tests/test_hbone_frames.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

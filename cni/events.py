@@ -113,10 +113,20 @@ class Reply:
         return json.dumps(body).encode() + b"\n"
 
 
+def load_json(data: bytes) -> Any:
+    """JSON from untrusted bytes: every failure is a ValueError, never a RecursionError (nesting
+    deeper than the interpreter's stack) nor a traceback. A number of more than 4300 digits is one
+    of those ValueErrors, which `int()` raises inside the decoder."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _object(line: bytes, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        value = load_json(line)
+    except ValueError as e:  # also UnicodeDecodeError and json.JSONDecodeError
         raise EventError(f"{what} is not JSON: {e}") from None
     if not isinstance(value, dict):
         raise EventError(f"{what} is not a JSON object")

@@ -41,6 +41,7 @@ from cni.events import (
     PodEvent,
     Reply,
     decode_reply,
+    load_json,
 )
 
 SPEC_VERSION = "1.0.0"
@@ -120,8 +121,8 @@ def parse_environment(env: Mapping[str, str]) -> Invocation:
 
 def parse_config(stdin: bytes) -> NetConf:
     try:
-        conf = json.loads(stdin)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        conf = load_json(stdin)
+    except ValueError as e:  # not UTF-8, not JSON, nested too deeply, a number too long
         raise CniError(DECODE_FAILURE, "network configuration is not JSON", str(e)) from None
     if not isinstance(conf, dict):
         raise CniError(DECODE_FAILURE, "network configuration is not a JSON object")
@@ -158,7 +159,10 @@ def pod_ips(prev_result: Mapping[str, Any]) -> tuple[str, ...]:
     for entry in ips:
         address = entry.get("address") if isinstance(entry, dict) else None
         try:
-            found.append(str(ipaddress.ip_interface(address).ip))  # type: ignore[arg-type]
+            # Only the CIDR text: `ip_interface` would also take the number 5 (or true) as an address.
+            if not isinstance(address, str):
+                raise ValueError(address)
+            found.append(str(ipaddress.ip_interface(address).ip))
         except ValueError:
             raise CniError(INVALID_CONFIG, f"prevResult: invalid ips[].address {address!r}") from None
     return tuple(found)
@@ -267,7 +271,7 @@ def _expect_ok(reply: Reply) -> None:
 def _error_version(stdin: bytes) -> str:
     """The cniVersion to answer an error in: the configuration's when it is one we speak."""
     try:
-        version = json.loads(stdin).get("cniVersion")
+        version = load_json(stdin).get("cniVersion")
     except (ValueError, AttributeError):
         return SPEC_VERSION
     return version if version in SUPPORTED_VERSIONS else SPEC_VERSION

@@ -78,4 +78,7 @@ class ConfigSource:
             except LocalConfigError as e:
                 log.error("refused the changed configuration, still serving the last good one: %s", e.message)
                 continue
+            except Exception:  # a bug in reading one save must not end the watch: later saves count
+                log.exception("refused the changed configuration, still serving the last good one")
+                continue
             publish(snapshot)

@@ -6,20 +6,20 @@ workload (SPEC §5.2), enforces the `Decision` and logs the dry-run notes it car
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
-from typing import TypeVar
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from policy.model import (
+    MATCH_FIELDS,
     Action,
     Authorization,
-    Clause,
+    CompiledClause,
     Connection,
     Match,
-    Rule,
     ServiceAccountMatch,
     StringMatch,
     StringMatchKind,
+    compiled_match,
 )
 
 # The reference's wording: users grep access logs for these (SPEC §5.3).
@@ -30,10 +30,6 @@ DRY_RUN_ALLOW_MATCH = "dry-run: allow policy match"
 DRY_RUN_NO_ALLOW_MATCH = "dry-run: no allow policies match"
 
 SPIFFE_PREFIX = "spiffe://"
-
-_MATCH_FIELDS = tuple(f.name for f in fields(Match))
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,50 +86,83 @@ def authorize(policies: Iterable[Authorization], conn: Connection) -> Decision:
 
 
 def matches(policy: Authorization, conn: Connection) -> bool:
-    """A policy matches when any of its rules does; a policy with zero rules never matches."""
-    return any(rule_matches(rule, conn) for rule in policy.rules)
+    """A policy matches when any of its rules does (a policy with zero rules never matches); a rule
+    when all its clauses do (a rule without clauses matches); a clause when any of its non-empty
+    entries does (a clause without entries matches). Evaluated on `Authorization.compiled`."""
+    return any(all(clause_matches(clause, conn) for clause in rule) for rule in policy.compiled)
 
 
-def rule_matches(rule: Rule, conn: Connection) -> bool:
-    """A rule matches when all its clauses do (so a rule without clauses matches)."""
-    return all(clause_matches(clause, conn) for clause in rule)
-
-
-def clause_matches(clause: Clause, conn: Connection) -> bool:
-    """A clause matches when any of its non-empty entries does; a clause without entries matches."""
-    if not clause:
+def clause_matches(clause: CompiledClause, conn: Connection) -> bool:
+    if clause.always:
         return True
-    # An empty entry passes `entry_matches`, so emptiness is checked only for entries that pass.
-    return any(entry_matches(entry, conn) and not is_empty(entry) for entry in clause)
+    if clause.source_ips is not None and conn.src_ip in clause.source_ips:
+        return True
+    if clause.destination_ips is not None and conn.dst_ip in clause.destination_ips:
+        return True
+    if clause.destination_ports is not None and conn.dst_port in clause.destination_ports:
+        return True
+    if clause.principals is not None:
+        principal = principal_of(conn)
+        if principal is not None and principal in clause.principals:
+            return True
+    if clause.namespaces is not None and (conn.src_namespace or "") in clause.namespaces:
+        return True
+    if (
+        clause.service_accounts is not None
+        and conn.src_namespace is not None
+        and conn.src_service_account is not None
+        and (conn.src_namespace, conn.src_service_account) in clause.service_accounts
+    ):
+        return True
+    return any(entry_matches(entry, conn) for entry in clause.entries)
 
 
 def is_empty(entry: Match) -> bool:
     """An entry with every field empty: skipped, it can never make its clause match."""
-    return not any(getattr(entry, name) for name in _MATCH_FIELDS)
+    return not any(getattr(entry, name) for name in MATCH_FIELDS)
 
 
 def entry_matches(entry: Match, conn: Connection) -> bool:
-    """Every (positive, negative) field pair of the entry passes for the connection.
+    """Every (positive, negative) field pair of the entry passes for the connection: a positive list
+    passes when empty or when an element matches, a negative one when no element matches.
 
-    An address of the other IP family is outside every network (`ipaddress` containment)."""
-    principal = principal_of(conn)
+    An address of the other IP family is outside every network (`ipaddress` containment). The lists
+    are looked up in their precompiled sets (`CompiledMatch`), never walked."""
+    c = compiled_match(entry)
+    if entry.destination_ips and conn.dst_ip not in c.destination_ips:
+        return False
+    if entry.not_destination_ips and conn.dst_ip in c.not_destination_ips:
+        return False
+    if entry.source_ips and conn.src_ip not in c.source_ips:
+        return False
+    if entry.not_source_ips and conn.src_ip in c.not_source_ips:
+        return False
+    if entry.destination_ports and conn.dst_port not in c.destination_ports:
+        return False
+    if entry.not_destination_ports and conn.dst_port in c.not_destination_ports:
+        return False
+    if entry.service_accounts or entry.not_service_accounts:
+        # Without an identity no service account matches, so only a positive list can fail.
+        sa = (
+            None
+            if conn.src_namespace is None or conn.src_service_account is None
+            else (conn.src_namespace, conn.src_service_account)
+        )
+        if entry.service_accounts and (sa is None or sa not in c.service_accounts):
+            return False
+        if entry.not_service_accounts and sa is not None and sa in c.not_service_accounts:
+            return False
+    if entry.principals or entry.not_principals:
+        # Without a SPIFFE identity no principal pattern matches, not even presence.
+        principal = principal_of(conn)
+        if entry.principals and (principal is None or principal not in c.principals):
+            return False
+        if entry.not_principals and principal is not None and principal in c.not_principals:
+            return False
     namespace = conn.src_namespace or ""
-    return (
-        _passes(entry.destination_ips, entry.not_destination_ips, lambda net: conn.dst_ip in net)
-        and _passes(entry.source_ips, entry.not_source_ips, lambda net: conn.src_ip in net)
-        and _passes(entry.destination_ports, entry.not_destination_ports, lambda port: port == conn.dst_port)
-        and _passes(
-            entry.service_accounts, entry.not_service_accounts, lambda sa: service_account_matches(sa, conn)
-        )
-        and _passes(
-            entry.principals,
-            entry.not_principals,
-            lambda pattern: principal is not None and string_matches(pattern, principal),
-        )
-        and _passes(
-            entry.namespaces, entry.not_namespaces, lambda pattern: string_matches(pattern, namespace)
-        )
-    )
+    if entry.namespaces and namespace not in c.namespaces:
+        return False
+    return not (entry.not_namespaces and namespace in c.not_namespaces)
 
 
 def principal_of(conn: Connection) -> str | None:
@@ -159,9 +188,3 @@ def string_matches(pattern: StringMatch, value: str) -> bool:
     if pattern.kind is StringMatchKind.SUFFIX:
         return value.endswith(pattern.value)
     return value != ""
-
-
-def _passes(positive: Sequence[T], negative: Sequence[T], hit: Callable[[T], bool]) -> bool:
-    if positive and not any(hit(item) for item in positive):
-        return False
-    return not any(hit(item) for item in negative)

@@ -363,6 +363,26 @@ def test_misbehaving_clients_cost_only_their_connection(node: Node, peers: list[
     assert "unexpected message from ztunnel" in node.agent_output()
 
 
+def test_hostile_json_events_get_an_error_reply(node: Node, peers: list[ZdsPeer]) -> None:
+    """Nesting deeper than the interpreter's stack, or a 5,000-digit number, in an event: the plugin
+    gets an error reply (the request's task used to die without one) and the agent carries on."""
+    good, _ = connect(node, peers)
+    for line in (
+        b'{"command": "ADD", "uid": ' + b"[" * 30_000 + b"]" * 30_000 + b"}\n",
+        b'{"command": "DEL", "uid": "u", "ips": [' + b"9" * 5000 + b"]}\n",
+    ):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(str(node.cni_socket))
+            s.sendall(line)
+            reply = events.decode_reply(s.makefile("rb").readline())
+        assert not reply.ok and reply.code == events.INVALID_CONFIG
+        assert reply.error.startswith("invalid request to the agent: request is not JSON: ")
+    node.add_pod("web")
+    assert good.next().kind == "add"
+    assert "Traceback" not in node.agent_output()
+
+
 def test_bad_options_are_one_line_errors(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -382,6 +384,46 @@ async def test_malformed_resources_are_nacked_and_their_siblings_applied(
         await running.client.wait_synced()
     warnings = [line for line in proxy_logs.text().splitlines() if "\twarn\t" in line and "NACK" in line]
     assert len(warnings) == 1 and "unknown tunnel_protocol value 7" in warnings[0]
+
+
+async def test_a_huge_policy_is_converted_while_the_loop_keeps_running(
+    ads: AdsServer, clients: list[Running]
+) -> None:
+    """A 1 MB Authorization of 100k CIDRs: converted beside the loop (which carries the data plane),
+    so that a task ticking every 5 ms keeps ticking while it is; then applied and ACKed."""
+    running = await run_client(ads.address)
+    clients.append(running)
+    stream = await ads.ads.next_stream()
+    await initial_pair(stream)
+    pb = authorization_pb2.Authorization(name="huge", namespace="ns")
+    match = pb.rules.add().clauses.add().matches.add()
+    for i in range(100_000):
+        match.source_ips.add(address=(0x0A000000 + 4 * i).to_bytes(4, "big"), length=30)
+    assert pb.ByteSize() > 1_000_000
+    ticks: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.005)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        reply = await stream.exchange(
+            policies("big", discovery_pb2.Resource(name="ns/huge", version="1", resource=packed(pb)))
+        )
+        took = time.monotonic() - start
+    finally:
+        ticker.cancel()
+    assert is_ack(reply, AUTHORIZATION_TYPE_URL, "big")
+    policy = running.state.policy("ns/huge")
+    assert policy is not None and len(policy.rules[0][0][0].source_ips) == 100_000
+    during = [t for t in ticks if start <= t <= start + took]
+    gaps = [b - a for a, b in itertools.pairwise(during)]
+    # Converted on the loop, it was one gap as long as the whole conversion (0.3-1.3 s).
+    assert len(during) >= 5 and max(gaps, default=0) < took / 2, (len(during), max(gaps, default=0), took)
 
 
 async def test_removals_by_uid_by_service_key_and_by_policy_key(

@@ -253,7 +253,7 @@ def test_unknown_enum_numbers_are_refused() -> None:
         (_workload(workload_type=8), "unknown workload_type value 8"),
         (authorization_pb2.Authorization(name="p", scope=4), "unknown scope value 4"),  # type: ignore[arg-type]
         (authorization_pb2.Authorization(name="p", action=2), "unknown action value 2"),  # type: ignore[arg-type]
-        (workload_pb2.Service(name="s", ip_families=11), "unknown ip_families value 11"),  # type: ignore[arg-type]
+        (workload_pb2.Service(name="s", hostname="s.ns", ip_families=11), "unknown ip_families value 11"),  # type: ignore[arg-type]
     ]
     for pb, reason in cases:
         with pytest.raises(ConversionError) as err:
@@ -285,26 +285,30 @@ def test_workload_refusals() -> None:
 def test_service_refusals() -> None:
     lb = workload_pb2.LoadBalancing(routing_preference=["ZONE", "UNSPECIFIED_SCOPE"])
     with pytest.raises(ConversionError, match="UNSPECIFIED_SCOPE"):
-        convert.service_from_wire(workload_pb2.Service(name="s", load_balancing=lb))
+        convert.service_from_wire(workload_pb2.Service(name="s", hostname="s.ns", load_balancing=lb))
     with pytest.raises(ConversionError, match="5 bytes"):
         convert.service_from_wire(
-            workload_pb2.Service(name="s", addresses=[workload_pb2.NetworkAddress(address=b"12345")])
+            workload_pb2.Service(
+                name="s", hostname="s.ns", addresses=[workload_pb2.NetworkAddress(address=b"12345")]
+            )
         )
     with pytest.raises(ConversionError, match="weighted waypoint has no destination"):
         convert.service_from_wire(
-            workload_pb2.Service(name="s", weighted_waypoints=[workload_pb2.WeightedWaypoint(weight=1)])
+            workload_pb2.Service(
+                name="s", hostname="s.ns", weighted_waypoints=[workload_pb2.WeightedWaypoint(weight=1)]
+            )
         )
 
 
 def test_unknown_visibility_is_public() -> None:
-    pb = workload_pb2.Service(name="s")
+    pb = workload_pb2.Service(name="s", hostname="s.ns")
     pb.visibility = 7  # type: ignore[assignment]
     assert convert.service_from_wire(pb).visibility is Visibility.PUBLIC
 
 
 def test_full_length_vip_is_a_plain_vip() -> None:
     addr = workload_pb2.NetworkAddress(address=bytes([10, 96, 0, 1]), length=32)
-    s = convert.service_from_wire(workload_pb2.Service(name="s", addresses=[addr]))
+    s = convert.service_from_wire(workload_pb2.Service(name="s", hostname="s.ns", addresses=[addr]))
     assert s.vips == (NetworkAddress("", ip("10.96.0.1")),) and s.cidr_vips == ()
 
 
@@ -313,13 +317,13 @@ def test_policy_details_of_the_reference() -> None:
     match = pb.rules.add().clauses.add().matches.add()
     match.principals.add()  # no oneof set: dropped
     match.principals.add(exact="cluster.local/ns/a/sa/b")
-    match.destination_ports.extend([70000, 80])  # truncated to u16
+    match.destination_ports.extend([65535, 80])
     match.source_ips.add(address=bytes([192, 168, 1, 7]), length=0)  # /0, literally
     match.destination_ips.add(address=bytes([192, 168, 1, 7]), length=24)  # host bits allowed
     policy = convert.authorization_from_wire(pb)
     m = policy.rules[0][0][0]
     assert m.principals == (StringMatch(StringMatchKind.EXACT, "cluster.local/ns/a/sa/b"),)
-    assert m.destination_ports == (70000 & 0xFFFF, 80)
+    assert m.destination_ports == (65535, 80)
     assert m.source_ips == (net("0.0.0.0/0"),)
     assert m.destination_ips == (net("192.168.1.0/24"),)
     assert (policy.scope, policy.action) == (Scope.GLOBAL, Action.ALLOW)

@@ -4,7 +4,8 @@ credentials and node identity it shares with the CA client (SPEC §8.2).
 `XdsClient.run()` keeps one `DeltaAggregatedResources` stream open, reconnecting with the backoff of
 SPEC §6.6, until `close()`. On every (re)connect it subscribes, wildcard, to Address then
 Authorization, listing the resources it holds in `initial_resource_versions`. Each response is decoded
-and converted (`xds.convert`), applied to the store as one batch (the resources that fail are left out
+and converted (`xds.convert`; from 64 KiB of payload on a thread, so that a huge push does not stall
+the loop), applied to the store, on the loop, as one batch (the resources that fail are left out
 and named in the NACK, the rest are applied), and answered with an ACK or a NACK carrying only the type
 URL and nonce. Readiness: once the first response of each watched type has been answered,
 `wait_synced()` returns and `on_synced` is called.
@@ -284,6 +285,37 @@ class _Rejection:
         return f"{self.name}: {self.reason}"
 
 
+# A resource as converted: its model value, or why it is refused.
+Converted = Workload | Service | Authorization | _Rejection
+# From this many payload bytes a response is converted on a thread (a few hundred workloads or CIDRs
+# convert in well under a millisecond: not worth the hop).
+THREADED_CONVERSION_BYTES = 64 * 1024
+
+
+def _payload_bytes(response: discovery_pb2.DeltaDiscoveryResponse) -> int:
+    return sum(len(r.resource.value) for r in response.resources)
+
+
+def _convert_one(type_url: str, payload: bytes) -> Workload | Service | Authorization:
+    if type_url == ADDRESS_TYPE_URL:
+        return address_from_wire(workload_pb2.Address.FromString(payload))
+    return authorization_from_wire(authorization_pb2.Authorization.FromString(payload))
+
+
+def _convert_all(response: discovery_pb2.DeltaDiscoveryResponse) -> list[Converted]:
+    """Decode and convert every resource of an Address or Authorization response; pure (no store)."""
+    out: list[Converted] = []
+    for resource in response.resources:
+        if not resource.HasField("resource"):
+            out.append(_Rejection(resource.name, "XDS payload without resource"))
+            continue
+        try:
+            out.append(_convert_one(response.type_url, resource.resource.value))
+        except (DecodeError, ConversionError) as e:
+            out.append(_Rejection(resource.name, f"decode: {e}" if isinstance(e, DecodeError) else str(e)))
+    return out
+
+
 class XdsClient:
     """One proxy's Delta ADS stream, applied to one store (see the module docstring)."""
 
@@ -489,7 +521,13 @@ class XdsClient:
             response = await call.read()
             if response is grpc.aio.EOF:
                 break
-            reply = self.handle_response(response)
+            converted = None
+            if _payload_bytes(response) >= THREADED_CONVERSION_BYTES:
+                # Decoding and converting are pure: a big push (a policy of 100k CIDRs) is converted
+                # on a thread, so that the loop, which carries the data plane, keeps running beside
+                # it; the store is still changed here, on the loop.
+                converted = await asyncio.to_thread(_convert_all, response)
+            reply = self.handle_response(response, converted)
             await self._write(call, reply)
             self._answered(response.type_url)
         code = await call.code()
@@ -522,13 +560,13 @@ class XdsClient:
     # --- one response ---
 
     def handle_response(
-        self, response: discovery_pb2.DeltaDiscoveryResponse
+        self, response: discovery_pb2.DeltaDiscoveryResponse, converted: list[Converted] | None = None
     ) -> discovery_pb2.DeltaDiscoveryRequest:
-        """Apply a response to the store and return its ACK or NACK (SPEC §6.4)."""
+        """Apply a response to the store and return its ACK or NACK (SPEC §6.4). `converted`: its
+        resources already run through `_convert_all` (elsewhere than on the loop)."""
         type_url = response.type_url
         if self._metrics is not None:
-            n_bytes = sum(len(r.resource.value) for r in response.resources)
-            self._metrics.message(type_url, n_bytes)
+            self._metrics.message(type_url, _payload_bytes(response))
         log.info(
             "received response",
             extra={
@@ -540,9 +578,9 @@ class XdsClient:
             },
         )
         if type_url == ADDRESS_TYPE_URL:
-            rejections = self._apply(response, self._address_update, self._state.remove)
+            rejections = self._apply(response, converted, self._state.remove)
         elif type_url == AUTHORIZATION_TYPE_URL:
-            rejections = self._apply(response, self._authorization_update, self._state.remove_policy)
+            rejections = self._apply(response, converted, self._state.remove_policy)
         else:
             log.error("unknown type", extra={"fields": {"type_url": type_url}})
             rejections = []
@@ -561,9 +599,11 @@ class XdsClient:
     def _apply(
         self,
         response: discovery_pb2.DeltaDiscoveryResponse,
-        update: Callable[[bytes], None],
+        converted: list[Converted] | None,
         remove: Callable[[str], bool],
     ) -> list[_Rejection]:
+        if converted is None:
+            converted = _convert_all(response)
         versions = self._versions.setdefault(response.type_url, {})
         rejections: list[_Rejection] = []
         arrived: list[str] = []
@@ -572,32 +612,20 @@ class XdsClient:
                 remove(name)
                 versions.pop(name, None)
                 arrived.append(name)
-            for resource in response.resources:
+            for resource, item in zip(response.resources, converted, strict=True):
                 arrived.append(resource.name)
-                if not resource.HasField("resource"):
-                    rejections.append(_Rejection(resource.name, "XDS payload without resource"))
+                if isinstance(item, _Rejection):
+                    rejections.append(item)
                     continue
-                try:
-                    update(resource.resource.value)
-                except (DecodeError, ConversionError) as e:
-                    reason = f"decode: {e}" if isinstance(e, DecodeError) else str(e)
-                    rejections.append(_Rejection(resource.name, reason))
-                    continue
+                if isinstance(item, Workload):
+                    self._state.upsert_workload(item)
+                elif isinstance(item, Service):
+                    self._state.upsert_service(item)
+                else:
+                    self._state.upsert_policy(item)
                 versions[resource.name] = resource.version
         self._wake_demanded(response.type_url, arrived)
         return rejections
-
-    def _address_update(self, payload: bytes) -> None:
-        item = address_from_wire(workload_pb2.Address.FromString(payload))
-        if isinstance(item, Workload):
-            self._state.upsert_workload(item)
-        else:
-            self._state.upsert_service(item)
-
-    def _authorization_update(self, payload: bytes) -> None:
-        self._state.upsert_policy(
-            authorization_from_wire(authorization_pb2.Authorization.FromString(payload))
-        )
 
     def _wake_demanded(self, type_url: str, names: Iterable[str]) -> None:
         if not self._demanded:

@@ -6,8 +6,10 @@ domain `cluster.local`, empty service account `default`, empty cluster id `Kuber
 1, application tunnel port 0 as "keep the port", workload type as its lowercased name) and raise
 `ConversionError(reason)` for what the reference rejects: an unknown enum number, an IP that is not
 4 or 16 bytes, a `services` key without `/`, `LEGACY_ISTIO_MTLS`, a gateway without destination,
-`UNSPECIFIED_SCOPE` among the routing preferences. The xDS client turns that into a NACK of the one
-resource.
+`UNSPECIFIED_SCOPE` among the routing preferences. Ours, stricter: a port above 65535 (the reference
+truncates it to 16 bits, so 65616 would become 80, also in a policy), a prefix length longer than its
+address (a VIP too), and an empty key (workload uid, service name or hostname, policy name). The xDS
+client turns that into a NACK of the one resource.
 
 Model to wire: `workload_to_wire`, `service_to_wire`, `address_to_wire`, `authorization_to_wire`, for
 the development control plane that serves a local-config file over xDS.
@@ -19,6 +21,7 @@ the proto numbers, so an enum converts with `Enum(number)` and nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum
 from typing import TypeVar
 
@@ -60,6 +63,7 @@ from xds.model import (
     app_tunnel_port,
     check_service_key,
     cidr,
+    cidr_from_bytes,
     ip_from_bytes,
 )
 
@@ -77,6 +81,19 @@ E = TypeVar("E", bound=IntEnum)
 
 
 # --- wire to model ------------------------------------------------------------------------------
+
+
+def _port(value: int, field: str) -> int:
+    """A port from a uint32 field: above 65535 it is an error, never wrapped (65616 is not 80)."""
+    if value > _U16:
+        raise ConversionError(f"invalid {field} {value} (expected 0..65535)")
+    return value
+
+
+def _required(value: str, field: str) -> str:
+    if not value:
+        raise ConversionError(f"{field} is empty")
+    return value
 
 
 def _enum(kind: type[E], value: int, field: str) -> E:
@@ -108,7 +125,9 @@ def _gateway(pb: workload_pb2.GatewayAddress) -> GatewayAddress:
         destination = _network_address(pb.address)
     else:
         raise ConversionError("gateway address has no destination")
-    return GatewayAddress(destination=destination, hbone_mtls_port=pb.hbone_mtls_port & _U16)
+    return GatewayAddress(
+        destination=destination, hbone_mtls_port=_port(pb.hbone_mtls_port, "gateway hbone_mtls_port")
+    )
 
 
 def _optional_gateway(holder: object, field: str) -> GatewayAddress | None:
@@ -119,7 +138,10 @@ def _optional_gateway(holder: object, field: str) -> GatewayAddress | None:
 
 
 def _ports(ports: object) -> tuple[tuple[int, int], ...]:
-    return tuple((p.service_port & _U16, p.target_port & _U16) for p in ports)  # type: ignore[attr-defined]
+    return tuple(
+        (_port(p.service_port, "service_port"), _port(p.target_port, "target_port"))
+        for p in ports  # type: ignore[attr-defined]
+    )
 
 
 def workload_from_wire(pb: workload_pb2.Workload) -> Workload:
@@ -135,10 +157,10 @@ def workload_from_wire(pb: workload_pb2.Workload) -> Workload:
         tunnel = pb.application_tunnel
         application_tunnel = ApplicationTunnel(
             protocol=_enum(AppTunnelProtocol, tunnel.protocol, "application_tunnel.protocol"),
-            port=app_tunnel_port(tunnel.port & _U16),
+            port=app_tunnel_port(_port(tunnel.port, "application_tunnel.port")),
         )
     return Workload(
-        uid=pb.uid,
+        uid=_required(pb.uid, "workload uid"),
         name=pb.name,
         namespace=pb.namespace,
         addresses=tuple(ip_from_bytes(ip) for ip in pb.addresses),
@@ -194,8 +216,9 @@ def service_from_wire(pb: workload_pb2.Service) -> Service:
     cidr_vips: list[CidrVip] = []
     for addr in pb.addresses:
         ip = ip_from_bytes(addr.address)
-        # A VIP with a prefix shorter than the full address is a CIDR range of VIPs.
-        if addr.HasField("length") and addr.length < ip.max_prefixlen:
+        # A VIP with a prefix shorter than the full address is a CIDR range of VIPs; a longer one is
+        # an error (`cidr` says so), not a plain VIP.
+        if addr.HasField("length") and addr.length != ip.max_prefixlen:
             cidr_vips.append(CidrVip(addr.network, cidr(ip, addr.length)))
         else:
             vips.append(NetworkAddress(addr.network, ip))
@@ -204,9 +227,9 @@ def service_from_wire(pb: workload_pb2.Service) -> Service:
     except ValueError:
         visibility = Visibility.PUBLIC  # as the reference: an unknown visibility is public
     return Service(
-        name=pb.name,
+        name=_required(pb.name, "service name"),
         namespace=pb.namespace,
-        hostname=pb.hostname,
+        hostname=_required(pb.hostname, "service hostname"),
         vips=tuple(vips),
         cidr_vips=tuple(cidr_vips),
         ports=_ports(pb.ports),
@@ -242,33 +265,50 @@ def _string_matches(items: object) -> tuple[StringMatch, ...]:
 
 
 def _cidrs(items: object) -> tuple[IPNetwork, ...]:
-    return tuple(cidr(ip_from_bytes(a.address), a.length) for a in items)  # type: ignore[attr-defined]
+    return tuple(cidr_from_bytes(a.address, a.length) for a in items)  # type: ignore[attr-defined]
 
 
 def _service_accounts(items: object) -> tuple[ServiceAccountMatch, ...]:
     return tuple(ServiceAccountMatch(sa.namespace, sa.serviceAccount) for sa in items)  # type: ignore[attr-defined]
 
 
+def _ports_of(field: str) -> Callable[[object], tuple[int, ...]]:
+    def read(items: object) -> tuple[int, ...]:
+        return tuple(_port(p, field) for p in items)  # type: ignore[attr-defined]
+
+    return read
+
+
+_MATCH_FIELDS: dict[str, Callable[[object], tuple[object, ...]]] = {
+    "namespaces": _string_matches,
+    "not_namespaces": _string_matches,
+    "principals": _string_matches,
+    "not_principals": _string_matches,
+    "source_ips": _cidrs,
+    "not_source_ips": _cidrs,
+    "destination_ips": _cidrs,
+    "not_destination_ips": _cidrs,
+    "destination_ports": _ports_of("destination_ports"),
+    "not_destination_ports": _ports_of("not_destination_ports"),
+    "service_accounts": _service_accounts,
+    "not_service_accounts": _service_accounts,
+}
+
+
 def _match(pb: authorization_pb2.Match) -> Match:
-    return Match(
-        namespaces=_string_matches(pb.namespaces),
-        not_namespaces=_string_matches(pb.not_namespaces),
-        principals=_string_matches(pb.principals),
-        not_principals=_string_matches(pb.not_principals),
-        source_ips=_cidrs(pb.source_ips),
-        not_source_ips=_cidrs(pb.not_source_ips),
-        destination_ips=_cidrs(pb.destination_ips),
-        not_destination_ips=_cidrs(pb.not_destination_ips),
-        destination_ports=tuple(p & _U16 for p in pb.destination_ports),
-        not_destination_ports=tuple(p & _U16 for p in pb.not_destination_ports),
-        service_accounts=_service_accounts(pb.service_accounts),
-        not_service_accounts=_service_accounts(pb.not_service_accounts),
-    )
+    # Only the fields present (`ListFields`): a big policy is mostly entries with one field set,
+    # and reading all twelve of each costs more than converting the one. Extensions are ignored.
+    fields = {}
+    for descriptor, value in pb.ListFields():
+        read = _MATCH_FIELDS.get(descriptor.name)
+        if read is not None:
+            fields[descriptor.name] = read(value)
+    return Match(**fields)  # type: ignore[arg-type]
 
 
 def authorization_from_wire(pb: authorization_pb2.Authorization) -> Authorization:
     return Authorization(
-        name=pb.name,
+        name=_required(pb.name, "authorization name"),
         namespace=pb.namespace,
         scope=_enum(Scope, pb.scope, "scope"),
         action=_enum(Action, pb.action, "action"),

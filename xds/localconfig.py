@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import yaml
 
@@ -123,6 +123,7 @@ def load_local_config(path: str | os.PathLike[str]) -> LocalConfig:
 
 def parse_local_config(text: str, source: str = "<inline>") -> LocalConfig:
     try:
+        _check_shape(text)
         document = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -130,6 +131,9 @@ def parse_local_config(text: str, source: str = "<inline>") -> LocalConfig:
         raise LocalConfigError(f"{source}: {where}invalid YAML: {e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise LocalConfigError(f"{source}: invalid YAML: {e}") from None
+    except (ValueError, TypeError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+        # A PyYAML constructor that fails in its own way (`_Loader.construct_object` names most).
+        raise LocalConfigError(f"{source}: invalid YAML: cannot read a value: {e}") from None
     try:
         return _local_config(document)
     except _Invalid as e:
@@ -148,6 +152,51 @@ class _Tagged:
     value: object
 
 
+# Bounds checked on the parser's events before anything is built, so that neither PyYAML's recursive
+# composer nor our readers meet a document nested deeper than any real configuration (one is about
+# ten levels deep), and a few hundred bytes of aliases cannot stand for millions of values.
+MAX_DEPTH = 100
+MAX_ALIASED_NODES = 100_000
+
+
+def _shape_error(problem: str, event: yaml.Event) -> yaml.MarkedYAMLError:
+    return yaml.MarkedYAMLError(problem=problem, problem_mark=cast(yaml.Mark, event.start_mark))
+
+
+def _check_shape(text: str) -> None:
+    """Refuse, as a marked YAML error, nesting deeper than `MAX_DEPTH`, an alias inside its own
+    anchor (a recursive value), and aliases that together expand to more than `MAX_ALIASED_NODES`."""
+    sizes: dict[str, int] = {}  # anchor -> the number of nodes its value expands to
+    open_anchors: set[str] = set()
+    stack: list[tuple[str | None, int]] = []  # open collections: (anchor, node count at the start)
+    count = aliased = 0
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, yaml.ScalarEvent):
+            count += 1
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.CollectionStartEvent):
+            if len(stack) >= MAX_DEPTH:
+                raise _shape_error(f"nested deeper than {MAX_DEPTH} levels", event)
+            stack.append((event.anchor, count))
+            count += 1
+            if event.anchor is not None:
+                open_anchors.add(event.anchor)
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, start = stack.pop()
+            if anchor is not None:
+                sizes[anchor] = count - start
+                open_anchors.discard(anchor)
+        elif isinstance(event, yaml.AliasEvent) and event.anchor is not None:
+            if event.anchor in open_anchors:
+                raise _shape_error(f"recursive alias *{event.anchor} (inside its own anchor)", event)
+            size = sizes.get(event.anchor, 1)  # an undefined one is reported by the composer
+            count += size
+            aliased += size
+            if aliased > MAX_ALIASED_NODES:
+                raise _shape_error(f"aliases expand to more than {MAX_ALIASED_NODES} values", event)
+
+
 class _Loader(yaml.SafeLoader):
     """PyYAML speaks YAML 1.1; the reference's parser speaks 1.2 and rejects duplicate keys.
 
@@ -156,14 +205,30 @@ class _Loader(yaml.SafeLoader):
 
     yaml_implicit_resolvers: dict[Any, Any] = {}
 
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
+        # The scanner keeps a possible simple key per open `[`/`{` and re-walks them all for every
+        # token it reads ahead: thousands of open brackets cost seconds before the first event.
+        if self.flow_level >= MAX_DEPTH:
+            raise yaml.scanner.ScannerError(
+                None, None, f"nested deeper than {MAX_DEPTH} levels", self.get_mark()
+            )
+        super().fetch_flow_collection_start(TokenClass)
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
         seen: set[Hashable] = set()
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, Hashable):
-                continue  # the base class reports unhashable keys
+            try:
+                hash(key)
+            except TypeError:  # a list or mapping, also one inside a tag (`!Exact [1]`)
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    "found unhashable key",
+                    key_node.start_mark,
+                ) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping",
@@ -173,6 +238,17 @@ class _Loader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        # PyYAML's constructors for explicit tags fail on bad text with whatever they hit (`!!float ''`
+        # an IndexError, `!!timestamp nope` an AttributeError, `!!bool ''` a KeyError): name the value.
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, AttributeError, LookupError, OverflowError):
+            what = f"value {node.value!r}" if isinstance(node, yaml.ScalarNode) else "collection"
+            raise yaml.constructor.ConstructorError(
+                None, None, f"invalid {node.tag} {what}", node.start_mark
+            ) from None
 
 
 class _Int(int):
@@ -185,8 +261,14 @@ class _Float(float):
     text = ""
 
 
-def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
-    assert isinstance(node, yaml.ScalarNode)
+def _scalar_only(node: yaml.Node) -> yaml.ScalarNode:
+    if not isinstance(node, yaml.ScalarNode):  # `!!int []`
+        raise yaml.constructor.ConstructorError(None, None, f"{node.tag} needs a scalar", node.start_mark)
+    return node
+
+
+def _construct_int(loader: yaml.SafeLoader, tagged: yaml.Node) -> int:
+    node = _scalar_only(tagged)
     text = loader.construct_scalar(node)
     digits = text.replace("_", "").lstrip("+-")
     try:
@@ -200,17 +282,38 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
     return number
 
 
-def _construct_float(loader: yaml.SafeLoader, node: yaml.Node) -> float:
-    assert isinstance(node, yaml.ScalarNode)
+def _construct_float(loader: yaml.SafeLoader, tagged: yaml.Node) -> float:
+    node = _scalar_only(tagged)
     number = _Float(loader.construct_yaml_float(node))
     number.text = loader.construct_scalar(node)
     return number
 
 
+def _text(value: str, node: yaml.Node) -> str:
+    """A string as written: `"\\ud83d\\ude00"` (how JSON, `/config_dump` too, escapes one character
+    above U+FFFF) is that one character, as in YAML 1.2; PyYAML reads two lone surrogates, which no
+    encoder takes. A lone surrogate is an error."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        pass
+    try:
+        return value.encode("utf-16", "surrogatepass").decode("utf-16")
+    except UnicodeDecodeError:
+        raise yaml.constructor.ConstructorError(
+            None, None, "string with an unpaired surrogate escape (\\ud800-\\udfff)", node.start_mark
+        ) from None
+
+
+def _construct_str(loader: yaml.SafeLoader, node: yaml.Node) -> str:
+    return _text(loader.construct_yaml_str(_scalar_only(node)), node)
+
+
 def _construct_tagged(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> _Tagged:
     value: object
     if isinstance(node, yaml.ScalarNode):
-        value = loader.construct_scalar(node)
+        value = _text(loader.construct_scalar(node), node)
     elif isinstance(node, yaml.SequenceNode):
         value = loader.construct_sequence(node, deep=True)
     else:
@@ -239,6 +342,7 @@ _Loader.add_implicit_resolver(
 _Loader.add_implicit_resolver("tag:yaml.org,2002:merge", re.compile(r"^(?:<<)$"), ["<"])
 _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+_Loader.add_constructor("tag:yaml.org,2002:str", _construct_str)
 _Loader.add_multi_constructor("!", _construct_tagged)
 
 

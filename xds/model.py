@@ -233,9 +233,22 @@ def ip_from_bytes(raw: bytes) -> IPAddress:
 
 def cidr(ip: IPAddress, length: int) -> IPNetwork:
     """The network of `ip/length`, host bits allowed; the length is taken literally (0 is /0)."""
-    if not 0 <= length <= ip.max_prefixlen:
-        raise ConversionError(f"invalid prefix length {length} for {ip} (expected 0..{ip.max_prefixlen})")
-    return ipaddress.ip_network((ip, length), strict=False)
+    return cidr_from_bytes(ip.packed, length)
+
+
+def cidr_from_bytes(raw: bytes, length: int) -> IPNetwork:
+    """`cidr` of an address in its 4 or 16 network-order bytes. Built from the masked number: parsing
+    `(address, length)` costs ten times as much, which a policy of 100k CIDRs pays 100k times."""
+    bits = 8 * len(raw)
+    if bits not in (32, 128):
+        ip_from_bytes(raw)  # raises its error
+    if not 0 <= length <= bits:
+        ip = ip_from_bytes(raw)
+        raise ConversionError(f"invalid prefix length {length} for {ip} (expected 0..{bits})")
+    number = int.from_bytes(raw, "big") & ~((1 << (bits - length)) - 1)
+    if bits == 32:
+        return ipaddress.IPv4Network((number, length))
+    return ipaddress.IPv6Network((number, length))
 
 
 def check_service_key(key: str) -> str:

@@ -51,6 +51,27 @@ class HandshakeFailed:
 Event = ConnectRequest | HandshakeFailed
 
 
+class InvalidDomain(ValueError):
+    """A requested domain name that no resolver can take: not UTF-8, refused by IDNA (an empty
+    label such as `.`, a label over 63 bytes, a BIDI violation), or holding a control character.
+    A listener that resolves names itself answers it with `Reply.HOST_UNREACHABLE`."""
+
+
+def domain_name(raw: bytes) -> str:
+    """The domain of a request (ASCII, `xn--` labels decoded, or UTF-8) checked the way name
+    resolution will encode it, so that resolving it cannot fail with anything but a lookup error."""
+    try:
+        host = raw.decode("idna" if raw.isascii() else "utf-8")
+        host.encode("idna")  # what getaddrinfo does with a str; it raises UnicodeError
+    except UnicodeError as e:
+        raise InvalidDomain(f"invalid domain name {raw[:64]!r}: {e}") from None
+    if not host:
+        raise InvalidDomain("empty domain name")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in host):  # a NUL ends a C string: never resolvable
+        raise InvalidDomain(f"control character in domain name {raw[:64]!r}")
+    return host
+
+
 class _State(enum.Enum):
     GREETING = 1
     REQUEST = 2
@@ -142,11 +163,10 @@ class Socks5Handshake:
             host = ipaddress.IPv6Address(raw[4:20])
         else:
             try:
-                host = raw[5:-2].decode("idna" if raw[5:-2].isascii() else "utf-8")
-            except UnicodeError:
-                return self._fail("undecodable domain name", Reply.GENERAL_FAILURE)
-            if not host:
-                return self._fail("empty domain name", Reply.GENERAL_FAILURE)
+                host = domain_name(raw[5:-2])
+            except InvalidDomain as e:
+                # The name can never resolve: the client hears "host unreachable" before the close.
+                return self._fail(str(e), Reply.HOST_UNREACHABLE)
         self._state = _State.DONE
         return ConnectRequest(host, port)
 
