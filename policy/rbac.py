@@ -89,7 +89,12 @@ def matches(policy: Authorization, conn: Connection) -> bool:
     """A policy matches when any of its rules does (a policy with zero rules never matches); a rule
     when all its clauses do (a rule without clauses matches); a clause when any of its non-empty
     entries does (a clause without entries matches). Evaluated on `Authorization.compiled`."""
-    return any(all(clause_matches(clause, conn) for clause in rule) for rule in policy.compiled)
+    return any(rule_matches(rule, conn) for rule in policy.compiled)
+
+
+def rule_matches(rule: tuple[CompiledClause, ...], conn: Connection) -> bool:
+    """A rule (of `Authorization.compiled`) matches when all its clauses do."""
+    return all(clause_matches(clause, conn) for clause in rule)
 
 
 def clause_matches(clause: CompiledClause, conn: Connection) -> bool:

@@ -169,7 +169,7 @@ def _authorization(
 
 
 def _policy(p: Authorization, conn: Connection) -> dict[str, Any]:
-    matched = next((i for i, rule in enumerate(p.rules) if rule_matches(rule, conn)), None)
+    matched = next((i for i, rule in enumerate(p.compiled) if rule_matches(rule, conn)), None)
     return {
         "policy": p.key,
         "action": "ALLOW" if p.action is Action.ALLOW else "DENY",
