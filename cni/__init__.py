@@ -1,9 +1,9 @@
-"""In-pod mode's node side (CONTRACT §7): the node agent `ztunnel cni-agent` and the CNI plugin
+"""In-pod mode's node side: the node agent `ztunnel cni-agent` and the CNI plugin
 `ztunnel-cni`.
 
 The plugin is what the container runtime calls for each pod; it forwards the pod's event to the agent.
 The agent writes the pod's redirection rules inside the pod's network namespace and hands the namespace
-to ztunnel over ZDS (SPEC §9). Like the control plane, this package talks to ztunnel only over the wire
+to ztunnel over ZDS. Like the control plane, this package talks to ztunnel only over the wire
 and never imports `ztunnel`.
 
 This module stays light (argparse only), so the `ztunnel` CLI can describe the command cheaply.

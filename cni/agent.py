@@ -1,4 +1,4 @@
-"""`ztunnel cni-agent`: the node agent of in-pod mode (CONTRACT §7, SPEC §9).
+"""`ztunnel cni-agent`: the node agent of in-pod mode.
 
 It serves two sockets:
 

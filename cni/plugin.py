@@ -1,4 +1,4 @@
-"""`ztunnel-cni`: the CNI plugin (spec 1.0.0) that enrolls pods in in-pod mode (CONTRACT §7).
+"""`ztunnel-cni`: the CNI plugin (spec 1.0.0) that enrolls pods in in-pod mode.
 
 The container runtime runs it chained after the pod's main plugin, with the command and the pod in the
 environment (`CNI_COMMAND`, `CNI_CONTAINERID`, `CNI_NETNS`, `CNI_IFNAME`, `CNI_ARGS`, `CNI_PATH`) and

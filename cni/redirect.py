@@ -1,4 +1,4 @@
-"""The in-pod redirection (SPEC §1.1): what the agent writes into an enrolled pod's network namespace.
+"""The in-pod redirection: what the agent writes into an enrolled pod's network namespace.
 
 In the nat table, the pod's own outbound TCP goes to ztunnel's 15001 and inbound TCP to 15006, except:
 

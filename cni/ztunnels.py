@@ -1,4 +1,4 @@
-"""The agent's side of one ZDS connection (SPEC §9.3): a connected ztunnel.
+"""The agent's side of one ZDS connection: a connected ztunnel.
 
 The conversation is strict request/response: after ztunnel's `ZdsHello`, the agent sends one
 `WorkloadRequest` at a time and waits at most 5 s for the `WorkloadResponse`. Anything else drops the

@@ -1,4 +1,4 @@
-"""The development control plane (CONTRACT §6): Delta ADS and a CA over gRPC, fed from a YAML file.
+"""The development control plane: Delta ADS and a CA over gRPC, fed from a YAML file.
 
 It talks to proxies only over the wire and never imports `ztunnel`, which is what makes it a fair test
 of wire compatibility. `ads` serves the resources, `snapshot` names and versions them, `source`

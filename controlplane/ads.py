@@ -4,7 +4,7 @@ Each stream subscribes per type URL. A wildcard subscription (no names, or `*`) 
 full state, less the resources the client already holds at the same version
 (`initial_resource_versions`), plus the names it holds that no longer exist. After that the stream
 gets only differences, pushed when the served snapshot changes. Every response carries a fresh
-nonce; the client's ACK or NACK (SPEC §6.4) names it.
+nonce; the client's ACK or NACK names it.
 
 On demand (a client that subscribes `*` and unsubscribes `*`, i.e. to nothing, then names what it
 misses): a name is answered with the resources it resolves to (an Address by uid or

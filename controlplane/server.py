@@ -1,5 +1,5 @@
 """The control-plane process: one grpc.aio server on one port with the ADS and CA services, the file
-watch feeding it, and `run` (start-up lines, signals, shutdown) for `ztunnel control-plane` (CONTRACT §6).
+watch feeding it, and `run` (start-up lines, signals, shutdown) for `ztunnel control-plane`.
 
 Plaintext by default, since proxies in development reach it as `http://…`; with `tls` it serves a
 certificate signed by its own CA for the listen host, so a proxy verifies it with the printed root
@@ -23,7 +23,7 @@ from controlplane.ads import AggregatedDiscoveryService
 from controlplane.auth import CallerCheck
 from controlplane.ca import CaError, CertificateAuthority, CertificateService, default_ca_dir
 from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
-from xds.client import MAX_MESSAGE_BYTES  # the client's limit (SPEC §6.1): a large file fails on neither side
+from xds.client import MAX_MESSAGE_BYTES  # the client's limit: a large file fails on neither side
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2_grpc
 from xds.gen.istio.v1.auth import ca_pb2_grpc
 from xds.localconfig import LocalConfigError

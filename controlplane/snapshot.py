@@ -1,7 +1,7 @@
 """What the control plane serves: a snapshot of named, versioned xDS resources, and deltas between them.
 
 A snapshot is built from a local config (the reference's YAML) by converting each workload, service
-and policy to its wire message. Names are the ones the client keys its state by (SPEC §6.2): a
+and policy to its wire message. Names are the ones the client keys its state by: a
 workload's uid, a service's `namespace/hostname`, a policy's `namespace/name`. A version is a hash
 of the resource's deterministic encoding, so an unchanged resource keeps its version across reloads
 and across control-plane restarts, and a reconnecting client is sent only what changed.

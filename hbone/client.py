@@ -1,4 +1,4 @@
-"""The HBONE client: one mTLS HTTP/2 connection to a peer's :15008, CONNECT streams over it (SPEC §2.5).
+"""The HBONE client: one mTLS HTTP/2 connection to a peer's :15008, CONNECT streams over it.
 
 The caller dials the TCP socket (in-pod mode creates it inside the pod's network namespace) and
 hands it over; `HboneConnection.open` runs the TLS handshake (no SNI), checks the server's SPIFFE

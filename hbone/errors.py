@@ -20,7 +20,7 @@ class TlsHandshakeError(HboneError):
 
 
 class IdentityMismatch(TlsHandshakeError):
-    """The server's certificate carries none of the identities the client expected (SPEC §2.3)."""
+    """The server's certificate carries none of the identities the client expected."""
 
     def __init__(self, expected: Sequence[Identity], got: Sequence[Identity]) -> None:
         self.expected = tuple(expected)

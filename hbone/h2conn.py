@@ -1,4 +1,4 @@
-"""One HBONE HTTP/2 connection: the `h2` state machine driven by an asyncio protocol (SPEC §2.4).
+"""One HBONE HTTP/2 connection: the `h2` state machine driven by an asyncio protocol.
 
 `H2Session` is the protocol installed on the TLS transport, for both the client and the server side.
 It owns the connection-level behaviour: SETTINGS and the 16 MiB connection window, the batching of

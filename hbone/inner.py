@@ -1,4 +1,4 @@
-"""Double HBONE: an HBONE connection inside one CONNECT stream (SPEC §2.9).
+"""Double HBONE: an HBONE connection inside one CONNECT stream.
 
 Cross-network traffic goes through a network gateway: the outer CONNECT (pooled, to the gateway)
 carries opaque bytes, and inside it the client runs a new TLS handshake and a new HTTP/2 session with

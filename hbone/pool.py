@@ -1,4 +1,4 @@
-"""The client-side pool of HBONE connections (SPEC §2.8).
+"""The client-side pool of HBONE connections.
 
 One pool per proxy instance. Connections are shared only by callers with an equal `PoolKey`. A
 checkout takes the key's lock, so under a storm exactly one caller dials and the others wait for its

@@ -1,4 +1,4 @@
-"""Splicing two transports together: the bidirectional copy of a proxied connection (SPEC §2.7, §13.2).
+"""Splicing two transports together: the bidirectional copy of a proxied connection.
 
 Both ends are asyncio transports: a TCP socket's, or an `HboneStream` (which behaves like one). Bytes
 are written through as they arrive; an EOF on one side becomes a half-close on the other; flow control

@@ -1,7 +1,7 @@
 """The HBONE server (inbound :15008): TLS accept, client trust-domain check, HTTP/2, one task per CONNECT.
 
 The server does not judge requests: every request stream becomes a `ConnectRequest` handed to the
-handler, which answers with `respond` (SPEC §2.6: 400/401/503, or 200 and then the stream carries
+handler, which answers with `respond` (400/401/503, or 200 and then the stream carries
 the bytes). A handler that fails or returns without answering gets a 503 sent for it; a handler
 whose stream the client resets, or whose connection dies, before it answered is cancelled. One
 stream's failure never affects the other streams of its connection.

@@ -1,4 +1,4 @@
-"""HTTP/2 parameters of an HBONE connection (SPEC §2.4, §12.3): one immutable object, passed in.
+"""HTTP/2 parameters of an HBONE connection: one immutable object, passed in.
 
 Besides the negotiated values it states the limits that keep one abusive peer from costing the
 node more than one connection's worth: each is enforced per connection, and exceeding it closes
@@ -22,7 +22,7 @@ class H2Settings:
     server_max_header_list: int = 65536
     ping_interval: float = 10.0
     ping_timeout: float = 20.0
-    # Per-stream send buffer before the writer is paused on the server side (SPEC §2.4).
+    # Per-stream send buffer before the writer is paused on the server side.
     server_send_buffer: int = 409600
     # -- abuse limits (ours; the reference's h2 library has equivalents) --
     # Compressed bytes of one header block (HEADERS + CONTINUATIONs), checked at each frame header,
@@ -48,7 +48,7 @@ class H2Settings:
 
     @property
     def client_send_buffer(self) -> int:
-        """Per-stream send buffer on the client side: the stream window (SPEC §2.4)."""
+        """Per-stream send buffer on the client side: the stream window."""
         return self.stream_window
 
     def local_settings(self, *, client_side: bool) -> dict[SettingCodes, int]:

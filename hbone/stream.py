@@ -1,4 +1,4 @@
-"""One HBONE CONNECT stream, presented as an `asyncio.Transport` (SPEC §2.7).
+"""One HBONE CONNECT stream, presented as an `asyncio.Transport`.
 
 A generic relay splices it with a TCP transport: bytes written become DATA frames as the peer's
 flow-control window allows (the rest is buffered, with `pause_writing`/`resume_writing` on the

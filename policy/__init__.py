@@ -1,4 +1,4 @@
-"""L4 authorization (SPEC §5): the policy model and its evaluation, as pure functions.
+"""L4 authorization: the policy model and its evaluation, as pure functions.
 
 No sockets, no xDS: `authorize(policies, connection)` takes values and returns a `Decision`.
 This package imports no other package of the project.

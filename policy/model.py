@@ -1,4 +1,4 @@
-"""The authorization model (wire: `istio.security.Authorization`, SPEC §5.1)."""
+"""The authorization model (wire: `istio.security.Authorization`)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class ServiceAccountMatch:
 
 @dataclass(frozen=True, slots=True)
 class Match:
-    """One match entry: every (positive, negative) field pair must pass (SPEC §5.4)."""
+    """One match entry: every (positive, negative) field pair must pass."""
 
     namespaces: tuple[StringMatch, ...] = ()
     not_namespaces: tuple[StringMatch, ...] = ()

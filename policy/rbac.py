@@ -1,7 +1,7 @@
-"""L4 authorization decisions (SPEC §5.3, §5.4): whether a policy matches a connection, and the verdict.
+"""L4 authorization decisions: whether a policy matches a connection, and the verdict.
 
 Pure functions over `policy.model` values. The caller picks the candidate policies of the destination
-workload (SPEC §5.2), enforces the `Decision` and logs the dry-run notes it carries.
+workload, enforces the `Decision` and logs the dry-run notes it carries.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from policy.model import (
     compiled_match,
 )
 
-# The reference's wording: users grep access logs for these (SPEC §5.3).
+# The reference's wording: users grep access logs for these.
 NOT_ALLOWED = "allow policies exist, but none allowed"
 EXPLICITLY_DENIED = "explicitly denied by: "
 DRY_RUN_DENY_MATCH = "dry-run: deny policy match"
@@ -53,7 +53,7 @@ Decision = Allow | Deny
 
 
 def authorize(policies: Iterable[Authorization], conn: Connection) -> Decision:
-    """The verdict of the candidate policies on one connection, in the reference's order (SPEC §5.3)."""
+    """The verdict of the candidate policies on one connection, in the reference's order."""
     allows: list[Authorization] = []
     dry_run_allows: list[Authorization] = []
     denies: list[Authorization] = []

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import io
+import sys
 from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import uvloop
@@ -31,3 +36,23 @@ def proxy_logs() -> Iterator[LogLines]:
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
     """Tests run on uvloop, the loop the proxy runs on (its transports differ from asyncio's)."""
     return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session")
+def profile_pb2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
+    """pprof's published `profile.proto` (vendored beside the code), compiled here with grpcio-tools."""
+    from grpc_tools import protoc
+
+    out = tmp_path_factory.mktemp("pprof_proto")
+    proto_dir = Path(str(resources.files("ztunnel"))).resolve()
+    well_known = str(resources.files("grpc_tools") / "_proto")
+    assert (
+        protoc.main(["protoc", f"-I{proto_dir}", f"-I{well_known}", f"--python_out={out}", "profile.proto"])
+        == 0
+    )
+    sys.path.insert(0, str(out))
+    try:
+        yield importlib.import_module("profile_pb2")
+    finally:
+        sys.path.remove(str(out))
+        sys.modules.pop("profile_pb2", None)

@@ -1,5 +1,5 @@
 """The gRPC CA client against a CA server written here, which records what the proxy sends and signs
-with a throwaway CA (SPEC §8.2)."""
+with a throwaway CA."""
 
 from __future__ import annotations
 

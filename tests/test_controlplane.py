@@ -401,7 +401,7 @@ IDENTITY = "spiffe://cluster.local/ns/demo/sa/server-sa"
 
 
 def make_csr(identity: str | None = IDENTITY) -> str:
-    """A CSR as the proxy makes it (SPEC §8.2): new P-256 key, empty subject, one critical URI SAN."""
+    """A CSR as the proxy makes it: new P-256 key, empty subject, one critical URI SAN."""
     key = ec.generate_private_key(ec.SECP256R1())
     builder = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([]))
     if identity is not None:

@@ -26,7 +26,7 @@ from ztunnel.dns.resolver import (
 )
 from ztunnel.state import ProxyState
 
-# The mesh every DNS test uses: clients in ns1 and ns2, services of each kind of §11.2.
+# The mesh every DNS test uses: clients in ns1 and ns2, services of each kind the proxy answers for.
 MESH = """
 workloads:
   - {uid: c//Pod/ns1/client, name: client, namespace: ns1, serviceAccount: client,

@@ -1,4 +1,4 @@
-"""The HBONE connection pool (SPEC §2.8), with a fake connector and an injected clock."""
+"""The HBONE connection pool, with a fake connector and an injected clock."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""HBONE TLS: TLS 1.3 + ALPN h2, mutual authentication, SPIFFE identity checks (SPEC §2.2, §2.3)."""
+"""HBONE TLS: TLS 1.3 + ALPN h2, mutual authentication, SPIFFE identity checks."""
 
 from __future__ import annotations
 

@@ -366,7 +366,7 @@ def test_one_node_captures_pod_traffic_over_hbone_with_policy(mesh: Mesh) -> Non
     assert talk(plain, server, "plaintext") == "echo"
     assert logged(zt, src=plain.ip, direction="inbound", error="allow policies exist, but none allowed")
 
-    # The apps see their clients' own addresses (SPEC §4.4), over HBONE and over plaintext alike.
+    # The apps see their clients' own addresses, over HBONE and over plaintext alike.
     mesh.apps += [start_echo(server, WHOAMI_APP), start_echo(client, WHOAMI_APP)]
     assert talk(client, server, "?", port=8081) == f"echo {client.ip}"
     assert talk(plain, client, "?", port=8081) == f"echo {plain.ip}"

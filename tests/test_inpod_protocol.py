@@ -1,4 +1,4 @@
-"""ZDS as transcripts: packets (and fds) in, replies and actions out (SPEC §9.3, §9.4). No sockets."""
+"""ZDS as transcripts: packets (and fds) in, replies and actions out. No sockets."""
 
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ def test_protocol_errors_exit(fds: Fds) -> None:
 
 
 def test_wire_bytes_match_the_field_numbers() -> None:
-    # SPEC §9.2: DelWorkload.uid is field 2; WorkloadRequest.keep is 5; Ack.error is 1.
+    # zds.proto: DelWorkload.uid is field 2; WorkloadRequest.keep is 5; Ack.error is 1.
     assert zds.delete("u") == bytes([0x12, 0x03, 0x12, 0x01]) + b"u"
     assert zds.keep("u") == bytes([0x2A, 0x03, 0x0A, 0x01]) + b"u"
     assert zds.snapshot_sent() == bytes([0x1A, 0x00])

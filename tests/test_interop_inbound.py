@@ -2,7 +2,7 @@
 
 Node.js's `http2` module as an HBONE client:
 it makes the mTLS connection with a certificate from the fake CA and sends its own CONNECT
-requests; our server must answer with the statuses of SPEC §2.6: 200 (and carry bytes), 400 for a
+requests; our server must answer with the reference's statuses: 200 (and carry bytes), 400 for a
 non-CONNECT method and for an authority that is not ours, 401 when policy denies the identity, 503 for
 an illegal port and for a port where nothing listens. `openssl s_client`: TLS 1.3 with ALPN h2, and
 the leaf the server presents carries exactly its workload's SPIFFE identity and chains to the root.

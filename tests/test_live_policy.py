@@ -1,4 +1,4 @@
-"""Late rejection (SPEC §5.5): a policy change closes the open inbound connections it now denies."""
+"""Late rejection: a policy change closes the open inbound connections it now denies."""
 
 from __future__ import annotations
 

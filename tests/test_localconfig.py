@@ -1,4 +1,4 @@
-"""The local config file (SPEC §7.1, CONTRACT §5): the reference's format, our map form, and errors."""
+"""The local config file: the reference's format, our map form, and errors."""
 
 from __future__ import annotations
 

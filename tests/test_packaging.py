@@ -55,3 +55,23 @@ asyncio.run(main())
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_project_cites_nothing_outside_its_repository() -> None:
+    """A clone is all a reader has: no comment or document sends them to a file beside the repository."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    outside = re.compile(r"\b(?:SPEC|CONTRACT)(?:\.md)? ?§|\.\./shared\b|\b(?:SPEC|CONTRACT)\.md\b")
+    found = []
+    for name in tracked.split():
+        path = ROOT / name
+        if path.suffix not in {".py", ".md", ".sh", ".c", ".yaml", ".toml"} and path.name not in {
+            "Makefile",
+            "Containerfile",
+        }:
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if outside.search(line) and "containernetworking/cni" not in line:
+                found.append(f"{name}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -1,4 +1,5 @@
-"""Authorization evaluation: every case of SPEC §5.7 (1-42) plus edge cases of §5.3/§5.4."""
+"""Authorization evaluation: every case of the reference's `rbac.rs` tests (1-42) plus
+edge cases of the evaluation order and the match semantics."""
 
 from __future__ import annotations
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import importlib
 import os
 import random
-import sys
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
-from importlib import resources
-from pathlib import Path
+from collections.abc import AsyncIterator
 from types import ModuleType
 from typing import Any
 
@@ -43,25 +39,6 @@ workloads:
     workloadIps: ["{CLIENT}"]
     protocol: HBONE
 """
-
-
-@pytest.fixture(scope="module")
-def profile_pb2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
-    from grpc_tools import protoc
-
-    out = tmp_path_factory.mktemp("pprof_proto")
-    proto_dir = Path(str(resources.files("ztunnel"))).resolve()
-    well_known = str(resources.files("grpc_tools") / "_proto")
-    assert (
-        protoc.main(["protoc", f"-I{proto_dir}", f"-I{well_known}", f"--python_out={out}", "profile.proto"])
-        == 0
-    )
-    sys.path.insert(0, str(out))
-    try:
-        yield importlib.import_module("profile_pb2")
-    finally:
-        sys.path.remove(str(out))
-        sys.modules.pop("profile_pb2", None)
 
 
 @pytest.fixture

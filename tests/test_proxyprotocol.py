@@ -1,4 +1,4 @@
-"""The PROXY protocol v2 writer and reader (SPEC Appendix B), without sockets."""
+"""The PROXY protocol v2 writer and reader, without sockets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Routing (SPEC §3.2-§3.6): a table of (source, destination) -> route or the reason there is none,
+"""Routing: a table of (source, destination) -> route or the reason there is none,
 plus the inbound questions (`is_waypoint_for`, `hostname_target`) and the statistics of weighted
 choices (capacity, weighted waypoints) under a fixed seed."""
 

@@ -1,4 +1,4 @@
-"""The workload/service/policy store (SPEC §6.5) and its lookups (SPEC §3.3, §5.2)."""
+"""The workload/service/policy store and its lookups."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ the processes, and the exit status and message of a proxy that cannot start.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -24,10 +25,12 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.test_pprof import functions_in
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -611,5 +614,39 @@ def test_a_stuck_worker_makes_the_proxy_unready_until_it_answers_again(echo: Non
         eventually(proxy.ready, "readiness back once it answers")
         again = proxy.workers()[1]
         assert (again["pid"], again["state"], again["restarts"]) == (stuck["pid"], "ready", 0)  # not replaced
+    finally:
+        stop(proxy)
+
+
+def test_a_cpu_profile_samples_the_parent_and_every_worker(echo: None, profile_pb2: ModuleType) -> None:
+    """`/debug/pprof/profile` on the parent: one pprof document with every process's samples, each
+    labelled with its pid (decoded here with the published profile.proto)."""
+    proxy = launch(proxy_env("client", CLIENT, FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=CLIENT_ONLY), CLIENT)
+    try:
+        wait_ready(proxy)
+        pids = {int(w["pid"]) for w in proxy.workers()} | {proxy.process.pid}
+        assert len(pids) == 3
+        stop_traffic = threading.Event()
+
+        def traffic() -> None:
+            while not stop_traffic.is_set():
+                assert exchange(CLIENT, b"profiled" * 512) == b"profiled" * 512
+
+        t = threading.Thread(target=traffic, daemon=True)
+        t.start()
+        try:
+            with urllib.request.urlopen(
+                f"http://{CLIENT}:15000/debug/pprof/profile?seconds=2&frequency=200", timeout=30
+            ) as r:
+                assert r.status == 200
+                body = r.read()
+        finally:
+            stop_traffic.set()
+            t.join(10)
+        profile = profile_pb2.Profile.FromString(gzip.decompress(body))
+        strings = profile.string_table
+        sampled = {label.num for s in profile.sample for label in s.label if strings[label.key] == "pid"}
+        assert pids <= sampled, (pids, sampled)
+        assert any(fn.startswith(("hbone.", "ztunnel.proxy.")) for fn in functions_in(profile))
     finally:
         stop(proxy)

@@ -1,5 +1,5 @@
 """The Delta ADS client against a minimal gRPC server written here, which records every request the
-proxy sends and answers what each test scripts (SPEC §6.1-§6.6)."""
+proxy sends and answers what each test scripts."""
 
 from __future__ import annotations
 
@@ -244,7 +244,7 @@ async def initial_pair(stream: ServerStream) -> tuple[DeltaRequest, DeltaRequest
 
 
 def is_ack(reply: DeltaRequest, type_url: str, nonce: str) -> bool:
-    """Only type_url and response_nonce are set (SPEC §6.4)."""
+    """Only type_url and response_nonce are set."""
     return reply == DeltaRequest(type_url=type_url, response_nonce=nonce)
 
 

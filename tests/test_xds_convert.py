@@ -1,4 +1,4 @@
-"""Wire <-> model conversion (SPEC §5.1, §6.5, §6.8): round trips, the §6.5 defaults, and the
+"""Wire <-> model conversion: round trips, the reference's defaults, and the
 messages the reference refuses."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The Delta ADS client (SPEC §6): the proxy's xDS stream to a control plane, and the gRPC channel,
-credentials and node identity it shares with the CA client (SPEC §8.2).
+"""The Delta ADS client: the proxy's xDS stream to a control plane, and the gRPC channel,
+credentials and node identity it shares with the CA client.
 
-`XdsClient.run()` keeps one `DeltaAggregatedResources` stream open, reconnecting with the backoff of
-SPEC §6.6, until `close()`. On every (re)connect it subscribes, wildcard, to Address then
+`XdsClient.run()` keeps one `DeltaAggregatedResources` stream open, reconnecting with the reference's
+backoff (from 10 ms, doubling up to 15 s on errors, reset when the stream ended cleanly), until `close()`. On every (re)connect it subscribes, wildcard, to Address then
 Authorization, listing the resources it holds in `initial_resource_versions`. Each response is decoded
 and converted (`xds.convert`; from 64 KiB of payload on a thread, so that a huge push does not stall
 the loop), applied to the store, on the loop, as one batch (the resources that fail are left out
@@ -225,7 +225,7 @@ def node_from(
     istio_meta_json: Mapping[str, Any] | None = None,
     cluster_id: str | None = None,
 ) -> base_pb2.Node:
-    """The xDS node (SPEC §6.3): `ztunnel~<ip>~<pod>.<ns>~<ns>.svc.cluster.local` and the metadata
+    """The xDS node: `ztunnel~<ip>~<pod>.<ns>~<ns>.svc.cluster.local` and the metadata
     istiod reads (NAME, NAMESPACE, INSTANCE_IPS, NODE_NAME, every `ISTIO_META_*` without the prefix,
     every `ISTIO_METAJSON_*` as typed JSON, and CLUSTER_ID)."""
     ip = instance_ip or "1.1.1.1"
@@ -259,7 +259,7 @@ class StreamStatus(Exception):
 
 
 def reconnect_delay(end: BaseException | None, backoff: float) -> tuple[str, float]:
-    """How a stream ended -> (termination reason, delay before the next attempt) (SPEC §6.6).
+    """How a stream ended -> (termination reason, delay before the next attempt).
 
     `end` is None for a clean end; the next backoff is `max(delay, INITIAL_BACKOFF)`.
     """
@@ -461,7 +461,7 @@ class XdsClient:
     # --- one stream ---
 
     def initial_requests(self) -> list[discovery_pb2.DeltaDiscoveryRequest]:
-        """What a new stream starts with: Address, then Authorization (SPEC §6.3)."""
+        """What a new stream starts with: Address, then Authorization."""
         requests = []
         for type_url in (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL):
             request = discovery_pb2.DeltaDiscoveryRequest(
@@ -562,7 +562,7 @@ class XdsClient:
     def handle_response(
         self, response: discovery_pb2.DeltaDiscoveryResponse, converted: list[Converted] | None = None
     ) -> discovery_pb2.DeltaDiscoveryRequest:
-        """Apply a response to the store and return its ACK or NACK (SPEC §6.4). `converted`: its
+        """Apply a response to the store and return its ACK or NACK. `converted`: its
         resources already run through `_convert_all` (elsewhere than on the loop)."""
         type_url = response.type_url
         if self._metrics is not None:

@@ -1,7 +1,7 @@
-"""Conversion between the wire messages of a control plane and the in-memory model (SPEC §5.1, §6.5, §6.8).
+"""Conversion between the wire messages of a control plane and the in-memory model.
 
 Wire to model: `address_from_wire` (an `istio.workload.Address`), `workload_from_wire`,
-`service_from_wire` and `authorization_from_wire`. They apply the defaults of SPEC §6.5 (empty trust
+`service_from_wire` and `authorization_from_wire`. They apply the reference's defaults (empty trust
 domain `cluster.local`, empty service account `default`, empty cluster id `Kubernetes`, absent capacity
 1, application tunnel port 0 as "keep the port", workload type as its lowercased name) and raise
 `ConversionError(reason)` for what the reference rejects: an unknown enum number, an IP that is not

@@ -1,4 +1,4 @@
-"""The reference's local configuration file (SPEC §7.1, CONTRACT §5): YAML to model, and back.
+"""The reference's local configuration file: YAML to model, and back.
 
 `parse_local_config` reads the reference's format exactly (camelCase keys, string matches as the YAML
 tags `!Exact`, `!Prefix`, `!Suffix`, `!Presence`, plus our map form `{Exact: x}`) into the values of
@@ -64,7 +64,7 @@ E = TypeVar("E")
 
 DEFAULT_HBONE_PORT = 15008
 
-# Spellings of the reference's serde enums (SPEC §7.1).
+# Spellings of the reference's serde enums.
 PROTOCOLS = {"TCP": TunnelProtocol.NONE, "HBONE": TunnelProtocol.HBONE}
 NETWORK_MODES = {"Standard": NetworkMode.STANDARD, "HostNetwork": NetworkMode.HOST_NETWORK}
 STATUSES = {"Healthy": WorkloadStatus.HEALTHY, "Unhealthy": WorkloadStatus.UNHEALTHY}

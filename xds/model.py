@@ -1,4 +1,4 @@
-"""The in-memory model of what a control plane sends: workloads and services (SPEC §6.8).
+"""The in-memory model of what a control plane sends: workloads and services.
 
 These are immutable values. `xds.localconfig` builds them from the reference's YAML format and the
 xDS client from `istio.workload.Address` messages; `ztunnel.state` indexes them. Field names follow

@@ -1,4 +1,4 @@
-"""The ZDS wire format (SPEC §9.1, §9.2), shared by ztunnel (client side) and the node agent (server side).
+"""The ZDS wire format, shared by ztunnel (client side) and the node agent (server side).
 
 A ZDS socket is `AF_UNIX` + `SOCK_SEQPACKET`: one protobuf message per packet, no framing, and the pod's
 network-namespace fd as `SCM_RIGHTS` ancillary data on `AddWorkload`. This module only encodes, decodes,

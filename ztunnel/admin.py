@@ -1,5 +1,4 @@
-"""The admin (:15000), stats (:15020) and readiness (:15021) HTTP servers, and readiness tracking
-(SPEC §10.1, §10.5, §10.6).
+"""The admin (:15000), stats (:15020) and readiness (:15021) HTTP servers, and readiness tracking.
 
 A deliberately small HTTP/1.1 server on asyncio streams: one request per connection (`Connection:
 close`), headers read within 2 s and at most 8 KiB, routes matched on the exact path.

@@ -1,5 +1,4 @@
-"""Wiring of the node proxy: configuration in, servers up, proxies running, drain on the way out
-(SPEC §1.3, §12.1).
+"""Wiring of the node proxy: configuration in, servers up, proxies running, drain on the way out.
 
 Start-up order follows the reference: state first (the local file is applied synchronously), then
 readiness, admin and metrics servers, then the proxy listeners are bound (a port conflict stops
@@ -20,7 +19,17 @@ from typing import TYPE_CHECKING, Any
 from hbone.tls import TlsPolicy
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
-from ztunnel.admin import HttpServer, Readiness, ReadinessHandle, admin_server, readiness_server, stats_server
+from ztunnel.admin import (
+    CpuProfiler,
+    HeapProfiler,
+    HttpServer,
+    Readiness,
+    ReadinessHandle,
+    admin_server,
+    pprof_routes,
+    readiness_server,
+    stats_server,
+)
 from ztunnel.config import Config, ConfigError, WorkloadInfo
 from ztunnel.crl import CrlError, CrlWatcher
 from ztunnel.explain import explain_route
@@ -126,6 +135,8 @@ class App:
         self.pod_runtime: PodRuntime | None = None
         self.before_scrape: Callable[[], Awaitable[None]] | None = None
         self.on_log_filter: Callable[[str], object] | None = None
+        # With data-plane workers, profilers that sample every process (else this one only).
+        self.profilers: tuple[CpuProfiler, HeapProfiler] | None = None
         self.inpod: WorkloadProxyManager | None = None
         self._inpod_task: asyncio.Task[None] | None = None
         self.exit_code = 0
@@ -180,7 +191,7 @@ class App:
         proxy_task = self.readiness.register("proxy")
         # Released once the proxies (and with them the DNS servers) are made, as the reference.
         dns_task = self.readiness.register("dns proxy") if cfg.dns_capture else None
-        # The local file is applied first; xDS (if any) then builds on it (SPEC §7.1).
+        # The local file is applied first; xDS (if any) then builds on it.
         if self.static is not None:
             self.state.apply_local_config(self.static)
         if cfg.xds_address:
@@ -219,7 +230,10 @@ class App:
                     self.config_dump,
                     self.shutdown,
                     self.on_log_filter,
-                    extra_routes={"/debug/explain": explain_route(self.state, cfg)},
+                    extra_routes={
+                        "/debug/explain": explain_route(self.state, cfg),
+                        **(pprof_routes(*self.profilers) if self.profilers else {}),
+                    },
                 ),
                 cfg.admin_address,
             ),
@@ -269,7 +283,7 @@ class App:
         if self.xds is None:
             await self._serve(proxy, socks, proxy_task)
         else:
-            # Listeners are bound now; they accept once the first xDS state is in (SPEC §1.3):
+            # Listeners are bound now; they accept once the first xDS state is in:
             # connections arriving earlier wait in the kernel backlog.
             self._serving = asyncio.get_running_loop().create_task(self._serve(proxy, socks, proxy_task))
 
@@ -278,7 +292,7 @@ class App:
 
     async def _start_self_listener(self) -> None:
         """In-pod mode, when ztunnel knows its own pod (POD_NAME, POD_NAMESPACE, SERVICE_ACCOUNT):
-        HBONE on 15008 in its own namespace, so mesh clients reach it, e.g. its metrics (SPEC §1.1)."""
+        HBONE on 15008 in its own namespace, so mesh clients reach it, e.g. its metrics."""
         cfg = self.config
         if not (cfg.pod_name and cfg.pod_namespace and cfg.service_account):
             return
@@ -302,7 +316,7 @@ class App:
         await proxy.serve(socks)
 
     def _start_inpod(self) -> None:
-        """In-pod mode: pods arrive over ZDS once the first xDS state is in (SPEC §1.3, §9)."""
+        """In-pod mode: pods arrive over ZDS once the first xDS state is in."""
         from ztunnel.inpod.manager import LocalPods, WorkloadProxyManager
         from ztunnel.inpod.netns import NetnsSocketFactory
 

@@ -1,4 +1,4 @@
-"""The W3C `baggage` header describing a workload for telemetry (SPEC §2.5, §2.6)."""
+"""The W3C `baggage` header describing a workload for telemetry."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gRPC CA client (SPEC §8.2): workload certificates from `IstioCertificateService/CreateCertificate`.
+"""The gRPC CA client: workload certificates from `IstioCertificateService/CreateCertificate`.
 
 For each fetch: a fresh ECDSA P-256 key (it never leaves the process), a PEM PKCS#10 request with an
 empty subject and one critical SubjectAltName holding the SPIFFE URI, signed with SHA-256, asking for
@@ -71,7 +71,7 @@ class GrpcCaClient:
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         """`address`: `http://host:port` or `https://host:port` (raises CaError when invalid);
-        `root_ca`: the `CA_ROOT_CA` setting; `impersonate`: shared mode (SPEC §8.2)."""
+        `root_ca`: the `CA_ROOT_CA` setting; `impersonate`: shared mode."""
         try:
             self.address = ControlPlaneAddress.parse(address)
         except ControlPlaneError as e:

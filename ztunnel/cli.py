@@ -1,4 +1,4 @@
-"""The one front door: `ztunnel [proxy|version|demo|control-plane|cni-agent]` (CONTRACT §2).
+"""The one front door: `ztunnel [proxy|version|demo|control-plane|cni-agent]`.
 
 Bad input ends with a single line naming what is wrong and a non-zero exit, never a traceback.
 """

@@ -1,6 +1,6 @@
-"""The proxy's configuration: one immutable `Config`, built once from the environment (SPEC §7.2, §7.3).
+"""The proxy's configuration: one immutable `Config`, built once from the environment.
 
-This module owns reading and validating every environment variable of `ztunnel proxy` (CONTRACT §3),
+This module owns reading and validating every environment variable of `ztunnel proxy`,
 the ProxyConfig merge (mesh config file + `PROXY_CONFIG`), the derived defaults (xDS/CA addresses,
 termination deadline, worker count) and the fixed port numbers. Everything else receives a `Config`.
 """

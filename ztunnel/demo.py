@@ -1,4 +1,4 @@
-"""`ztunnel demo`: the whole path on loopback, with real processes (CONTRACT §2).
+"""`ztunnel demo`: the whole path on loopback, with real processes.
 
 A development control plane (`ztunnel control-plane`) serves one YAML file over Delta ADS and signs
 certificates over gRPC. Three dedicated proxies run as `ztunnel proxy` processes fed by it, each

@@ -1,5 +1,5 @@
 """Workload certificates per identity: the fake CA, the CA client interface and the secret manager that
-fetches, shares, rotates and forgets certificates (SPEC §8.1, §8.3).
+fetches, shares, rotates and forgets certificates.
 
 The secret manager is process-wide: every proxy whose workload has the same identity shares one
 certificate. It is also the one owner of the TLS contexts: each certificate, when issued or
@@ -262,7 +262,7 @@ class SecretManager:
         return [identity for identity, _ in started]
 
     def dump(self) -> list[dict[str, Any]]:
-        """The `certificates` section of `/config_dump` (SPEC §10.5), sorted by identity."""
+        """The `certificates` section of `/config_dump`, sorted by identity."""
         out = []
         for identity in self.identities():
             entry = self._entries[identity]

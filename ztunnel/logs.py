@@ -1,4 +1,4 @@
-"""Logging: the level filter, the plain and JSON line formats, and access-log emission (SPEC §10.4, §10.5).
+"""Logging: the level filter, the plain and JSON line formats, and access-log emission.
 
 Logger names are the targets of the reference: `access` for access logs, `dns` for DNS queries and the
 module path (`ztunnel.proxy`, `hbone.pool`, …) for the rest; the `ztunnel.` prefix is not printed, as the

@@ -1,5 +1,5 @@
 """Prometheus metrics of the proxy: the `istio_tcp_*` traffic families, open sockets, build info, the
-DNS proxy's `istio_dns_*` families, and their rendering for the stats endpoint (SPEC §10.1-§10.3).
+DNS proxy's `istio_dns_*` families, and their rendering for the stats endpoint.
 
 Everything lives in one `CollectorRegistry` per `Metrics` (never the process-global one). The traffic
 counters are our own collector rather than `prometheus_client.Counter`: a connection resolves its
@@ -12,7 +12,8 @@ the reference does not emit, out of the output.
 only `closed` and `failed` carry the final flag.
 
 Exposition is our own (OpenMetrics text, see `render_openmetrics`) because prometheus_client sorts
-labels alphabetically while SPEC §10.3 fixes their order.
+labels alphabetically while the reference's order is fixed
+(the traffic labels in the order Istio's ztunnel emits them, `docs/operations.md`).
 
 Runtime families: `process_*` come from prometheus_client's process collector; the reference's
 `tokio_*` event-loop gauges have no equivalent here.
@@ -75,7 +76,7 @@ class TrafficLabels:
 
 
 _FIELDS = tuple(f.name for f in fields(TrafficLabels))
-# SPEC §10.3: response_flags sits between request_protocol and connection_security_policy.
+# As the reference emits them: response_flags sits between request_protocol and connection_security_policy.
 _FLAGS_AT = _FIELDS.index("request_protocol") + 1
 TRAFFIC_LABEL_NAMES: tuple[str, ...] = (*_FIELDS[:_FLAGS_AT], "response_flags", *_FIELDS[_FLAGS_AT:])
 _label_values = operator.attrgetter(*_FIELDS)
@@ -320,7 +321,7 @@ class CrlCounters:
 
 
 class WorkloadManagerMetrics:
-    """In-pod mode's proxy counts (SPEC §9, Appendix A: the names the reference's code registers)."""
+    """In-pod mode's proxy counts."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.active = Gauge(
@@ -445,7 +446,7 @@ def _format_value(value: float) -> str:
 
 def render_openmetrics(registry: CollectorRegistry) -> bytes:
     """OpenMetrics text keeping each family's label order (prometheus_client's own exposition sorts
-    labels alphabetically; SPEC §10.3 fixes the order) and leaving out families without samples."""
+    labels alphabetically; the reference's order is fixed) and leaving out families without samples."""
     out: list[str] = []
     for family in registry.collect():
         if not family.samples:

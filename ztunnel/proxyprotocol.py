@@ -1,4 +1,4 @@
-"""PROXY protocol version 2, without I/O (SPEC §4.1 step 8, Appendix B).
+"""PROXY protocol version 2, without I/O.
 
 An application tunnel of protocol PROXY starts the stream delivered to the app with a PROXY v2
 header: command PROXY over TCP, the client address the server proxy saw as source, the tunnel target

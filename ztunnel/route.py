@@ -1,4 +1,4 @@
-"""Destination resolution: where a connection goes, by which protocol (SPEC §3.2-§3.6, §4.1 step 3).
+"""Destination resolution: where a connection goes, by which protocol.
 
 `route(state, source, destination)` is a pure function of a state snapshot: it returns a `Route` (next
 hop, protocol, HBONE authority, expected server identities, and for double HBONE the inner tunnel's
@@ -115,7 +115,7 @@ def route(
     rng: random.Random | None = None,
     source_ip: IPAddress | None = None,
 ) -> Route | NoRoute:
-    """Resolve where a connection from `source` to `destination` goes (SPEC §3.2).
+    """Resolve where a connection from `source` to `destination` goes.
 
     `network` is the proxy's own network (NETWORK), in which addresses are looked up. `source_ip` is
     the client's address: with it, a waypoint's own traffic to a workload it serves skips that
@@ -186,7 +186,7 @@ def _via_waypoint(
     service: Service | None,
     rng: random.Random,
 ) -> Route | NoRoute:
-    """HBONE to the waypoint, authority = the original destination (SPEC §2.10, §3.2 A/E)."""
+    """HBONE to the waypoint, authority = the original destination."""
     found = resolve_gateway(state, source, waypoint, dst[0], rng, waypoint_mode=True)
     if found is None:
         return NoRoute(f"unknown waypoint: {waypoint.destination}")
@@ -222,7 +222,7 @@ def _via_gateway(
     *,
     waypoint: bool = False,
 ) -> Route | NoRoute:
-    """Double HBONE through `target`'s network gateway (SPEC §3.5)."""
+    """Double HBONE through `target`'s network gateway."""
     gateway = target.network_gateway
     if gateway is None:
         return NoRoute(f"no network gateway for workload {target.uid} in network {target.network!r}")
@@ -251,7 +251,7 @@ def _via_gateway(
 
 def pick_waypoint(service: Service, rng: random.Random) -> GatewayAddress | None:
     """The service's waypoint for one connection: weighted waypoints by weight (zero never), else the
-    single waypoint; an all-zero weighted set falls back too (SPEC §3.2 A.1)."""
+    single waypoint; an all-zero weighted set falls back too."""
     weighted = [w for w in service.weighted_waypoints if w.weight > 0]
     if weighted:
         return rng.choices(weighted, weights=[w.weight for w in weighted])[0].destination
@@ -268,7 +268,7 @@ def resolve_gateway(
     waypoint_mode: bool,
 ) -> tuple[Workload, IPAddress | None, int, Service | None] | None:
     """The workload, address, port and service (when reached through one) of a waypoint or network
-    gateway (SPEC §3.4). The address is None for a workload without any (one in another network)."""
+    gateway. The address is None for a workload without any (one in another network)."""
     dest = gateway.destination
     port = gateway.hbone_mtls_port
     target = _gateway_target(state, dest, source.namespace)
@@ -312,7 +312,7 @@ def _is_source_waypoint(
     state: State, source: Workload, source_ip: IPAddress | None, waypoint: GatewayAddress
 ) -> bool:
     """The source is one of the workloads making up this waypoint: same identity, and (when known)
-    the connection comes from that workload's IP (SPEC §3.2 E)."""
+    the connection comes from that workload's IP."""
     for w in gateway_workloads(state, waypoint, source.namespace):
         if w.identity_uri == source.identity_uri and (source_ip is None or source_ip in w.addresses):
             return True
@@ -329,7 +329,7 @@ def _waypoints_of(service: Service) -> Iterable[GatewayAddress]:
 def is_waypoint_for(
     state: State, local: Workload, local_ip: IPAddress, target: IPAddress, network: str
 ) -> bool:
-    """Inbound (SPEC §4.1 step 3): a CONNECT whose authority is not our address is accepted when we
+    """Inbound: a CONNECT whose authority is not our address is accepted when we
     are its destination's waypoint: a service waypoint whose endpoints include us, or a workload
     waypoint whose IPs include the address the connection arrived on."""
     workload = state.workload_by_addr(network, target)
@@ -349,7 +349,7 @@ def is_waypoint_for(
 
 
 def hostname_target(state: State, local: Workload, hostname: str, port: int) -> tuple[Service, int] | None:
-    """Inbound (SPEC §4.1 step 4): the service a hostname authority names (ours by namespace first)
+    """Inbound: the service a hostname authority names (ours by namespace first)
     and the target port on this workload: our endpoint's mapping, else the service's target port."""
     service = state.service_by_hostname(hostname, local.namespace)
     if service is None:
@@ -375,7 +375,7 @@ def pick_endpoint(
     *,
     waypoint_mode: bool = False,
 ) -> tuple[Workload, int] | None:
-    """An endpoint of `service` for `port` and its target port, or None (SPEC §3.6)."""
+    """An endpoint of `service` for `port` and its target port, or None."""
     candidates = endpoint_candidates(state, source, service, port, waypoint_mode=waypoint_mode)
     candidates = apply_preferences(service, source, candidates)
     weights = [max(w.capacity, 0) for w, _ in candidates]
@@ -430,7 +430,7 @@ def apply_preferences(
 def locality_rank(prefs: tuple[LoadBalancingScope, ...], source: Workload, w: Workload) -> int:
     """How many leading preferences `w` shares with the source, stopping at the first mismatch. When
     NETWORK comes first, a mismatch there does not stop the count and a match is worth len(prefs),
-    so a same-network endpoint always outranks a cross-network one (SPEC §3.6)."""
+    so a same-network endpoint always outranks a cross-network one."""
     rank = 0
     scopes = prefs
     if prefs and prefs[0] is LoadBalancingScope.NETWORK:
@@ -462,7 +462,7 @@ def _scope_matches(scope: LoadBalancingScope, a: Workload, b: Workload) -> bool:
 
 def pick_ip(workload: Workload, wanted: IPAddress, service: Service | None) -> IPAddress | None:
     """The dialled IP if it is the workload's; else its first IP the service's `ip_families` allow,
-    of the dialled family first (SPEC §3.2 B)."""
+    of the dialled family first."""
     if wanted in workload.addresses:
         return wanted
     families = service.ip_families if service is not None else IPFamilies.AUTOMATIC

@@ -1,5 +1,5 @@
 """How the proxy makes its sockets: listeners, outgoing connections, and the Linux socket options
-the reference relies on (SPEC §1.2, §12.4, Appendix B).
+the reference relies on.
 
 A `SocketFactory` is per proxy instance; in in-pod mode each pod's is a `NetnsSocketFactory`
 (`ztunnel.inpod.netns`), which creates its sockets inside the pod's network namespace.
@@ -163,7 +163,7 @@ class SocketFactory:
         timeout: float = 10.0,
     ) -> socket.socket:
         """A connected non-blocking TCP socket to `addr`, optionally from `source_ip`; `transparent`
-        lets that be an address of another host (the client's, SPEC §4.4: IP_TRANSPARENT).
+        lets that be an address of another host (the client's: IP_TRANSPARENT).
 
         Raises TimeoutError after `timeout`, or the OSError of the connect (e.g. ConnectionRefusedError).
         """

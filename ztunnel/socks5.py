@@ -2,7 +2,8 @@
 
 `Socks5Handshake.receive(data)` consumes bytes and returns the events they complete; what must be
 written back is collected in `data_to_send()`. The listener in `ztunnel.proxy.socks5` only moves
-bytes. Reply codes follow CONTRACT §4 (15080).
+bytes. Reply codes are RFC 1928's; success is replied only
+once the upstream is established.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The proxy's view of the mesh (SPEC §6.5, §3.3): workloads, services, their endpoints, and policies.
+"""The proxy's view of the mesh: workloads, services, their endpoints, and policies.
 
 `ProxyState` is fed by the xDS client and the local config file and read by routing, the listeners and
 the admin server. It is mutated only on the event loop's thread, so it takes no locks; listeners are
@@ -134,7 +134,7 @@ class ProxyState:
         return lambda: self._listeners.remove(callback)
 
     def subscribe_policies(self, callback: Listener) -> Callable[[], None]:
-        """Call `callback` after policies changed (live re-evaluation, SPEC §5.5); workload changes
+        """Call `callback` after policies changed (live re-evaluation); workload changes
         alone do not call it."""
         self._policy_listeners.append(callback)
         return lambda: self._policy_listeners.remove(callback)
@@ -252,7 +252,7 @@ class ProxyState:
 
     def upsert_policy(self, p: Authorization) -> None:
         with self.batch():
-            # The same key may come back with another scope or namespace (SPEC §5.7 case 44).
+            # The same key may come back with another scope or namespace.
             self._unindex_policy(p.key)
             self._policies[p.key] = p
             if p.scope is Scope.GLOBAL:
@@ -284,7 +284,7 @@ class ProxyState:
     # --- the local config file ---------------------------------------------------------------------
 
     def apply_local_config(self, cfg: LocalConfig) -> None:
-        """Replace every workload and service and drop every policy, then insert the file's (SPEC §7.1)."""
+        """Replace every workload and service and drop every policy, then insert the file's."""
         with self.batch():
             self._workloads.clear()
             self._workloads_by_addr.clear()
@@ -330,7 +330,7 @@ class ProxyState:
         )
 
     def workload_by_hostname(self, namespace: str, hostname: str) -> Workload | None:
-        """A workload named by `namespace/hostname` (a waypoint or gateway given by hostname, SPEC §3.4)."""
+        """A workload named by `namespace/hostname` (a waypoint or gateway given by hostname)."""
         uids = self._workloads_by_hostname.get(NamespacedHostname(namespace, hostname))
         return self._workloads[uids[0]] if uids else None
 
@@ -404,7 +404,7 @@ class ProxyState:
         return self._policies.get(key)
 
     def policies_for(self, w: Workload) -> list[Authorization]:
-        """The candidate policies of a destination workload (SPEC §5.2)."""
+        """The candidate policies of a destination workload."""
         keys = dict.fromkeys(self._namespace_policies.get(w.namespace, ()))
         keys.update(dict.fromkeys(self._global_policies))
         keys.update(dict.fromkeys(w.authorization_policies))
@@ -456,7 +456,7 @@ def _preferred(
     candidates: Iterable[Service], client_namespace: str | None, preferred_namespace: str | None = None
 ) -> Service | None:
     """Among services sharing a VIP or hostname: the client's namespace, then a canonical one, then the
-    preferred namespace, then the first seen (SPEC §3.3)."""
+    preferred namespace, then the first seen."""
     visible = [s for s in candidates if _visible(s, client_namespace)]
     for s in visible:
         if s.namespace == client_namespace:

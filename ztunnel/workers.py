@@ -65,7 +65,7 @@ from hbone.tls import TlsPolicy, WorkloadCertificate
 from policy.model import Authorization
 from xds.localconfig import LocalConfig
 from xds.model import Service, Workload
-from ztunnel import logs
+from ztunnel import logs, profiling
 from ztunnel.admin import ReadinessHandle
 from ztunnel.app import App, StartupError, socket_options
 from ztunnel.config import Config, WorkloadInfo
@@ -88,6 +88,8 @@ SNAPSHOT_INTERVAL = 1.0
 SCRAPE_TIMEOUT = 1.0
 HEARTBEAT_INTERVAL = 1.0
 POD_ANSWER_TIMEOUT = 4.0
+# How long past its own sampling the parent waits for the workers' profiles.
+PROFILE_GRACE = 5.0
 HEARTBEAT_TIMEOUT = 5.0
 # The families the workers count (the parent shows their sums): connections, DNS, CRL refusals.
 DATA_PLANE_PREFIXES = ("istio_tcp_", "istio_dns_", "istio_on_demand_dns", "istio_crl_")
@@ -184,6 +186,25 @@ class Counters:
 
     seq: int
     families: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """Parent -> worker: sample this process (`kind` "cpu" or "heap") for `seconds`."""
+
+    seq: int
+    kind: str
+    seconds: float
+    frequency: int = 0
+
+
+@dataclass(frozen=True)
+class ProfileReply:
+    """Worker -> parent: the profile (`Profile.as_dict()`), or why there is none."""
+
+    seq: int
+    profile: dict[str, Any] | None
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -636,6 +657,7 @@ class WorkerRuntime:
         self.pods: Any = None  # in-pod mode: LocalPods
         self.netns: dict[str, Any] = {}  # uid -> Netns
         self.actions: asyncio.Queue[tuple[object, list[int]]] = asyncio.Queue()
+        self._profiles: set[asyncio.Task[None]] = set()
         self.stopped = asyncio.Event()
         self.exit_code = 0
 
@@ -704,6 +726,10 @@ class WorkerRuntime:
                 await self.channel.send(Counters(message.seq, traffic_snapshot(self.metrics)))
             elif isinstance(message, Ping):
                 await self.channel.send(Pong())
+            elif isinstance(message, ProfileRequest):
+                task = asyncio.get_running_loop().create_task(self._profile(message))
+                self._profiles.add(task)
+                task.add_done_callback(self._profiles.discard)
             elif isinstance(message, LogFilter):
                 with contextlib.suppress(ValueError):
                     logs.set_filter(message.spec, True)
@@ -769,6 +795,19 @@ class WorkerRuntime:
         if self.crl is not None:
             await self.crl.close()
 
+    async def _profile(self, request: ProfileRequest) -> None:
+        """Sample this worker as the parent asked, beside its connections (the loop keeps running)."""
+        try:
+            if request.kind == "cpu":
+                profile = await profiling.collect_cpu_profile(request.seconds, request.frequency)
+            else:
+                profile = await profiling.collect_heap_profile(request.seconds)
+            reply = ProfileReply(request.seq, profile.as_dict())
+        except Exception as e:
+            reply = ProfileReply(request.seq, None, str(e) or type(e).__name__)
+        with contextlib.suppress(OSError):
+            await self.channel.send(reply)
+
     async def _push_counters(self) -> None:
         """About once a second when they changed, so a worker killed outright loses at most that."""
         last: dict[str, Any] | None = None
@@ -825,6 +864,7 @@ class WorkerSlot:
     outbox: asyncio.Queue[tuple[object, list[int]]] = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     pod_waiters: dict[int, asyncio.Future[str]] = field(default_factory=dict)  # by request seq
+    profile_waiters: dict[int, asyncio.Future[ProfileReply]] = field(default_factory=dict)
     scrape: asyncio.Future[None] | None = None
     scrape_seq: int = 0
     gone: asyncio.Event = field(default_factory=asyncio.Event)
@@ -918,6 +958,10 @@ class Supervisor:
         self.app.metrics = SummedMetrics(self.sums, config.istio_version)
         self.app.before_scrape = self.scrape
         self.app.on_log_filter = self._publish_log_filter
+        self.app.profilers = (
+            lambda seconds, frequency: self.profile("cpu", seconds, frequency),
+            lambda seconds: self.profile("heap", seconds),
+        )
         self._app_dump = self.app.config_dump
         # The admin server takes these bound methods at start-up; ours add the workers.
         self.app.config_dump = self.config_dump  # type: ignore[method-assign]
@@ -972,6 +1016,39 @@ class Supervisor:
         for slot in self.slots:
             slot.pod_waiters.pop(seq, None)
         return {i: f.result() if f.done() else "no answer in time" for i, f in waits.items()}
+
+    async def profile(self, kind: str, seconds: float, frequency: int = 0) -> profiling.Profile:
+        """A profile of the whole proxy: this process's and every running worker's, merged (each
+        sample keeps its process's `pid` label). A worker that cannot answer is left out, and said so."""
+        self._seq += 1
+        seq = self._seq
+        request = ProfileRequest(seq, kind, seconds, frequency)
+        waits: dict[int, asyncio.Future[ProfileReply]] = {}
+        for slot in self.slots:
+            if slot.alive and slot.state == "ready":
+                fut: asyncio.Future[ProfileReply] = asyncio.get_running_loop().create_future()
+                slot.profile_waiters[seq] = fut
+                waits[slot.index] = fut
+                slot.send(request)
+        try:
+            if kind == "cpu":
+                own = await profiling.collect_cpu_profile(seconds, frequency)
+            else:
+                own = await profiling.collect_heap_profile(seconds)
+            if waits:
+                await asyncio.wait(waits.values(), timeout=PROFILE_GRACE)
+        finally:
+            for slot in self.slots:
+                slot.profile_waiters.pop(seq, None)
+        profiles = [own]
+        for index, fut in waits.items():
+            reply = fut.result() if fut.done() else None
+            if reply is None or reply.profile is None:
+                why = reply.error if reply is not None else "no answer in time"
+                log.warning("data-plane worker %d left out of the %s profile: %s", index, kind, why)
+                continue
+            profiles.append(profiling.Profile.from_dict(reply.profile))
+        return profiling.merge(profiles)
 
     def tell_all(self, message: PodDel) -> None:
         for slot in self.slots:
@@ -1210,6 +1287,10 @@ class Supervisor:
                     task = asyncio.get_running_loop().create_task(self._answer_certificate(slot, message))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
+                elif isinstance(message, ProfileReply):
+                    waiter = slot.profile_waiters.pop(message.seq, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(message)
                 elif isinstance(message, PodResult):
                     fut = slot.pod_waiters.pop(message.seq, None)
                     if fut is not None and not fut.done():

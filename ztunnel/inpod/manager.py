@@ -1,4 +1,4 @@
-"""The workload proxy manager: in-pod mode's ZDS client and the per-pod proxies (SPEC §9).
+"""The workload proxy manager: in-pod mode's ZDS client and the per-pod proxies.
 
 It connects to the node agent on `INPOD_UDS` (AF_UNIX, SOCK_SEQPACKET), says hello, and then answers
 each request of the agent, one at a time, driving `ZdsStateMachine`: for an `AddWorkload` it has the

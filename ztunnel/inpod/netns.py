@@ -1,4 +1,4 @@
-"""Sockets made inside a pod's network namespace (SPEC §1.2, §9.5, Appendix B).
+"""Sockets made inside a pod's network namespace.
 
 `setns(2)` switches only the calling OS thread. Python 3.11 has no `os.setns`, so it is called through
 `ctypes`. The switch is always: enter the pod's namespace, create the socket, switch straight back, all
@@ -84,7 +84,7 @@ class NetnsSocketFactory(SocketFactory):
 
 
 def check_privileges(mark: int | None) -> None:
-    """In-pod mode needs setns(CLONE_NEWNET) and SO_MARK (SPEC §9.4, fatal at start-up).
+    """In-pod mode needs setns(CLONE_NEWNET) and SO_MARK (fatal at start-up, as in the reference).
 
     Raises OSError naming what failed."""
     home = current_netns_fd()

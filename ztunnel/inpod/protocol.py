@@ -1,4 +1,4 @@
-"""ztunnel's side of the ZDS conversation as a state machine (SPEC §9.3, §9.4).
+"""ztunnel's side of the ZDS conversation as a state machine.
 
 It reads and writes no socket: the manager moves the packets. Its one system call is `fstat` on the
 namespace fds it is handed (their device and inode tell one network namespace from another), and it

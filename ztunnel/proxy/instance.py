@@ -169,7 +169,7 @@ class ProxyInstance:
         return self._local
 
     async def local_workload(self, timeout: float = LOCAL_WORKLOAD_WAIT) -> Workload | None:
-        """The proxy's own workload, waiting up to `timeout` for it to appear (SPEC §3.1 step 3)."""
+        """The proxy's own workload, waiting up to `timeout` for it to appear."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while (w := self.find_local_workload()) is None:
@@ -257,10 +257,10 @@ class ProxyInstance:
         return task
 
     def bind_listeners(self, *, inbound_only: bool = False) -> dict[str, socket.socket]:
-        """Bind every listener now (a port conflict is a start-up error, SPEC §1.3).
+        """Bind every listener now (a port conflict is a start-up error).
 
         `inbound_only`: just HBONE on 15008, for in-pod mode's "self" listener (ztunnel's own
-        workload in its own namespace), which never spoofs the client's address (SPEC §1.1, §4.4)."""
+        workload in its own namespace), which never spoofs the client's address."""
         if not self.config.enable_proxy:
             # ENABLE_PROXY=false: no TCP proxy listener; the DNS proxy still runs.
             if self.config.dns_capture and not inbound_only:
@@ -293,7 +293,7 @@ class ProxyInstance:
             for s in socks.values():
                 s.close()
             raise
-        # Original source preservation (SPEC §4.4) where the reply routing for it exists: in pods,
+        # Original source preservation where the reply routing for it exists: in pods,
         # whose redirection the node agent writes, or when asked for with ENABLE_ORIG_SRC=true.
         spoof = is_transparent(socks["inbound"]) and (
             orig_src is True or (orig_src is None and self.config.proxy_mode == "shared")
@@ -333,8 +333,8 @@ class ProxyInstance:
                 )
 
     async def drain(self, deadline: float, *, graceful: bool = True) -> None:
-        """Stop accepting, let connections finish for up to `deadline` seconds, then cut the rest
-        (SPEC §12.1). HBONE peers get a GOAWAY; a non-graceful drain cuts everything at once."""
+        """Stop accepting, let connections finish for up to `deadline` seconds, then cut the rest.
+        HBONE peers get a GOAWAY; a non-graceful drain cuts everything at once."""
         if self.dns is not None:
             await self.dns.close()
         for server in self._servers:

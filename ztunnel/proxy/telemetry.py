@@ -1,5 +1,5 @@
-"""One connection's telemetry: its metric labels (SPEC §10.3), live byte counts and the access log
-line written when it completes (SPEC §10.4)."""
+"""One connection's telemetry: its metric labels, live byte counts and the access log
+line written when it completes."""
 
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ class ConnectionRecord:
 
 
 def connection_failed(src_addr: str, dst_addr: str, direction: str, error: str) -> None:
-    """An early rejection, before any telemetry exists: a warning and no metrics (SPEC §10.4)."""
+    """An early rejection, before any telemetry exists: a warning and no metrics."""
     access_log(
         logging.WARNING,
         "connection failed",
