@@ -121,6 +121,27 @@ def sha(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+async def _s_client_report(target: str, cert: str, key: str, ca: str) -> tuple[list[str], str]:
+    proc = await asyncio.create_subprocess_exec(
+        "openssl", "s_client", "-connect", target, "-alpn", "h2", "-showcerts",
+        "-cert", cert, "-key", key, "-CAfile", ca, "-verify_return_error",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    # Keep stdin open until the handshake summary is out: s_client quits at EOF on stdin.
+    assert proc.stdout is not None and proc.stdin is not None and proc.stderr is not None
+    lines: list[str] = []
+    async with asyncio.timeout(30):
+        while not any(line.startswith("Verify return code") for line in lines):
+            line = (await proc.stdout.readline()).decode()
+            if not line:
+                break
+            lines.append(line)
+    proc.stdin.close()
+    errors = (await proc.stderr.read()).decode(errors="replace")
+    await proc.wait()
+    return lines, errors
+
+
 @dataclass
 class TlsView:
     """What `openssl s_client` reports of an HBONE listener's TLS."""
@@ -133,22 +154,14 @@ async def openssl_s_client(target: str, cert: str, key: str, ca: str) -> TlsView
     """Connect with `openssl s_client` (a TLS client we did not write) and read its report."""
     from cryptography import x509
 
-    proc = await asyncio.create_subprocess_exec(
-        "openssl", "s_client", "-connect", target, "-alpn", "h2", "-showcerts",
-        "-cert", cert, "-key", key, "-CAfile", ca, "-verify_return_error",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    # Keep stdin open until the handshake summary is out: s_client quits at EOF on stdin.
-    assert proc.stdout is not None and proc.stdin is not None
-    lines: list[str] = []
-    async with asyncio.timeout(30):
-        while not any(line.startswith("Verify return code") for line in lines):
-            line = (await proc.stdout.readline()).decode()
-            if not line:
-                break
-            lines.append(line)
-    proc.stdin.close()
-    await proc.wait()
+    for attempt in range(3):
+        lines, errors = await _s_client_report(target, cert, key, ca)
+        # A run that printed nothing at all never reached the server (seen, rarely, when this test
+        # process forks while gRPC's threads run): that is no answer about TLS, so ask again.
+        if lines or attempt == 2:
+            break
+    if not lines:
+        lines = [f"openssl s_client printed nothing; its stderr: {errors!r}"]
     text = "".join(lines)
     sans: list[str] = []
     if "-----BEGIN CERTIFICATE-----" in text:

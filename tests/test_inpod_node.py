@@ -637,6 +637,9 @@ def test_two_workers_a_policy_push_closes_held_connections_in_every_worker(mesh:
     holder = hold(mesh, client, server, n)
     eventually(lambda: sum(per_worker(zt, "inboundOpened")) == n, "the inbound connections counted")
     assert all(c > 0 for c in per_worker(zt, "inboundOpened")), zt.workers()
+    # workloadState lists the server pod's held connections, gathered from both workers.
+    held = zt.config_dump()["workloadState"][server.uid]["connections"]["inbound"]
+    assert len(held) == n and {c["src"].rpartition(":")[0] for c in held} == {client.ip}, held
 
     other = node.add_pod("other", service_account="other")
     mesh.push(mesh_yaml([client, server, other], allow_to=server, allowed=other))

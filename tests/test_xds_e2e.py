@@ -221,12 +221,24 @@ async def test_policy_pushed_through_the_control_plane_closes_a_live_connection(
 
 
 async def test_control_plane_restart_while_proxies_serve(mesh: Mesh) -> None:
+    # A connection held across the outage keeps every byte.
+    code, reader, writer = await socks5_connect((CLIENT, 15080), SERVER, 8080)
+    assert code == 0
+
+    async def held_echoes(payload: bytes) -> None:
+        writer.write(payload)
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readexactly(len(payload)), 10) == payload
+
+    await held_echoes(b"before the outage")
     mesh.cp.stop()
     # Meanwhile: state and certificates are kept, traffic keeps flowing (new connections included).
     for _ in range(3):
         ex = await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"while the control plane is down")
         assert ex.code == 0 and ex.received == len(b"while the control plane is down")
+    await held_echoes(b"during the outage")
     await mesh.cp.start()
+    await held_echoes(b"after the restart")
     # The proxies reconnect: a change made now reaches them.
     mesh.cp.config.write_text(MESH + DENY_CLIENT)
     await eventually_async(
@@ -235,6 +247,13 @@ async def test_control_plane_restart_while_proxies_serve(mesh: Mesh) -> None:
     assert mesh.server.state.policy("demo/deny-client") is not None
     body, _ = mesh.server.metrics.render(None)
     assert "istio_xds_connection_terminations_total" in body.decode()
+    # ... and the policy that came over the resumed stream now cuts it (live re-authorization).
+    try:
+        tail = await asyncio.wait_for(reader.read(), 10)
+    except ConnectionError:
+        tail = b""
+    assert tail == b""
+    writer.close()
 
 
 async def test_proxy_over_tls_to_the_control_plane(tmp_path: Path, proxy_logs) -> None:  # type: ignore[no-untyped-def]

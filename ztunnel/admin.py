@@ -309,13 +309,17 @@ def admin_server(
     on_log_filter: Callable[[str], object] | None = None,
     *,
     extra_routes: Mapping[str, Route] | None = None,
+    before_dump: Callable[[], Awaitable[None]] | None = None,
 ) -> HttpServer:
     """The admin server. `config_dump` builds the `/config_dump` document; `shutdown` is called once the
     `/quitquitquit` reply is written (an awaitable result is run as a task); `on_log_filter` gets the
     new filter after `/logging` changed it (with data-plane workers: to pass it on to them).
-    `extra_routes` replaces or adds endpoints (the default `/debug/pprof/*` profile this process only)."""
+    `extra_routes` replaces or adds endpoints (the default `/debug/pprof/*` profile this process only);
+    `before_dump` is awaited before the document is built (with workers: their current connections)."""
 
-    def dump(_: Request) -> Response:
+    async def dump(_: Request) -> Response:
+        if before_dump is not None:
+            await before_dump()
         return Response(200, json.dumps(config_dump(), indent=2).encode() + b"\n", "application/json")
 
     def quit_(_: Request) -> Response:

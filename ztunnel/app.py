@@ -234,6 +234,7 @@ class App:
                         "/debug/explain": explain_route(self.state, cfg),
                         **(pprof_routes(*self.profilers) if self.profilers else {}),
                     },
+                    before_dump=self.before_scrape,
                 ),
                 cfg.admin_address,
             ),

@@ -186,6 +186,8 @@ class Counters:
 
     seq: int
     families: dict[str, Any]
+    # In-pod mode: each pod's open connections in this worker, as `workloadState` lists them.
+    pods: dict[str, dict[str, list[dict[str, str]]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -701,7 +703,7 @@ class WorkerRuntime:
             pusher.cancel()
             reader.cancel()
             with contextlib.suppress(OSError, RuntimeError):
-                await self.channel.send(Counters(0, traffic_snapshot(self.metrics)))
+                await self.channel.send(self._counters(0))
             self.channel.close()
         return self.exit_code
 
@@ -723,7 +725,7 @@ class WorkerRuntime:
             elif isinstance(message, CertificateReply):
                 self.ca.answer(message)
             elif isinstance(message, Scrape):
-                await self.channel.send(Counters(message.seq, traffic_snapshot(self.metrics)))
+                await self.channel.send(self._counters(message.seq))
             elif isinstance(message, Ping):
                 await self.channel.send(Pong())
             elif isinstance(message, ProfileRequest):
@@ -795,6 +797,12 @@ class WorkerRuntime:
         if self.crl is not None:
             await self.crl.close()
 
+    def _counters(self, seq: int) -> Counters:
+        pods = {}
+        if self.pods is not None:
+            pods = {uid: p.connections_dump() for uid, p in self.pods.instances.items()}
+        return Counters(seq, traffic_snapshot(self.metrics), pods)
+
     async def _profile(self, request: ProfileRequest) -> None:
         """Sample this worker as the parent asked, beside its connections (the loop keeps running)."""
         try:
@@ -865,6 +873,7 @@ class WorkerSlot:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     pod_waiters: dict[int, asyncio.Future[str]] = field(default_factory=dict)  # by request seq
     profile_waiters: dict[int, asyncio.Future[ProfileReply]] = field(default_factory=dict)
+    pod_connections: dict[str, dict[str, list[dict[str, str]]]] = field(default_factory=dict)
     scrape: asyncio.Future[None] | None = None
     scrape_seq: int = 0
     gone: asyncio.Event = field(default_factory=asyncio.Event)
@@ -914,7 +923,16 @@ class WorkerPods:
             self.supervisor.app.secrets.forget(identity)
 
     def describe(self, uid: str) -> dict[str, Any]:
-        return {"workers": sum(1 for s in self.supervisor.slots if s.alive)}
+        """The pod's open connections in every worker (as of their last report: `/config_dump` asks
+        for a fresh one first)."""
+        alive = [s for s in self.supervisor.slots if s.alive]
+        connections: dict[str, list[dict[str, str]]] = {"inbound": [], "outbound": []}
+        for slot in alive:
+            for direction, entries in slot.pod_connections.get(uid, {}).items():
+                connections.setdefault(direction, []).extend(entries)
+        for entries in connections.values():
+            entries.sort(key=lambda e: (e.get("src", ""), e.get("originalDst", "")))
+        return {"workers": len(alive), "connections": connections}
 
 
 class _ListenerCheck(SocketFactory):
@@ -1280,6 +1298,7 @@ class Supervisor:
                         self._started.set_result(None)
                 elif isinstance(message, Counters):
                     self.sums.report(slot.index, message.families)
+                    slot.pod_connections = message.pods
                     scrape = slot.scrape
                     if message.seq and message.seq == slot.scrape_seq and scrape and not scrape.done():
                         scrape.set_result(None)
