@@ -139,6 +139,11 @@ _READ = _ReadBuffers()
 
 
 class _H2Connection(H2Connection):
+    # How many closed streams h2 remembers (to judge frames still in flight on them). Its default,
+    # 65,536, is about 6 MB per long-lived connection once reached; frames in flight arrive within a
+    # round trip, long before 4,096 further streams have closed.
+    MAX_CLOSED_STREAMS = 4096
+
     def __init__(self, config: H2Configuration) -> None:
         super().__init__(config)
         # Output is a list of buffers: small frames accumulate in `_data_to_send` (as in h2), large

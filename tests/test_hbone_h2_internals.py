@@ -49,6 +49,11 @@ def test_connection_internals() -> None:
     for name in ("_stream_is_closed_by_reset", "_stream_is_closed_by_end", "_stream_id_is_outbound"):
         assert callable(getattr(server, name)), name
     assert isinstance(server._closed_streams, dict)
+    # Our bound on the closed streams h2 remembers takes effect through this class attribute.
+    from hbone.h2conn import _H2Connection
+
+    ours = _H2Connection(H2Configuration(client_side=False, header_encoding=None))
+    assert getattr(ours._closed_streams, "_size_limit", None) == _H2Connection.MAX_CLOSED_STREAMS == 4096
     assert StreamClosedBy.SEND_RST_STREAM
     assert "_events" in inspect.signature(StreamClosedError.__init__).parameters or hasattr(
         StreamClosedError(1), "_events"
