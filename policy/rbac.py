@@ -16,7 +16,6 @@ from policy.model import (
     CompiledClause,
     Connection,
     Match,
-    ServiceAccountMatch,
     StringMatch,
     StringMatchKind,
     compiled_match,
@@ -176,12 +175,6 @@ def principal_of(conn: Connection) -> str | None:
     if conn.src_principal is None or not conn.src_principal.startswith(SPIFFE_PREFIX):
         return None
     return conn.src_principal[len(SPIFFE_PREFIX) :]
-
-
-def service_account_matches(pattern: ServiceAccountMatch, conn: Connection) -> bool:
-    if conn.src_namespace is None or conn.src_service_account is None:
-        return False
-    return pattern.namespace == conn.src_namespace and pattern.service_account == conn.src_service_account
 
 
 def string_matches(pattern: StringMatch, value: str) -> bool:

@@ -164,7 +164,7 @@ def admit(
         src_port=peer_port,
         dst_ip=local_ip,
         dst_port=forward_port if request.hbone else dst_port,
-        src_principal=_uri(identity) if identity else None,
+        src_principal=uri_of(identity) if identity else None,
         src_namespace=identity.namespace if identity else None,
         src_service_account=identity.service_account if identity else None,
         dst_network=rules.network,
@@ -222,7 +222,8 @@ def parse_ip(text: str) -> IPAddress:
 
 # Held connections keep these strings for their lifetime: one shared copy each, not one per connection.
 @functools.lru_cache(maxsize=4096)
-def _uri(identity: Identity) -> str:
+def uri_of(identity: Identity) -> str:
+    """An identity's URI text, one shared copy per identity (admission and the listeners' telemetry)."""
     return str(identity)
 
 

@@ -270,7 +270,7 @@ class App:
             self.secrets,
             self.metrics,
             cfg.workload_info,
-            SocketFactory(self._socket_options()),
+            SocketFactory(socket_options(self.config)),
         )
         try:
             socks = proxy.bind_listeners()
@@ -288,9 +288,6 @@ class App:
             # connections arriving earlier wait in the kernel backlog.
             self._serving = asyncio.get_running_loop().create_task(self._serve(proxy, socks, proxy_task))
 
-    def _socket_options(self) -> SocketOptions:
-        return socket_options(self.config)
-
     async def _start_self_listener(self) -> None:
         """In-pod mode, when ztunnel knows its own pod (POD_NAME, POD_NAMESPACE, SERVICE_ACCOUNT):
         HBONE on 15008 in its own namespace, so mesh clients reach it, e.g. its metrics."""
@@ -302,7 +299,7 @@ class App:
             namespace=cfg.pod_namespace, name=cfg.pod_name, service_account=cfg.service_account
         )
         proxy = ProxyInstance(
-            cfg, self.state, self.secrets, self.metrics, info, SocketFactory(self._socket_options())
+            cfg, self.state, self.secrets, self.metrics, info, SocketFactory(socket_options(self.config))
         )
         try:
             socks = proxy.bind_listeners(inbound_only=True)
@@ -321,7 +318,7 @@ class App:
         from ztunnel.inpod.manager import LocalPods, WorkloadProxyManager
         from ztunnel.inpod.netns import NetnsSocketFactory
 
-        options = self._socket_options()
+        options = socket_options(self.config)
         secrets = self.secrets
         assert secrets is not None
 

@@ -18,6 +18,8 @@ import hashlib
 import logging
 import os
 
+from cryptography import x509
+
 from hbone.tls import Revocation, parse_crls
 from ztunnel.metrics import Metrics
 
@@ -30,17 +32,18 @@ class CrlError(Exception):
     """The CRL file cannot be used; the message is the one line to show."""
 
 
-def _read(path: str) -> tuple[bytes, str]:
+def _read(path: str) -> tuple[tuple[x509.CertificateRevocationList, ...], str]:
+    """The file's CRLs, parsed, and the digest of its bytes; raise `CrlError`."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise CrlError(f"CRL_PATH={path}: cannot read the CRL file: {e.strerror or e}") from None
     try:
-        parse_crls(data)
+        crls = parse_crls(data)
     except ValueError as e:
         raise CrlError(f"CRL_PATH={path}: invalid CRL file: {e}") from None
-    return data, hashlib.sha256(data).hexdigest()
+    return crls, hashlib.sha256(data).hexdigest()
 
 
 def _stamp(path: str) -> tuple[int, int, int] | None:
@@ -65,10 +68,10 @@ class CrlWatcher:
     def load(cls, path: str, metrics: Metrics | None = None) -> CrlWatcher:
         """Read and parse the file now; raise `CrlError` (one line) when it cannot be used."""
         stamp = _stamp(path)
-        data, digest = _read(path)
+        crls, digest = _read(path)
         counters = metrics.crl() if metrics is not None else None
         revocation = Revocation(
-            parse_crls(data),
+            crls,
             on_rejection=counters.rejection if counters else None,
             on_untracked=counters.untracked_connection if counters else None,
         )
@@ -82,14 +85,13 @@ class CrlWatcher:
             return False
         self._stamp = stamp
         try:
-            data, digest = _read(self.path)
+            crls, digest = _read(self.path)
         except CrlError as e:
             log.warning("CRL reload failed, keeping the last good list: %s", e)
             return False
         if digest == self._digest:
             return False  # touched or swapped for the same content
         self._digest = digest
-        crls = parse_crls(data)
         torn = self.revocation.replace(crls)
         log.info(
             "reloaded %d CRL(s) from %s: %d open connection(s) closed as revoked", len(crls), self.path, torn

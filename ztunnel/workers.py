@@ -806,10 +806,7 @@ class WorkerRuntime:
     async def _profile(self, request: ProfileRequest) -> None:
         """Sample this worker as the parent asked, beside its connections (the loop keeps running)."""
         try:
-            if request.kind == "cpu":
-                profile = await profiling.collect_cpu_profile(request.seconds, request.frequency)
-            else:
-                profile = await profiling.collect_heap_profile(request.seconds)
+            profile = await _collect_profile(request.kind, request.seconds, request.frequency)
             reply = ProfileReply(request.seq, profile.as_dict())
         except Exception as e:
             reply = ProfileReply(request.seq, None, str(e) or type(e).__name__)
@@ -826,6 +823,13 @@ class WorkerRuntime:
                 with contextlib.suppress(OSError):
                     await self.channel.send(Counters(0, snapshot))
                 last = snapshot
+
+
+async def _collect_profile(kind: str, seconds: float, frequency: int) -> profiling.Profile:
+    """This process's `cpu` (sampled at `frequency`) or `heap` profile over `seconds`."""
+    if kind == "cpu":
+        return await profiling.collect_cpu_profile(seconds, frequency)
+    return await profiling.collect_heap_profile(seconds)
 
 
 def run_worker(config: Config, index: int, fd: int) -> int:
@@ -894,11 +898,8 @@ class WorkerPods:
         self.supervisor = supervisor
         self.pods: dict[str, tuple[PodAdd, Any]] = {}  # uid -> (message, Netns), in every worker
 
-    def add_message(self, pod: Any, netns: Any) -> PodAdd:
-        return PodAdd(pod.uid, pod.name, pod.namespace, pod.service_account, netns.key)
-
     async def start(self, pod: Any, netns: Any) -> str | None:
-        message = self.add_message(pod, netns)
+        message = PodAdd(pod.uid, pod.name, pod.namespace, pod.service_account, netns.key)
         self.pods[pod.uid] = (message, netns)
         results = await self.supervisor.ask_all(message, [netns.fd])
         errors = [f"worker {i}: {e}" for i, e in results.items() if e]
@@ -1002,12 +1003,10 @@ class Supervisor:
     # -- what the workers ask and are told --------------------------------------------------------
 
     def _publish(self, changes: StateChanges) -> None:
-        for slot in self.slots:
-            slot.send(changes)
+        self.tell_all(changes)
 
     def _publish_log_filter(self, spec: str) -> None:
-        for slot in self.slots:
-            slot.send(LogFilter(spec))
+        self.tell_all(LogFilter(spec))
 
     def identity_of(self, name: str, namespace: str, service_account: str) -> Identity:
         w = self.state.find_local_workload(name, namespace, service_account, self.config.node_name)
@@ -1049,10 +1048,7 @@ class Supervisor:
                 waits[slot.index] = fut
                 slot.send(request)
         try:
-            if kind == "cpu":
-                own = await profiling.collect_cpu_profile(seconds, frequency)
-            else:
-                own = await profiling.collect_heap_profile(seconds)
+            own = await _collect_profile(kind, seconds, frequency)
             if waits:
                 await asyncio.wait(waits.values(), timeout=PROFILE_GRACE)
         finally:
@@ -1068,7 +1064,8 @@ class Supervisor:
             profiles.append(profiling.Profile.from_dict(reply.profile))
         return profiling.merge(profiles)
 
-    def tell_all(self, message: PodDel) -> None:
+    def tell_all(self, message: object) -> None:
+        """Send `message` to every running worker, expecting no answer."""
         for slot in self.slots:
             slot.send(message)
 

@@ -11,7 +11,6 @@ tunnel, and the relay, under re-authorization while it is open.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,7 @@ from hbone.identity import Identity
 from hbone.server import ConnectRequest, HboneServer
 from xds.model import Workload
 from ztunnel import baggage
-from ztunnel.admission import Admit, InboundRequest, Reject, parse_ip
+from ztunnel.admission import Admit, InboundRequest, Reject, parse_ip, uri_of
 from ztunnel.logs import Bare
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.outbound import describe
@@ -83,7 +82,7 @@ class Inbound:
             src_addr=src_s,
             dst_addr=local_s,
             src=self._peer_from_baggage(plan.src_workload, identity, req.headers.get("baggage")),
-            dst=Peer(local, _uri(proxy.identity(local))),
+            dst=Peer(local, uri_of(proxy.identity(local))),
             service=plan.service,
             hbone_addr=req.authority,
             mtls=True,
@@ -134,7 +133,7 @@ class Inbound:
         )
 
     def _peer_from_baggage(self, w: Workload | None, identity: Identity | None, header: str | None) -> Peer:
-        ident = _uri(identity) if identity else None
+        ident = uri_of(identity) if identity else None
         if w is not None or not self.proxy.config.enable_response_baggage:
             return Peer(w, ident)
         b = baggage.parse(header)
@@ -169,8 +168,3 @@ def log_policy_decision(decision: Admit | Reject, src: str, dst: str, *, info: b
         )
     else:
         rbac_log.log(level, "connection allowed by policy", extra={"fields": where})
-
-
-@functools.lru_cache(maxsize=4096)
-def _uri(identity: Identity) -> str:
-    return str(identity)

@@ -29,7 +29,7 @@ from hbone.relay import Inbox
 from hbone.stream import HboneStream
 from xds.model import IPAddress, Workload
 from ztunnel import baggage
-from ztunnel.admission import RECURSIVE_CALL, is_self_call, parse_ip
+from ztunnel.admission import RECURSIVE_CALL, is_self_call, parse_ip, uri_of
 from ztunnel.metrics import UNKNOWN
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
@@ -153,7 +153,7 @@ class Outbound:
             # A workload known by hostname only.
             hostname = str(r.next_hop[0])
             proxy.metrics.dns().on_demand.cell(
-                on_demand_labels(local, _uri(proxy.identity(local)), hostname)
+                on_demand_labels(local, uri_of(proxy.identity(local)), hostname)
             ).inc()
             try:
                 r = r.resolved(await self._resolve_workload(hostname, dst_ip.version))
@@ -169,7 +169,7 @@ class Outbound:
             direction="outbound",
             src_addr=src_s,
             dst_addr=format_addr(*r.next_hop),
-            src=Peer(local, _uri(own) if mtls else None),
+            src=Peer(local, uri_of(own) if mtls else None),
             dst=Peer(r.workload, _workload_uri(r.workload) if (mtls and r.workload) else None),
             service=r.service,
             hbone_addr=r.authority,
@@ -299,11 +299,6 @@ def on_demand_labels(local: Workload, principal: str, hostname: str) -> tuple[st
 
 def _identities(uris: tuple[str, ...]) -> tuple[Identity, ...]:
     return tuple(i for i in map(Identity.try_parse, uris) if i is not None)
-
-
-@functools.lru_cache(maxsize=4096)
-def _uri(identity: Identity) -> str:
-    return str(identity)
 
 
 @functools.lru_cache(maxsize=4096)
