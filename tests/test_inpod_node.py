@@ -418,7 +418,11 @@ def test_ztunnel_restart_restores_pods_from_the_snapshot(mesh: Mesh) -> None:
     assert talk(client, server, "before") == "echo before"
 
     zt.stop(signal.SIGKILL)
+    # Its data-plane workers follow the parent (death signal through the fork server) a moment later.
     for pod in (client, server, gone):
+        eventually(
+            lambda p=pod: not PROXY_PORTS & listening_ports(p), f"{pod.name}'s listeners closed", timeout=5
+        )  # type: ignore[misc]
         assert not PROXY_PORTS & listening_ports(pod)
     # Deleted while ztunnel is down: DEL still succeeds, and the pod is not restored later.
     assert all(r.ok for r in node.del_pod(gone))
