@@ -168,3 +168,31 @@ def test_set_filter_errors_keep_the_filter(out: io.StringIO, spec: str) -> None:
 def test_setup_rejects_bad_format(out: io.StringIO) -> None:
     with pytest.raises(ValueError, match="log format"):
         setup_logging("xml", "info", out)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["plain", "", "tab\there", 'quote " inside', "back\\slash", "ünïcode ✓", "line\u2028sep", "\x7f", "nul\x00"],
+)
+def test_quoted_values_are_json_strings(out: io.StringIO, text: str) -> None:
+    """Whatever a value holds, the plain line quotes it as a JSON string: it reads back unchanged."""
+    setup_logging("plain", "info", out)
+    access_log(logging.INFO, "m", {"v": text})
+    [line] = out.getvalue().split("\n")[:-1]
+    quoted = line.split("\t", 4)[4].removeprefix("v=")
+    assert json.loads(quoted) == text
+    assert "\n" not in quoted and "\t" not in quoted
+
+
+def test_timestamps_are_utc_microseconds(out: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
+    setup_logging("plain", "info", out)
+    for t in (1_780_000_000.000001, 1_780_000_000.999999, 1_780_000_001.5):
+        monkeypatch.setattr("time.time", lambda t=t: t)
+        monkeypatch.setattr("time.time_ns", lambda t=t: int(t * 1e9))
+        logging.getLogger("ztunnel.x").warning("tick")
+    stamps = [line.split("\t")[0] for line in lines(out)]
+    assert stamps == [
+        "2026-05-28T20:26:40.000001Z",
+        "2026-05-28T20:26:40.999999Z",
+        "2026-05-28T20:26:41.500000Z",
+    ]

@@ -36,7 +36,7 @@ def test_user_timeout_is_keepalive_time_plus_retries_times_interval() -> None:
     assert user_timeout_ms(Config.from_env({}, mesh_config_path=None)) is None
 
 
-async def test_user_timeout_set_on_outgoing_and_accepted_sockets() -> None:
+async def test_user_timeout_and_keepalive_on_outgoing_and_accepted_sockets() -> None:
     factory = SocketFactory(SocketOptions(user_timeout_ms=16_000))
     plain = SocketFactory(SocketOptions())
     accepted: asyncio.Queue[socket.socket] = asyncio.Queue()
@@ -45,7 +45,6 @@ async def test_user_timeout_set_on_outgoing_and_accepted_sockets() -> None:
 
     async def accept() -> None:
         sock, _ = await loop.sock_accept(listener)
-        factory.tune_accepted(sock)
         await accepted.put(sock)
 
     task = loop.create_task(accept())
@@ -56,6 +55,10 @@ async def test_user_timeout_set_on_outgoing_and_accepted_sockets() -> None:
         assert out.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 16_000
         assert inside.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 16_000
         assert other.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 0  # the kernel default
+        # The accepted socket has the listener's options, as the kernel copies them to each child.
+        assert inside.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert inside.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 180
+        assert inside.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
     finally:
         task.cancel()
         for s in (out, other, inside, listener):
@@ -136,3 +139,14 @@ def test_proxy_binds_the_wildcard_of_ipv6_enabled(netns: Netns, ipv6: str, wildc
         finally:
             proc.terminate()
             proc.wait(10)
+
+
+async def test_connect_to_a_closed_port_is_refused() -> None:
+    """The dialler connects without a resolver round trip; a refusal still reads as asyncio's."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with pytest.raises(ConnectionRefusedError) as e:
+        await SocketFactory(SocketOptions()).connect(("127.0.0.1", port))
+    assert str(e.value) == f"[Errno 111] Connect call failed ('127.0.0.1', {port})"

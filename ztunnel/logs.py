@@ -122,6 +122,12 @@ def _apply(flt: LogFilter) -> None:
 
 def setup_logging(log_format: str, level_filter: str, stream: TextIO | None = None) -> None:
     """Install the formatter on the root logger (stderr unless `stream`) and apply the filter."""
+    # Neither format prints the caller's file and line, the thread or the process: the records need
+    # not look them up (a frame walk and a getpid() per line, on every access log line).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     if log_format == "plain":
         formatter: logging.Formatter = PlainFormatter()
     elif log_format == "json":
@@ -203,16 +209,35 @@ def _target(name: str) -> str:
     return name[len(_TARGET_PREFIX) :] if name.startswith(_TARGET_PREFIX) else name
 
 
+class _Clock:
+    """The formatted current second, kept: the lines of one second share it."""
+
+    second = -1
+    prefix = ""
+
+
 def _timestamp(created: float) -> str:
-    return datetime.fromtimestamp(created, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    second, micros = divmod(round(created * 1_000_000), 1_000_000)
+    if second != _Clock.second:
+        _Clock.prefix = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        _Clock.second = second
+    return f"{_Clock.prefix}.{micros:06d}Z"
 
 
 def _quote(text: str) -> str:
+    # Most values need no escaping (printable, no quote or backslash): quoted as they are.
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
     return json.dumps(text, ensure_ascii=False)
 
 
 def _bare_text(value: object) -> str | None:
     """The unquoted rendering of values that print bare, or None for values that are quoted."""
+    kind = type(value)
+    if kind is str:
+        return None
+    if kind is int:
+        return repr(value)
     if isinstance(value, Bare):
         return str(value)
     if isinstance(value, bool):
@@ -239,7 +264,7 @@ class PlainFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         spans = "".join(
-            f":{name}{{{' '.join(f'{k}={_plain_value(v)}' for k, v in fields.items() if v is not None)}}}"
+            f":{name}{{{' '.join([f'{k}={_plain_value(v)}' for k, v in fields.items() if v is not None])}}}"
             for name, fields in _spans(record)
         )
         line = (
@@ -249,7 +274,7 @@ class PlainFormatter(logging.Formatter):
         items = _fields(record)
         if not items:
             return line
-        return line + "\t" + " ".join(f"{key}={_plain_value(value)}" for key, value in items)
+        return line + "\t" + " ".join([f"{key}={_plain_value(value)}" for key, value in items])
 
 
 def _plain_value(value: object) -> str:

@@ -44,6 +44,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import gc
 import logging
 import os
 import pickle
@@ -557,6 +558,10 @@ def _fork_server(config: Config, sock: socket.socket) -> int:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    # What the imports made is the workers' for their lifetime: out of the collector's sight, its
+    # pages are neither walked by each collection nor copied by one writing their GC headers.
+    gc.collect()
+    gc.freeze()
     me = os.getpid()
     while True:
         try:

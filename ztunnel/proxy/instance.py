@@ -77,9 +77,6 @@ class _Accepted(Inbox):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        with contextlib.suppress(OSError):
-            self._instance.sockets.tune_accepted(sock)
         # Open while its handling runs: the handler returns once both sides are closed.
         self._sockets_open.inc()
         self._instance.track(self._handler(transport, self)).add_done_callback(self._handled)

@@ -100,6 +100,46 @@ def traffic_labels(
     )
 
 
+# Labels per (reporter, peers, service, policy): a node's connections repeat a few pairs of workloads.
+# Workloads and services are keyed by identity (the store replaces them, never changes them); each
+# entry holds the objects its key names, so no other object can take their ids while it is kept.
+_LABELS: dict[tuple[object, ...], tuple[TrafficLabels, tuple[object, ...]]] = {}
+_LABELS_KEPT = 4096
+
+
+def connection_labels(
+    reporter: str, src: Peer, dst: Peer, service: Service | None, security_policy: str
+) -> TrafficLabels:
+    """`traffic_labels`, remembered."""
+    key = (
+        reporter,
+        security_policy,
+        id(service),
+        id(src.workload),
+        src.identity,
+        src.name,
+        src.namespace,
+        src.cluster,
+        src.canonical_service,
+        src.canonical_revision,
+        id(dst.workload),
+        dst.identity,
+        dst.name,
+        dst.namespace,
+        dst.cluster,
+        dst.canonical_service,
+        dst.canonical_revision,
+    )
+    hit = _LABELS.get(key)
+    if hit is not None:
+        return hit[0]
+    labels = traffic_labels(reporter, src, dst, service, security_policy)
+    if len(_LABELS) >= _LABELS_KEPT:
+        _LABELS.clear()
+    _LABELS[key] = (labels, (service, src.workload, dst.workload))
+    return labels
+
+
 class ConnectionRecord:
     """Created once a connection is to be carried (the opened counter moves then); `finish` once."""
 
@@ -152,7 +192,7 @@ class ConnectionRecord:
             registry.add(self)
         self.start = time.monotonic()
         reporter = "source" if direction == "outbound" else "destination"
-        labels = traffic_labels(reporter, src, dst, service, "mutual_tls" if mtls else UNKNOWN)
+        labels = connection_labels(reporter, src, dst, service, "mutual_tls" if mtls else UNKNOWN)
         self._metrics: ConnectionMetrics = metrics.open_connection(labels)
         self.received = self._metrics.received  # bytes from the downstream side, live
         self.sent = self._metrics.sent  # bytes back to the downstream side, live
