@@ -30,6 +30,9 @@ DATA frames, the bulk of the traffic, take a direct path; everything else goes t
 * output is a list of buffers (see `take_output`), and `queue_data` writes a DATA frame into it.
 * a new stream past our MAX_CONCURRENT_STREAMS is refused alone (RST_STREAM REFUSED_STREAM) where h2
   would end the connection, and the resets the peer's frames make us send are counted.
+* h2's check of received header fields for illegal characters (RFC 9113 §8.2.1) walks every byte
+  of every name and value in Python, the largest single cost of receiving a request; the same
+  check, with the same errors, is done by regular expressions (`_reject_illegal_characters`).
 The private internals relied on are pinned by `tests/test_hbone_h2_internals.py`.
 
 Abuse limits (`hbone.settings.H2Settings`) are enforced by the session, per connection: a frame
@@ -46,22 +49,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import h2.events as ev
+import h2.utilities
 from h2.config import H2Configuration
 from h2.connection import ConnectionState, H2Connection, _decode_headers
 from h2.errors import ErrorCodes
-from h2.exceptions import H2Error, StreamClosedError, StreamIDTooLowError, TooManyStreamsError
+from h2.exceptions import H2Error, ProtocolError, StreamClosedError, StreamIDTooLowError, TooManyStreamsError
 from h2.settings import SettingCodes, Settings
 from h2.stream import StreamClosedBy, StreamState
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
 
 from hbone import stream as hbone_stream
 from hbone.errors import ConnectionClosed, HboneError
+from hbone.hpack import StaticEncoder
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
@@ -102,6 +108,40 @@ _OPEN = StreamState.OPEN
 _HALF_CLOSED_LOCAL = StreamState.HALF_CLOSED_LOCAL
 _HALF_CLOSED_REMOTE = StreamState.HALF_CLOSED_REMOTE
 _STREAM_CLOSED = hbone_stream.StreamState.CLOSED
+
+
+# RFC 9113 §8.2.1: a name holds no byte in 0x00-0x20, 0x41-0x5a ("A"-"Z") or 0x7f-0xff, and no
+# colon past its first byte; a value holds no NUL, LF or CR, and does not start or end with SP or HTAB.
+_BAD_NAME_BYTE = re.compile(rb"[\x00-\x20A-Z\x7f-\xff]")
+_BAD_VALUE_BYTE = re.compile(rb"[\x00\n\r]")
+_BLANK = (0x20, 0x09)
+
+
+def _reject_illegal_characters(
+    headers: Iterable[tuple[bytes, bytes]], hdr_validation_flags: object
+) -> Iterator[tuple[bytes, bytes]]:
+    """h2's `_reject_illegal_characters` (same checks, same ProtocolErrors), by regular expression."""
+    for header in headers:
+        name, value = header[0], header[1]
+        bad = _BAD_NAME_BYTE.search(name)
+        if bad is not None:
+            c = bad.group()[0]
+            if 0x41 <= c <= 0x5A:
+                raise ProtocolError(f"Received uppercase header name {name!r}.")
+            raise ProtocolError(f"Illegal character '{chr(c)}' in header name: {name!r}")
+        if name.find(b":", 1) != -1:
+            raise ProtocolError(f"Illegal character ':' in header name: {name!r}")
+        if value:
+            bad = _BAD_VALUE_BYTE.search(value)
+            if bad is not None:
+                raise ProtocolError(f"Illegal character '{chr(bad.group()[0])}' in header value: {value!r}")
+            if value[0] in _BLANK or value[-1] in _BLANK:
+                raise ProtocolError(f"Received header value surrounded by whitespace {value!r}")
+        yield header
+
+
+H2_REJECT_ILLEGAL_CHARACTERS = h2.utilities._reject_illegal_characters  # h2's own, for the tests
+h2.utilities._reject_illegal_characters = _reject_illegal_characters
 
 
 class PeerMisbehaved(H2Error):
@@ -146,6 +186,8 @@ class _H2Connection(H2Connection):
 
     def __init__(self, config: H2Configuration) -> None:
         super().__init__(config)
+        # Our header blocks: static table and raw literals (see `hbone.hpack`); decoding stays h2's.
+        self.encoder: StaticEncoder = StaticEncoder()  # type: ignore[assignment]
         # Output is a list of buffers: small frames accumulate in `_data_to_send` (as in h2), large
         # DATA payloads are queued as they are, sparing the three copies of h2's serialisation.
         self._chunks: list[bytes | bytearray | memoryview] = []
@@ -295,7 +337,15 @@ class H2Session(asyncio.BufferedProtocol):
         self.client_side = client_side
         self.settings = settings
         self._on_request = on_request
-        self._h2 = _H2Connection(H2Configuration(client_side=client_side, header_encoding=None))
+        # Outbound fields are checked by our encoder (`hbone.hpack`), before h2 sees them.
+        self._h2 = _H2Connection(
+            H2Configuration(
+                client_side=client_side,
+                header_encoding=None,
+                validate_outbound_headers=False,
+                normalize_outbound_headers=False,
+            )
+        )
         self.transport: asyncio.Transport | None = None
         self.extra: dict[str, Any] = {}
         self.peer_identity: Identity | None = None
@@ -840,6 +890,7 @@ class H2Session(asyncio.BufferedProtocol):
         if not self.is_usable():
             raise self.close_reason or ConnectionClosed("connection is not usable (closing)")
         try:
+            self._h2.encoder.prepare(headers)
             sid = self._h2.get_next_available_stream_id()
             self._h2.send_headers(sid, headers)
         except H2Error as e:
@@ -858,6 +909,7 @@ class H2Session(asyncio.BufferedProtocol):
         if self._dead:
             return False
         try:
+            self._h2.encoder.prepare(headers)
             self._h2.send_headers(stream_id, headers, end_stream=end_stream)
         except H2Error:
             return False

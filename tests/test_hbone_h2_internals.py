@@ -11,13 +11,17 @@ import inspect
 
 import h2
 import h2.connection
+import h2.exceptions
 import h2.frame_buffer
 import h2.stream
+import h2.utilities
 import h2.windows
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.exceptions import StreamClosedError
 from h2.stream import StreamClosedBy, StreamState
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def open_server_stream() -> tuple[H2Connection, int]:
@@ -94,3 +98,31 @@ def test_window_manager_internals_and_their_threshold() -> None:
         manager._bytes_processed += 1
         assert manager._maybe_update_window() == size // 2
         assert manager.current_window_size == size
+
+
+def _outcome(check: object, headers: list[tuple[bytes, bytes]]) -> object:
+    try:
+        return list(check(headers, None))  # type: ignore[operator]
+    except h2.exceptions.ProtocolError as e:
+        return str(e)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.binary(max_size=12) | st.sampled_from([b":method", b"baggage", b"Forwarded", b"a:b"]),
+            st.binary(max_size=24) | st.sampled_from([b"CONNECT", b" x", b"x\t", b"a\r\nb", b""]),
+        ),
+        max_size=4,
+    )
+)
+def test_header_character_check_is_h2s(headers: list[tuple[bytes, bytes]]) -> None:
+    """The regular-expression check installed in h2 accepts and refuses exactly what h2's own does,
+    with the same error."""
+    from hbone import h2conn
+
+    assert h2.utilities._reject_illegal_characters is h2conn._reject_illegal_characters
+    assert _outcome(h2conn._reject_illegal_characters, headers) == _outcome(
+        h2conn.H2_REJECT_ILLEGAL_CHARACTERS, headers
+    )

@@ -172,7 +172,17 @@ def test_setup_rejects_bad_format(out: io.StringIO) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["plain", "", "tab\there", 'quote " inside', "back\\slash", "ünïcode ✓", "line\u2028sep", "\x7f", "nul\x00"],
+    [
+        "plain",
+        "",
+        "tab\there",
+        'quote " inside',
+        "back\\slash",
+        "ünïcode ✓",
+        "line\u2028sep",
+        "\x7f",
+        "nul\x00",
+    ],
 )
 def test_quoted_values_are_json_strings(out: io.StringIO, text: str) -> None:
     """Whatever a value holds, the plain line quotes it as a JSON string: it reads back unchanged."""
