@@ -206,3 +206,26 @@ def test_timestamps_are_utc_microseconds(out: io.StringIO, monkeypatch: pytest.M
         "2026-05-28T20:26:40.999999Z",
         "2026-05-28T20:26:41.500000Z",
     ]
+
+
+@pytest.mark.parametrize("fmt", ["plain", "json"])
+def test_access_lines_are_the_same_with_and_without_other_handlers(out: io.StringIO, fmt: str) -> None:
+    """With our handler alone the access log skips the record machinery; another handler on the
+    root (a test's capture, an embedding app's) gets records, and both ways print the same line."""
+    setup_logging(fmt, "info", out)
+    access_log(logging.INFO, "connection complete", COMPLETE, (("outbound", {"id": "ab"}),))
+    other = io.StringIO()
+    extra = logging.StreamHandler(other)
+    logging.getLogger().addHandler(extra)
+    try:
+        access_log(logging.INFO, "connection complete", COMPLETE, (("outbound", {"id": "ab"}),))
+    finally:
+        logging.getLogger().removeHandler(extra)
+    direct, via_record = lines(out)
+    assert other.getvalue()  # the record reached the other handler
+    strip = (
+        (lambda line: line.split("\t", 1)[1])
+        if fmt == "plain"
+        else (lambda line: {**json.loads(line), "time": ""})
+    )
+    assert strip(direct) == strip(via_record)

@@ -150,3 +150,28 @@ async def test_connect_to_a_closed_port_is_refused() -> None:
     with pytest.raises(ConnectionRefusedError) as e:
         await SocketFactory(SocketOptions()).connect(("127.0.0.1", port))
     assert str(e.value) == f"[Errno 111] Connect call failed ('127.0.0.1', {port})"
+
+
+async def test_connect_that_gets_no_answer_times_out() -> None:
+    """A listener whose accept queue is full drops new SYNs: the dial gives up at its timeout."""
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    addr = full.getsockname()
+    factory = SocketFactory(SocketOptions())
+    queued = []
+    try:
+        while True:  # fill the queue (its length is the kernel's business: until a dial hangs)
+            try:
+                queued.append(await factory.connect(addr, timeout=0.5))
+            except TimeoutError:
+                break
+            assert len(queued) < 10
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(TimeoutError):
+            await factory.connect(addr, timeout=0.3)
+        assert 0.25 < loop.time() - start < 2
+    finally:
+        for s in (full, *queued):
+            s.close()

@@ -11,15 +11,17 @@ Filter syntax, as `RUST_LOG`: comma-separated directives, each a level (the defa
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
 import sys
+import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from hbone.address import format_addr
 
@@ -96,7 +98,7 @@ def parse_filter(spec: str) -> LogFilter:
 
 
 class _State:
-    handler: logging.Handler | None = None
+    handler: logging.StreamHandler[TextIO] | None = None
     startup = LogFilter("info")
     current = LogFilter("info")
     touched: set[str] = set()
@@ -129,7 +131,7 @@ def setup_logging(log_format: str, level_filter: str, stream: TextIO | None = No
     logging.logProcesses = False
     logging.logMultiprocessing = False
     if log_format == "plain":
-        formatter: logging.Formatter = PlainFormatter()
+        formatter: LineFormatter = PlainFormatter()
     elif log_format == "json":
         formatter = JsonFormatter()
     else:
@@ -182,8 +184,38 @@ Spans = tuple[tuple[str, Mapping[str, object]], ...]
 
 
 def access_log(level: int, message: str, fields: Mapping[str, object], spans: Spans = ()) -> None:
-    if ACCESS.isEnabledFor(level):
-        ACCESS.log(level, message, extra={"fields": fields, "spans": spans})
+    if not ACCESS.isEnabledFor(level):
+        return
+    handler = _State.handler
+    if handler is not None and _direct(handler):
+        # What `logging` would do with the record, minus the record: the same line, straight to
+        # the handler's stream (two lines per connection; the record machinery was most of it).
+        formatter = cast(LineFormatter, handler.formatter)
+        items = [(k, v) for k, v in fields.items() if v is not None]
+        line = formatter.line(time.time(), level, ACCESS.name, message, items, spans)
+        with handler.lock or contextlib.nullcontext():
+            try:
+                handler.stream.write(line + "\n")
+                handler.flush()
+            except Exception:
+                handler.handleError(logging.makeLogRecord({"msg": message, "levelno": level}))
+        return
+    ACCESS.log(level, message, extra={"fields": fields, "spans": spans})
+
+
+def _direct(handler: logging.StreamHandler[TextIO]) -> bool:
+    """Whether our handler alone would see an access record, unfiltered (no test capture, no filter)."""
+    root = logging.root
+    return (
+        ACCESS.propagate
+        and not ACCESS.handlers
+        and not ACCESS.filters
+        and len(root.handlers) == 1
+        and root.handlers[0] is handler
+        and not root.filters
+        and not handler.filters
+        and handler.level <= logging.NOTSET
+    )
 
 
 def _spans(record: logging.LogRecord) -> Spans:
@@ -259,19 +291,43 @@ def _fields(record: logging.LogRecord) -> list[tuple[str, object]]:
     return items
 
 
-class PlainFormatter(logging.Formatter):
-    """`<time>\\t<level>\\t<target>\\t"<message>"\\t<k=v …>`: strings quoted, numbers and addresses bare."""
+class LineFormatter(logging.Formatter):
+    """A format of ours: `line` renders one line from its parts, for a record or without one."""
 
     def format(self, record: logging.LogRecord) -> str:
-        spans = "".join(
-            f":{name}{{{' '.join([f'{k}={_plain_value(v)}' for k, v in fields.items() if v is not None])}}}"
-            for name, fields in _spans(record)
+        return self.line(
+            record.created, record.levelno, record.name, record.getMessage(), _fields(record), _spans(record)
         )
-        line = (
-            f"{_timestamp(record.created)}\t{_level_name(record.levelno)}\t{_target(record.name)}{spans}\t"
-            f"{_quote(record.getMessage())}"
+
+    def line(
+        self,
+        created: float,
+        levelno: int,
+        name: str,
+        message: str,
+        items: list[tuple[str, object]],
+        spans: Spans,
+    ) -> str:
+        raise NotImplementedError
+
+
+class PlainFormatter(LineFormatter):
+    """`<time>\\t<level>\\t<target>\\t"<message>"\\t<k=v …>`: strings quoted, numbers and addresses bare."""
+
+    def line(
+        self,
+        created: float,
+        levelno: int,
+        name: str,
+        message: str,
+        items: list[tuple[str, object]],
+        spans: Spans,
+    ) -> str:
+        span_text = "".join(
+            f":{span}{{{' '.join([f'{k}={_plain_value(v)}' for k, v in fields.items() if v is not None])}}}"
+            for span, fields in spans
         )
-        items = _fields(record)
+        line = f"{_timestamp(created)}\t{_level_name(levelno)}\t{_target(name)}{span_text}\t{_quote(message)}"
         if not items:
             return line
         return line + "\t" + " ".join([f"{key}={_plain_value(value)}" for key, value in items])
@@ -282,20 +338,28 @@ def _plain_value(value: object) -> str:
     return bare if bare is not None else _quote(str(value))
 
 
-class JsonFormatter(logging.Formatter):
+class JsonFormatter(LineFormatter):
     """One JSON object per line: level, time, scope, message, the fields, then one object per span."""
 
-    def format(self, record: logging.LogRecord) -> str:
+    def line(
+        self,
+        created: float,
+        levelno: int,
+        name: str,
+        message: str,
+        items: list[tuple[str, object]],
+        spans: Spans,
+    ) -> str:
         obj: dict[str, Any] = {
-            "level": _level_name(record.levelno),
-            "time": _timestamp(record.created),
-            "scope": _target(record.name),
-            "message": record.getMessage(),
+            "level": _level_name(levelno),
+            "time": _timestamp(created),
+            "scope": _target(name),
+            "message": message,
         }
-        for key, value in _fields(record):
+        for key, value in items:
             obj[key] = _json_value(value)
-        for name, fields in _spans(record):
-            obj[name] = {k: _json_value(v) for k, v in fields.items() if v is not None}
+        for span, fields in spans:
+            obj[span] = {k: _json_value(v) for k, v in fields.items() if v is not None}
         return json.dumps(obj, ensure_ascii=False)
 
 

@@ -178,30 +178,31 @@ class SocketFactory:
                     sock.setsockopt(*_transparent_option(family), 1)
                 sock.setsockopt(SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
                 sock.bind((source_ip, 0))
-            async with asyncio.timeout(timeout):
-                await connect_nonblocking(sock, (host, port))
+            await connect_nonblocking(sock, (host, port), timeout)
         except BaseException:
             sock.close()
             raise
         return sock
 
 
-async def connect_nonblocking(sock: socket.socket, addr: SockAddr) -> None:
+async def connect_nonblocking(sock: socket.socket, addr: SockAddr, timeout: float) -> None:
     """Connect a non-blocking socket to a numeric address: `connect()`, then wait for writability.
 
     `loop.sock_connect` would first resolve the address; uvloop does that on its thread pool even for
     an IP literal, a thread hop that cost more than the connect itself (~100 µs per connection).
-    Raises the connect's OSError (ConnectionRefusedError, ...).
+    Raises the connect's OSError (ConnectionRefusedError, ...), or TimeoutError after `timeout`.
     """
     err = sock.connect_ex(addr)
     if err == errno.EINPROGRESS:
         loop = asyncio.get_running_loop()
         fd = sock.fileno()
         writable = loop.create_future()
-        loop.add_writer(fd, _set_done, writable)
+        loop.add_writer(fd, _settle, writable, None)
+        timer = loop.call_later(timeout, _settle, writable, TimeoutError())
         try:
             await writable
         finally:
+            timer.cancel()
             loop.remove_writer(fd)
         err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     if err:
@@ -209,6 +210,9 @@ async def connect_nonblocking(sock: socket.socket, addr: SockAddr) -> None:
         raise OSError(err, f"Connect call failed {addr!r}")
 
 
-def _set_done(fut: asyncio.Future[None]) -> None:
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
     if not fut.done():
-        fut.set_result(None)
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)

@@ -14,7 +14,6 @@ import enum
 import functools
 import ipaddress
 import logging
-import secrets as pyrandom
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,7 +31,7 @@ from ztunnel import baggage
 from ztunnel.admission import RECURSIVE_CALL, is_self_call, parse_ip, uri_of
 from ztunnel.metrics import UNKNOWN
 from ztunnel.proxy.connections import carry
-from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed
+from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, new_span_id, new_trace_id
 from ztunnel.route import NoRoute, Protocol, Route, pick_resolved, route
 from ztunnel.sockets import original_dst
 
@@ -72,7 +71,7 @@ class Upstream:
 
 def traceparent(trace: str) -> str:
     """A W3C `traceparent` of trace `trace` (32 hex digits) with a new span id, not sampled."""
-    return f"00-{trace}-{pyrandom.token_hex(8)}-00"
+    return f"00-{trace}-{new_span_id()}-00"
 
 
 def describe(e: BaseException) -> str:
@@ -163,7 +162,7 @@ class Outbound:
                 return UpstreamFailure(err, "-", Outcome.UNREACHABLE)
         mtls = r.protocol is not Protocol.TCP
         own = proxy.identity(local)
-        trace = pyrandom.token_hex(16)  # sent on in `traceparent`: the server proxy logs it too
+        trace = new_trace_id()  # sent on in `traceparent`: the server proxy logs it too
         record = ConnectionRecord(
             proxy.metrics,
             direction="outbound",
