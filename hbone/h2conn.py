@@ -141,7 +141,7 @@ def _reject_illegal_characters(
 
 
 H2_REJECT_ILLEGAL_CHARACTERS = h2.utilities._reject_illegal_characters  # h2's own, for the tests
-h2.utilities._reject_illegal_characters = _reject_illegal_characters
+h2.utilities._reject_illegal_characters = _reject_illegal_characters  # type: ignore[assignment]
 
 
 class PeerMisbehaved(H2Error):

@@ -33,7 +33,7 @@ for _i, (_name, _value) in enumerate(HeaderTable.STATIC_TABLE, 1):
     _STATIC_FIELD.setdefault((_name, _value), _i)
     _STATIC_NAME.setdefault(_name, _i)
 
-_REMEMBERED = 4096  # encoded fields kept; the cache starts over beyond that
+_REMEMBERED = 1024  # encoded fields kept; the cache starts over beyond that
 _TABLE_SIZE_ZERO = b"\x20"  # dynamic table size update to 0 (001 prefix, 5-bit integer 0)
 # A token of lowercase characters (RFC 9110 §5.6.2), after the colon of a pseudo-header.
 _NAME = re.compile(rb":?[!#$%&'*+\-.^_`|~0-9a-z]+")
@@ -83,33 +83,39 @@ def encode_field(name: str | bytes, value: str | bytes) -> bytes:
     return b"\x00" + _string(n) + _string(v)  # literal without indexing, new name
 
 
+# Encoded fields, shared by every connection of the process: the fields that repeat (`:method`,
+# `:authority`, `baggage`, `:status`). Fields unique to a stream are not kept.
+_FIELDS: dict[tuple[str | bytes, str | bytes], bytes] = {}
+_UNIQUE_NAMES = frozenset({"traceparent", "forwarded", b"traceparent", b"forwarded"})
+
+
 class StaticEncoder:
     """Stands in for `hpack.Encoder` on an h2 connection (`encode`, `header_table_size`)."""
 
     def __init__(self) -> None:
-        self._fields: dict[tuple[str | bytes, str | bytes], bytes] = {}
         self._announce = True  # the first block announces the empty dynamic table
         self.header_table_size = 4096  # the peer's setting; assigned by h2, nothing to do with it
 
     def prepare(self, headers: Iterable[tuple[str | bytes, str | bytes]]) -> None:
         """Encode (and remember) `headers` now: raises HeaderFieldError before h2 changes any state."""
         for field in headers:
-            self._field(field)
+            _field(field)
 
     def encode(self, headers: Iterable[tuple[str | bytes, str | bytes]], huffman: bool = True) -> bytes:
-        parts = [self._field(field) for field in headers]
+        parts = [_field(field) for field in headers]
         if self._announce:
             self._announce = False
             parts.insert(0, _TABLE_SIZE_ZERO)
         return b"".join(parts)
 
-    def _field(self, field: tuple[str | bytes, str | bytes]) -> bytes:
-        fields = self._fields
-        encoded = fields.get(field)
-        if encoded is None:
-            name, value = field
-            encoded = encode_field(name, value)
-            if len(fields) >= _REMEMBERED:
-                fields.clear()
-            fields[(name, value)] = encoded
-        return encoded
+
+def _field(field: tuple[str | bytes, str | bytes]) -> bytes:
+    encoded = _FIELDS.get(field)
+    if encoded is None:
+        name, value = field
+        encoded = encode_field(name, value)
+        if name not in _UNIQUE_NAMES:
+            if len(_FIELDS) >= _REMEMBERED:
+                _FIELDS.clear()
+            _FIELDS[(name, value)] = encoded
+    return encoded

@@ -23,6 +23,8 @@ INBOX_LIMIT = 256 * 1024
 class Inbox(asyncio.Protocol):
     """Buffers an accepted connection's bytes until it is relayed; `wait_data` lets a handshake wait for them."""
 
+    __slots__ = ("_paused", "_waiter", "buffer", "eof", "error", "lost", "transport")
+
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
@@ -182,6 +184,27 @@ async def relay(
     EOF, the loss of the connection) is replayed first. Both transports are closed when this
     returns. Cancelling aborts both.
     """
+    done = start_relay(a, b, a_inbox=a_inbox, b_inbox=b_inbox, on_a_to_b=on_a_to_b, on_b_to_a=on_b_to_a)
+    try:
+        # Not shielded: a cancelled relay cancels `done` too, which `_finish` then leaves alone.
+        return await done
+    except asyncio.CancelledError:
+        a.abort()
+        b.abort()
+        raise
+
+
+def start_relay(
+    a: asyncio.Transport,
+    b: asyncio.Transport,
+    *,
+    a_inbox: Inbox | None = None,
+    b_inbox: Inbox | None = None,
+    on_a_to_b: Callable[[int], None] | None = None,
+    on_b_to_a: Callable[[int], None] | None = None,
+) -> asyncio.Future[RelayResult]:
+    """`relay` without its coroutine: start the copy; the future is its result. A held connection
+    is then a future and two protocols, no frame (the caller aborts both sides if it cancels)."""
     r = _Relay()
     end_a = _End(r, a, on_a_to_b)
     end_b = _End(r, b, on_b_to_a)
@@ -202,10 +225,4 @@ async def relay(
     if not r.done.done():
         a.resume_reading()
         b.resume_reading()
-    try:
-        # Not shielded: a cancelled relay cancels `done` too, which `_finish` then leaves alone.
-        return await r.done
-    except asyncio.CancelledError:
-        a.abort()
-        b.abort()
-        raise
+    return r.done

@@ -15,6 +15,7 @@ begin a TLS handshake record closes the connection at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
@@ -326,20 +327,23 @@ class HboneServer:
             elif not name.startswith(":"):
                 fields[name] = value
         req = ConnectRequest(method, authority, fields, session.peer_identity, peer, local, stream)
-        task = session.loop.create_task(self._run_handler(req))
+        # The handler's task alone (no wrapping coroutine: a held connection keeps one frame less);
+        # what its ending means for the stream is decided in `_handler_done`.
+        task = asyncio.ensure_future(self._handler(req))
         self._handlers.add(task)
-        task.add_done_callback(self._handlers.discard)
+        task.add_done_callback(functools.partial(self._handler_done, req))
         stream.on_abandoned = task.cancel  # reset (or its connection lost) before it was answered
 
-    async def _run_handler(self, req: ConnectRequest) -> None:
-        try:
-            await self._handler(req)
-        except asyncio.CancelledError:
+    def _handler_done(self, req: ConnectRequest, task: asyncio.Future[None]) -> None:
+        self._handlers.discard(task)
+        req.stream.on_abandoned = None  # nothing left to cancel (and the task is not kept alive)
+        if task.cancelled():
             if not req.responded:
                 req.stream.abort()
-            raise
-        except Exception:
-            log.exception("hbone: handler failed for %r", req)
+            return
+        error = task.exception()
+        if error is not None:
+            log.error("hbone: handler failed for %r", req, exc_info=error)
         if not req.responded:
             req.respond(503)
         elif req.stream.get_protocol() is None:

@@ -49,7 +49,10 @@ def _check_matrix(data: dict[str, Any]) -> list[str]:
             if not measured or (mode == "direct" and f.key in PROXY_ONLY):
                 assert value is None, (mode, f.key, value)
                 continue
-            assert value is not None and value > 0, (mode, f.key, value)
+            assert value is not None, (mode, f.key)
+            # Memory growth over a few hundred held connections can be nothing at all: they may
+            # fit in memory the allocator already holds. Every other figure is a positive amount.
+            assert value >= 0 if f.key == "rss_per_conn_kib" else value > 0, (mode, f.key, value)
             if mode != "direct" and f.key not in PROXY_ONLY:
                 assert summary["vs_direct"][mode][f.key] is not None, (mode, f.key)
 

@@ -193,6 +193,10 @@ async def connect_nonblocking(sock: socket.socket, addr: SockAddr, timeout: floa
     Raises the connect's OSError (ConnectionRefusedError, ...), or TimeoutError after `timeout`.
     """
     err = sock.connect_ex(addr)
+    if err == errno.EINPROGRESS and _established(sock):
+        # A local destination (a pod's own address, loopback) completes its handshake inside the
+        # connect() call: no need to wait a loop iteration for writability.
+        err = 0
     if err == errno.EINPROGRESS:
         loop = asyncio.get_running_loop()
         fd = sock.fileno()
@@ -208,6 +212,14 @@ async def connect_nonblocking(sock: socket.socket, addr: SockAddr, timeout: floa
     if err:
         # Worded as asyncio's sock_connect words it (access logs and operators' alerts keep matching).
         raise OSError(err, f"Connect call failed {addr!r}")
+
+
+def _established(sock: socket.socket) -> bool:
+    try:
+        sock.getpeername()
+    except OSError:
+        return False  # ENOTCONN: still in progress
+    return True
 
 
 def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:

@@ -1300,7 +1300,10 @@ class Supervisor:
                         self._started.set_result(None)
                 elif isinstance(message, Counters):
                     self.sums.report(slot.index, message.families)
-                    slot.pod_connections = message.pods
+                    if message.seq:
+                        # Only an answer to a scrape lists the pods' connections; a periodic push
+                        # (seq 0) arriving after it must not wipe what /config_dump is about to show.
+                        slot.pod_connections = message.pods
                     scrape = slot.scrape
                     if message.seq and message.seq == slot.scrape_seq and scrape and not scrape.done():
                         scrape.set_result(None)

@@ -10,11 +10,12 @@ policy change` and recorded as `DENY` (a late rejection, as the reference's).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hbone.relay import Inbox, RelayResult, relay
+from hbone.relay import Inbox, RelayResult, start_relay
 from hbone.tls import REVOKED
 from policy import Authorization, Connection, Deny, authorize
 from ztunnel.proxy.telemetry import ConnectionRecord
@@ -71,7 +72,7 @@ class ConnectionTracker:
         self._open.clear()
 
 
-async def carry(
+def carry(
     downstream: asyncio.Transport,
     upstream: asyncio.Transport,
     record: ConnectionRecord,
@@ -80,44 +81,73 @@ async def carry(
     up_inbox: Inbox | None = None,
     tracker: ConnectionTracker | None = None,
     authorized: tuple[Connection, str] | None = None,
-) -> None:
-    """Relay until both directions end, then complete the record.
+) -> asyncio.Future[RelayResult]:
+    """Start relaying; the record is completed when both directions have ended. Returns the relay's
+    future: done then, and cancelling it (a drain deadline) cuts both sides.
+
+    Nothing waits on a carried connection: it is two protocols and this future, no task or frame
+    (what most of a held connection's memory was).
 
     With a `tracker`, `authorized` (what authorization saw, and the local workload's uid) keeps an
     inbound connection under re-authorization, which cuts it if a policy change now denies it.
     """
-    result: RelayResult | None = None
-    rejected: list[str] = []
-    tracked = None
+    carried = _Carried(downstream, upstream, record)
     if tracker is not None and authorized is not None:
+        carried.tracked = tracker.register(*authorized, carried.reject)
+        carried.tracker = tracker
+    done = start_relay(
+        downstream,
+        upstream,
+        a_inbox=down_inbox,
+        b_inbox=up_inbox,
+        on_a_to_b=record.received,
+        on_b_to_a=record.sent,
+    )
+    done.add_done_callback(carried, context=NO_CONTEXT)
+    return done
 
-        def reject(error: str) -> None:
-            rejected.append(error)
-            downstream.abort()
-            upstream.abort()
 
-        tracked = tracker.register(*authorized, reject)
-    try:
-        result = await relay(
-            downstream,
-            upstream,
-            a_inbox=down_inbox,
-            b_inbox=up_inbox,
-            on_a_to_b=record.received,
-            on_b_to_a=record.sent,
-        )
-    finally:
-        if tracked is not None and tracker is not None:
-            tracker.unregister(tracked)
-        revoked = None if result is None else _revoked(downstream, upstream)
-        if result is None:  # cancelled (drain deadline) or crashed
+# Callbacks of carried connections run in this (empty) context: done callbacks would otherwise copy
+# the current one, an object per callback kept for the connection's lifetime.
+NO_CONTEXT = contextvars.Context()
+
+
+class _Carried:
+    """What completes a carried connection's record when its relay ends (one small object)."""
+
+    __slots__ = ("downstream", "record", "rejected", "tracked", "tracker", "upstream")
+
+    def __init__(self, downstream: asyncio.Transport, upstream: asyncio.Transport, record: ConnectionRecord):
+        self.downstream = downstream
+        self.upstream = upstream
+        self.record = record
+        self.rejected: str | None = None
+        self.tracked: Tracked | None = None
+        self.tracker: ConnectionTracker | None = None
+
+    def reject(self, error: str) -> None:
+        """Cut the connection (a policy change denies it): its record says `error`."""
+        self.rejected = error
+        self.downstream.abort()
+        self.upstream.abort()
+
+    def __call__(self, done: asyncio.Future[RelayResult]) -> None:
+        if self.tracked is not None and self.tracker is not None:
+            self.tracker.unregister(self.tracked)
+        record = self.record
+        if done.cancelled():  # a drain deadline
+            self.downstream.abort()
+            self.upstream.abort()
             record.finish(received=0, sent=0, error="connection closed: drain deadline")
-        elif revoked is not None:  # a CRL reload tore its HBONE connection down
+            return
+        result = done.result()
+        revoked = _revoked(self.downstream, self.upstream)
+        if revoked is not None:  # a CRL reload tore its HBONE connection down
             record.finish(
                 received=result.a_to_b, sent=result.b_to_a, error=str(revoked), flags="CERT_REVOKED"
             )
-        elif rejected:
-            record.finish(received=result.a_to_b, sent=result.b_to_a, error=rejected[0], flags="DENY")
+        elif self.rejected is not None:
+            record.finish(received=result.a_to_b, sent=result.b_to_a, error=self.rejected, flags="DENY")
         else:
             # Resets and broken pipes during the copy are normal TCP endings.
             record.finish(received=result.a_to_b, sent=result.b_to_a)

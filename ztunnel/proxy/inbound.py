@@ -88,12 +88,7 @@ class Inbound:
             mtls=True,
             spans=(span,),
             registry=proxy.open_connections,
-            dump_as={
-                "src": src_s,
-                "originalDst": req.authority,
-                "actualDst": format_addr(*plan.app),
-                "protocol": "HBONE",
-            },
+            dump_as=(req.authority, format_addr(*plan.app), "HBONE"),
         )
         req.headers.clear()  # read by now; a held connection need not keep them
         log_policy_decision(decision, src_s, local_s, info=proxy.config.authz_policy_info_logging)
@@ -123,13 +118,15 @@ class Inbound:
             # The app learns who connected, to what, and the client's identity.
             client, target = plan.proxy_header
             app.write(encode_tunnel_header(client, target, str(identity) if identity else None))
-        await carry(
-            req.stream,
-            app,
-            record,
-            up_inbox=app_inbox,
-            tracker=proxy.tracker,
-            authorized=(plan.connection, local.uid),
+        proxy.hold(
+            carry(
+                req.stream,
+                app,
+                record,
+                up_inbox=app_inbox,
+                tracker=proxy.tracker,
+                authorized=(plan.connection, local.uid),
+            )
         )
 
     def _peer_from_baggage(self, w: Workload | None, identity: Identity | None, header: str | None) -> Peer:

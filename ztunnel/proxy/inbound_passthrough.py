@@ -13,7 +13,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from hbone.address import canonical_addr, format_addr
-from hbone.relay import Inbox
+from hbone.relay import Inbox, RelayResult
 from ztunnel.admission import InboundRequest, Reject, parse_ip
 from ztunnel.logs import Bare
 from ztunnel.proxy.connections import carry
@@ -30,7 +30,7 @@ class InboundPassthrough:
     def __init__(self, proxy: ProxyInstance) -> None:
         self.proxy = proxy
 
-    async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> None:
+    async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> asyncio.Future[RelayResult] | None:
         proxy = self.proxy
         src = canonical_addr(transport.get_extra_info("peername"))
         dst = original_dst(transport.get_extra_info("socket"))
@@ -40,7 +40,7 @@ class InboundPassthrough:
         if isinstance(decision, Reject) and decision.plan is None:
             connection_failed(src_s, dst_s, "inbound", decision.reason)
             transport.close()
-            return
+            return None
         plan = decision.plan
         assert plan is not None
         record = ConnectionRecord(
@@ -53,18 +53,13 @@ class InboundPassthrough:
             service=plan.service,
             spans=(("inbound", {"id": trace_id(None), "peer": Bare(src_s)}),),
             registry=proxy.open_connections,
-            dump_as={
-                "src": src_s,
-                "originalDst": dst_s,
-                "actualDst": format_addr(*plan.app),
-                "protocol": "TCP",
-            },
+            dump_as=(dst_s, format_addr(*plan.app), "TCP"),
         )
         log_policy_decision(decision, src_s, dst_s, info=proxy.config.authz_policy_info_logging)
         if isinstance(decision, Reject):
             transport.close()
             record_denial(record, decision)
-            return
+            return None
         try:
             app, app_inbox = await proxy.connect_tcp(
                 plan.app, source_ip=plan.source_ip, transparent=plan.transparent
@@ -72,13 +67,15 @@ class InboundPassthrough:
         except Exception as e:
             transport.close()
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
-            return
-        await carry(
-            transport,
-            app,
-            record,
-            down_inbox=inbox,
-            up_inbox=app_inbox,
-            tracker=proxy.tracker,
-            authorized=(plan.connection, plan.local.uid),
+            return None
+        return proxy.hold(
+            carry(
+                transport,
+                app,
+                record,
+                down_inbox=inbox,
+                up_inbox=app_inbox,
+                tracker=proxy.tracker,
+                authorized=(plan.connection, plan.local.uid),
+            )
         )

@@ -16,7 +16,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 from prometheus_client import Gauge
 
@@ -46,7 +46,7 @@ from ztunnel.config import (
 )
 from ztunnel.identity import SecretManager
 from ztunnel.metrics import Metrics
-from ztunnel.proxy.connections import ConnectionTracker
+from ztunnel.proxy.connections import NO_CONTEXT, ConnectionTracker
 from ztunnel.proxy.inbound import Inbound
 from ztunnel.proxy.inbound_passthrough import InboundPassthrough
 from ztunnel.proxy.outbound import CONNECT_TIMEOUT, Outbound
@@ -63,10 +63,12 @@ LOCAL_WORKLOAD_WAIT = 5.0
 class _Accepted(Inbox):
     """An accepted connection: hands itself to a handler task as soon as it is made."""
 
+    __slots__ = ("_handler", "_instance", "_sockets_open")
+
     def __init__(
         self,
         instance: ProxyInstance,
-        handler: Callable[[asyncio.Transport, Inbox], Awaitable[None]],
+        handler: Callable[[asyncio.Transport, Inbox], Awaitable[asyncio.Future[Any] | None]],
         sockets_open: Gauge,
     ):
         super().__init__()
@@ -77,21 +79,30 @@ class _Accepted(Inbox):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         transport = cast(asyncio.Transport, transport)
-        # Open while its handling runs: the handler returns once both sides are closed.
+        # Open until its handling ends: at once when it failed, else when the carried connection does.
         self._sockets_open.inc()
         self._instance.track(self._handler(transport, self)).add_done_callback(self._handled)
 
-    def _handled(self, task: asyncio.Future[None]) -> None:
-        self._sockets_open.dec()
+    def _handled(self, task: asyncio.Future[asyncio.Future[Any] | None]) -> None:
         # A bug in one connection's handling must cost that connection only. (A done callback
-        # rather than a wrapping coroutine: one coroutine frame less per held connection.)
-        if self.transport is None:
-            return
+        # rather than a wrapping coroutine: one coroutine frame less per connection.)
+        carried = None
         if task.cancelled():
-            self.transport.abort()
+            if self.transport is not None:
+                self.transport.abort()
         elif (error := task.exception()) is not None:
             log.error("connection handling failed", exc_info=error)
-            self.transport.abort()
+            if self.transport is not None:
+                self.transport.abort()
+        else:
+            carried = task.result()
+        if carried is not None and not carried.done():
+            carried.add_done_callback(self._closed, context=NO_CONTEXT)
+        else:
+            self._sockets_open.dec()
+
+    def _closed(self, _: object) -> None:
+        self._sockets_open.dec()
 
 
 class ProxyInstance:
@@ -120,7 +131,8 @@ class ProxyInstance:
             frame_size=config.http2_frame_size,
         )
         self._servers: list[asyncio.AbstractServer] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Handlers running, and connections carried: what a drain waits for, then cancels.
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._state_waiters: set[asyncio.Future[None]] = set()
         self.addresses: dict[str, tuple[str, int]] = {}
         # What admission depends on; whether the app sees the client's own address is decided when
@@ -140,7 +152,9 @@ class ProxyInstance:
         self.inbound = Inbound(self)
         # The DNS proxy of this workload, made when the listeners are bound (off with DNS capture off).
         self.dns: dns.DnsServer | None = None
-        self._handlers: dict[str, Callable[[asyncio.Transport, Inbox], Awaitable[None]]] = {
+        self._handlers: dict[
+            str, Callable[[asyncio.Transport, Inbox], Awaitable[asyncio.Future[Any] | None]]
+        ] = {
             "outbound": self.outbound.handle,
             "inbound_plaintext": InboundPassthrough(self).handle,
             "socks5": Socks5(self).handle,
@@ -208,8 +222,9 @@ class ProxyInstance:
         """The open connections by direction, as `workloadState` lists a pod's."""
         out: dict[str, list[dict[str, str]]] = {"inbound": [], "outbound": []}
         for record in self.open_connections:
-            if record.dump_as is not None:
-                out[record.direction].append(dict(record.dump_as))
+            dump = record.dump()
+            if dump is not None:
+                out[record.direction].append(dump)
         for entries in out.values():
             entries.sort(key=lambda e: (e["src"], e["originalDst"]))
         return out
@@ -247,11 +262,19 @@ class ProxyInstance:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def track(self, coro: Awaitable[None]) -> asyncio.Future[None]:
+    def track(
+        self, coro: Awaitable[asyncio.Future[Any] | None]
+    ) -> asyncio.Future[asyncio.Future[Any] | None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def hold(self, carried: asyncio.Future[Any]) -> asyncio.Future[Any]:
+        """A carried connection (`connections.carry`'s future): a drain waits for it, then cuts it."""
+        self._tasks.add(carried)
+        carried.add_done_callback(self._tasks.discard, context=NO_CONTEXT)
+        return carried
 
     def bind_listeners(self, *, inbound_only: bool = False) -> dict[str, socket.socket]:
         """Bind every listener now (a port conflict is a start-up error).

@@ -24,7 +24,7 @@ from hbone.errors import CertificateRevoked, HboneError, HttpStatusError, TlsHan
 from hbone.identity import Identity
 from hbone.inner import open_inner
 from hbone.pool import Pool, PoolKey
-from hbone.relay import Inbox
+from hbone.relay import Inbox, RelayResult
 from hbone.stream import HboneStream
 from xds.model import IPAddress, Workload
 from ztunnel import baggage
@@ -114,19 +114,19 @@ class Outbound:
             idle_timeout=config.pool_unused_release_timeout,
         )
 
-    async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> None:
+    async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> asyncio.Future[RelayResult] | None:
         """A connection accepted on 15001: to its original destination."""
         src = canonical_addr(transport.get_extra_info("peername"))
         dst = original_dst(transport.get_extra_info("socket"))
         if is_self_call(parse_ip(dst[0]), dst[1], self.proxy.illegal, ours=False):
             connection_failed(format_addr(*src), format_addr(*dst), "outbound", RECURSIVE_CALL)
             transport.close()
-            return
+            return None
         up = await self.open_upstream(src, dst)
         if isinstance(up, UpstreamFailure):
             transport.close()
-            return
-        await carry(transport, up.transport, up.record, down_inbox=inbox, up_inbox=up.inbox)
+            return None
+        return self.proxy.hold(carry(transport, up.transport, up.record, down_inbox=inbox, up_inbox=up.inbox))
 
     async def open_upstream(self, src: tuple[str, int], dst: tuple[str, int]) -> Upstream | UpstreamFailure:
         """Resolve and establish the upstream of an outbound connection: the source workload (waiting
@@ -163,11 +163,12 @@ class Outbound:
         mtls = r.protocol is not Protocol.TCP
         own = proxy.identity(local)
         trace = new_trace_id()  # sent on in `traceparent`: the server proxy logs it too
+        next_hop_s = format_addr(*r.next_hop)
         record = ConnectionRecord(
             proxy.metrics,
             direction="outbound",
             src_addr=src_s,
-            dst_addr=format_addr(*r.next_hop),
+            dst_addr=next_hop_s,
             src=Peer(local, uri_of(own) if mtls else None),
             dst=Peer(r.workload, _workload_uri(r.workload) if (mtls and r.workload) else None),
             service=r.service,
@@ -175,12 +176,7 @@ class Outbound:
             mtls=mtls,
             spans=(("outbound", {"id": trace}),),
             registry=proxy.open_connections,
-            dump_as={
-                "src": src_s,
-                "originalDst": dst_s,
-                "actualDst": format_addr(*r.next_hop),
-                "protocol": r.protocol.name,
-            },
+            dump_as=(dst_s, next_hop_s, r.protocol.name),
         )
         try:
             transport, inbox = await self._establish(r, src, local, own, trace)

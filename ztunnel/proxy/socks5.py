@@ -16,7 +16,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from hbone.address import canonical_addr, canonical_host, format_addr
-from hbone.relay import Inbox
+from hbone.relay import Inbox, RelayResult
 from xds.model import IPAddress
 from ztunnel import dns
 from ztunnel.dns.resolver import Authoritative, resolve
@@ -48,12 +48,12 @@ class Socks5:
     def __init__(self, proxy: ProxyInstance) -> None:
         self.proxy = proxy
 
-    async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> None:
+    async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> asyncio.Future[RelayResult] | None:
         src = canonical_addr(transport.get_extra_info("peername"))
         request = await self._handshake(transport, inbox, src)
         if request is None:
             transport.close()
-            return
+            return None
         try:
             dst_ip = await self._resolve(request.host, ipaddress.ip_address(src[0]).version)
         except (OSError, UnicodeError) as e:
@@ -62,14 +62,14 @@ class Socks5:
             )
             transport.write(encode_reply(Reply.HOST_UNREACHABLE))
             transport.close()
-            return
+            return None
         up = await self.proxy.outbound.open_upstream(src, (dst_ip, request.port))
         if isinstance(up, UpstreamFailure):
             transport.write(encode_reply(reply_for(up)))
             transport.close()
-            return
+            return None
         transport.write(encode_reply(Reply.SUCCEEDED))
-        await carry(transport, up.transport, up.record, down_inbox=inbox, up_inbox=up.inbox)
+        return self.proxy.hold(carry(transport, up.transport, up.record, down_inbox=inbox, up_inbox=up.inbox))
 
     async def _handshake(
         self, transport: asyncio.Transport, inbox: Inbox, src: tuple[str, int]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from xds.model import Service, Workload
@@ -184,10 +183,11 @@ class ConnectionRecord:
         mtls: bool = False,
         spans: Spans = (),
         registry: set[ConnectionRecord] | None = None,
-        dump_as: Mapping[str, str] | None = None,
+        dump_as: tuple[str, str, str] | None = None,
     ) -> None:
         """`registry`: the proxy's set of open connections, this one is in it until `finish`;
-        `dump_as`: how `/config_dump` lists it (`src`, `originalDst`, `actualDst`, `protocol`)."""
+        `dump_as`: what `/config_dump` lists of it besides `src`: `originalDst`, `actualDst` and
+        `protocol` (a tuple: a held connection keeps it)."""
         self.direction = direction
         self.src_addr = src_addr
         self.dst_addr = dst_addr
@@ -213,6 +213,13 @@ class ConnectionRecord:
                 {**self._endpoints(), "direction": direction},
                 spans,
             )
+
+    def dump(self) -> dict[str, str] | None:
+        """How `/config_dump` lists this connection (None: it does not)."""
+        if self.dump_as is None:
+            return None
+        original, actual, protocol = self.dump_as
+        return {"src": self.src_addr, "originalDst": original, "actualDst": actual, "protocol": protocol}
 
     def _endpoints(self) -> dict[str, object]:
         """Who and where, as the access log names them (absent values left out when printed)."""
