@@ -292,6 +292,7 @@ def on_demand_labels(local: Workload, principal: str, hostname: str) -> tuple[st
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def _identities(uris: tuple[str, ...]) -> tuple[Identity, ...]:
     return tuple(i for i in map(Identity.try_parse, uris) if i is not None)
 
