@@ -175,3 +175,56 @@ async def test_connect_that_gets_no_answer_times_out() -> None:
     finally:
         for s in (full, *queued):
             s.close()
+
+
+_TIME_WAIT_PROBE = textwrap.dedent(
+    """
+    import asyncio, errno, socket, sys
+    from ztunnel.sockets import SocketFactory, SocketOptions
+
+    async def main():
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 7000))
+        srv.listen(64)
+        srv.setblocking(False)
+        loop = asyncio.get_running_loop()
+
+        async def close_after_client():  # the client closes first: its side goes to TIME_WAIT
+            conn, _ = await loop.sock_accept(srv)
+            conn.setblocking(False)
+            await loop.sock_recv(conn, 1)
+            conn.close()
+
+        async def one(sock):
+            task = asyncio.ensure_future(close_after_client())
+            sock.close()
+            await task
+
+        for _ in range(8):  # the kernel's ephemeral range, 8 ports: all in TIME_WAIT afterwards
+            s = socket.socket()
+            s.setblocking(False)
+            await loop.sock_connect(s, ("127.0.0.1", 7000))
+            await one(s)
+        s = socket.socket()
+        print("kernel:", errno.errorcode.get(s.connect_ex(("127.0.0.1", 7000)), "ok"))
+        s.close()
+        factory = SocketFactory(SocketOptions(source_ports=(40100, 40107)))
+        for _ in range(24):  # three times round 8 ports of its own, every one in TIME_WAIT
+            await one(await factory.connect(("127.0.0.1", 7000), timeout=5))
+        print("factory: 24 connected")
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_outgoing_connections_reuse_time_wait_ports(netns: Netns) -> None:
+    """Where every ephemeral port has a TIME_WAIT socket to the destination, the kernel refuses a
+    new connection (it searched them all); the dialler's ports, taken in turn and bound explicitly,
+    reuse their own TIME_WAIT address pairs and keep connecting."""
+    netns.exec("sysctl", "-qw", "net.ipv4.tcp_tw_reuse=0")
+    netns.exec("sysctl", "-qw", "net.ipv4.ip_local_port_range=40000 40007")
+    out = netns.exec(sys.executable, "-c", _TIME_WAIT_PROBE, check=False)
+    text = (out.stdout + out.stderr).decode()
+    assert out.returncode == 0, text
+    assert text.splitlines() == ["kernel: EADDRNOTAVAIL", "factory: 24 connected"], text
