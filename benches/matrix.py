@@ -73,10 +73,11 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         "rss_idle_mb",
-        "idle RSS, largest proxy",
+        "idle memory (PSS), largest proxy",
         "MB",
         False,
-        "resident memory of the mode's largest proxy process, idle, before the load (10^6 bytes)",
+        "memory of the mode's largest proxy, idle, before the load: PSS summed over its processes "
+        "(a ztunnel's parent, fork server and workers share pages, counted once) (10^6 bytes)",
     ),
     Figure(
         "rss_per_conn_kib",
@@ -87,10 +88,10 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         "rss_loaded_mb",
-        "idle RSS after the load",
+        "idle memory (PSS) after the load",
         "MB",
         False,
-        "the largest proxy's resident memory, idle again at the end of the round (10^6 bytes)",
+        "the largest proxy's PSS summed over its processes, idle again at the end of the round (10^6 bytes)",
     ),
 )
 WORKER_COUNTS = (1, 2, 4)
@@ -349,13 +350,13 @@ class Matrix:
             self.errors.append(f"{mode.name}: hold: {res['errors']} of {s.hold} connections failed")
         self.memory[mode.name].append({"idle_kib": idle, "held_kib": held, "held": res["held"]})
         if mode.processes:
-            out["rss_idle_mb"] = max(idle.values()) * 1024 / 1e6
+            out["rss_idle_mb"] = max(procfs.total_pss_kib(p.pids()) for p in mode.processes) * 1024 / 1e6
             out["rss_per_conn_kib"] = (sum(held.values()) - sum(idle.values())) / max(res["held"], 1)
 
     def _loaded(self, mode: Mode, out: dict[str, float | None]) -> None:
         if mode.processes:
             time.sleep(0.2)  # the last test's connections close
-            out["rss_loaded_mb"] = max(procfs.total_rss_kib(p.pids()) for p in mode.processes) * 1024 / 1e6
+            out["rss_loaded_mb"] = max(procfs.total_pss_kib(p.pids()) for p in mode.processes) * 1024 / 1e6
 
     # -- results -------------------------------------------------------------------------------
 

@@ -37,6 +37,20 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def pss_kib(pid: int) -> int:
+    """Proportional set size in KiB (each shared page divided among the processes mapping it); 0
+    once the process is gone. Summed over a parent and the workers it forked, it counts their shared
+    pages once, where RSS would count them once per process."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return 0
+
+
 def children(pid: int) -> list[int]:
     """Direct children of `pid`, from each thread's `children` list."""
     out: list[int] = []
@@ -69,6 +83,10 @@ def total_cpu(pids: Iterable[int]) -> float:
 
 def total_rss_kib(pids: Iterable[int]) -> int:
     return sum(rss_kib(p) for p in pids)
+
+
+def total_pss_kib(pids: Iterable[int]) -> int:
+    return sum(pss_kib(p) for p in pids)
 
 
 def open_fds(pid: int) -> int:

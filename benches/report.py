@@ -65,7 +65,7 @@ TARGETS = (
         lambda s: s["value"]["hbone"]["conn_cpu_us"],
         at_most=600.0,
     ),
-    Target("idle RSS of one ztunnel ≤ 40 MB", _max_idle, at_most=40.0),
+    Target("idle memory (PSS, all its processes) of one ztunnel ≤ 40 MB", _max_idle, at_most=40.0),
 )
 
 
