@@ -342,6 +342,7 @@ class Matrix:
         self._call(mode, "rss_per_conn_kib", "release")
         time.sleep(0.3)
         idle = {p.name: procfs.total_rss_kib(p.pids()) for p in mode.processes}
+        idle_pss = [procfs.total_pss_kib(p.pids()) for p in mode.processes]
         res = self._call(mode, "rss_per_conn_kib", "hold", entry=mode.entry, count=s.hold)
         time.sleep(0.3)
         held = {p.name: procfs.total_rss_kib(p.pids()) for p in mode.processes}
@@ -350,7 +351,7 @@ class Matrix:
             self.errors.append(f"{mode.name}: hold: {res['errors']} of {s.hold} connections failed")
         self.memory[mode.name].append({"idle_kib": idle, "held_kib": held, "held": res["held"]})
         if mode.processes:
-            out["rss_idle_mb"] = max(procfs.total_pss_kib(p.pids()) for p in mode.processes) * 1024 / 1e6
+            out["rss_idle_mb"] = max(idle_pss) * 1024 / 1e6
             out["rss_per_conn_kib"] = (sum(held.values()) - sum(idle.values())) / max(res["held"], 1)
 
     def _loaded(self, mode: Mode, out: dict[str, float | None]) -> None:
