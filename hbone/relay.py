@@ -6,7 +6,7 @@ is the transports' own: when one side's write buffer passes its high-water mark,
 reading until it drains. The copy is done when both directions have ended or either side is lost.
 
 `Inbox` is the protocol of a connection that is accepted but not yet relayed: it holds what arrives
-(so a handshake such as SOCKS5 can read from it) until `relay` takes the transport over.
+(so a handshake such as SOCKS5 can read from it) until `start_relay` takes the transport over.
 """
 
 from __future__ import annotations
@@ -169,31 +169,6 @@ class _Relay:
             self.maybe_done()
 
 
-async def relay(
-    a: asyncio.Transport,
-    b: asyncio.Transport,
-    *,
-    a_inbox: Inbox | None = None,
-    b_inbox: Inbox | None = None,
-    on_a_to_b: Callable[[int], None] | None = None,
-    on_b_to_a: Callable[[int], None] | None = None,
-) -> RelayResult:
-    """Copy bytes between two transports until both directions end; returns the byte counts.
-
-    An `Inbox` given for a side is the protocol that side had until now: what it holds (bytes, an
-    EOF, the loss of the connection) is replayed first. Both transports are closed when this
-    returns. Cancelling aborts both.
-    """
-    done = start_relay(a, b, a_inbox=a_inbox, b_inbox=b_inbox, on_a_to_b=on_a_to_b, on_b_to_a=on_b_to_a)
-    try:
-        # Not shielded: a cancelled relay cancels `done` too, which `_finish` then leaves alone.
-        return await done
-    except asyncio.CancelledError:
-        a.abort()
-        b.abort()
-        raise
-
-
 def start_relay(
     a: asyncio.Transport,
     b: asyncio.Transport,
@@ -203,8 +178,14 @@ def start_relay(
     on_a_to_b: Callable[[int], None] | None = None,
     on_b_to_a: Callable[[int], None] | None = None,
 ) -> asyncio.Future[RelayResult]:
-    """`relay` without its coroutine: start the copy; the future is its result. A held connection
-    is then a future and two protocols, no frame (the caller aborts both sides if it cancels)."""
+    """Start copying bytes between two transports until both directions end; the future's result is
+    the byte counts.
+
+    An `Inbox` given for a side is the protocol that side had until now: what it holds (bytes, an
+    EOF, the loss of the connection) is replayed first. Both transports are closed when the copy
+    ends. Nothing waits in a coroutine meanwhile: a held connection is this future and two
+    protocols. Cancelling the future ends the copy; the caller then aborts both transports.
+    """
     r = _Relay()
     end_a = _End(r, a, on_a_to_b)
     end_b = _End(r, b, on_b_to_a)

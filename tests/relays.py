@@ -12,7 +12,6 @@ proxy of the tests trusts them and they trust every proxy), and record what they
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from hbone.client import HboneConnection
 from hbone.errors import HboneError, HttpStatusError
 from hbone.identity import Identity
-from hbone.relay import Inbox, relay
+from hbone.relay import Inbox, start_relay
 from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials, WorkloadCertificate
@@ -148,7 +147,7 @@ async def start_waypoint(ip: str, identity: Identity, table: Mapping[str, Onward
         conn.close()  # one stream per connection: it closes once the stream ends
         seen.status = 200
         req.respond(200)
-        await relay(req.stream, stream)
+        start_relay(req.stream, stream)
 
     return await _start(ip, identity, handle)
 
@@ -176,7 +175,6 @@ async def start_gateway(ip: str, identity: Identity, table: Mapping[str, tuple[s
         transport.pause_reading()
         seen.status = 200
         req.respond(200)
-        with contextlib.suppress(ConnectionError):
-            await relay(req.stream, transport, b_inbox=inbox)
+        start_relay(req.stream, transport, b_inbox=inbox)
 
     return await _start(ip, identity, handle)

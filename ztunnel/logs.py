@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TextIO, cast
+from typing import Any, NamedTuple, TextIO, cast
 
 from hbone.address import format_addr
 
@@ -192,7 +192,7 @@ def access_log(level: int, message: str, fields: Mapping[str, object], spans: Sp
         # the handler's stream (two lines per connection; the record machinery was most of it).
         formatter = cast(LineFormatter, handler.formatter)
         items = [(k, v) for k, v in fields.items() if v is not None]
-        line = formatter.line(time.time(), level, ACCESS.name, message, items, spans)
+        line = formatter.line(Line(time.time(), level, ACCESS.name, message, items, spans))
         with handler.lock or contextlib.nullcontext():
             try:
                 handler.stream.write(line + "\n")
@@ -291,46 +291,51 @@ def _fields(record: logging.LogRecord) -> list[tuple[str, object]]:
     return items
 
 
+class Line(NamedTuple):
+    """What a log line says, whichever way it came (a record, or an access log written directly)."""
+
+    created: float
+    levelno: int
+    name: str
+    message: str
+    items: list[tuple[str, object]]  # the fields, None values left out
+    spans: Spans
+
+
 class LineFormatter(logging.Formatter):
-    """A format of ours: `line` renders one line from its parts, for a record or without one."""
+    """A format of ours: `line` renders one `Line`, for a record or without one."""
 
     def format(self, record: logging.LogRecord) -> str:
         return self.line(
-            record.created, record.levelno, record.name, record.getMessage(), _fields(record), _spans(record)
+            Line(
+                record.created,
+                record.levelno,
+                record.name,
+                record.getMessage(),
+                _fields(record),
+                _spans(record),
+            )
         )
 
-    def line(
-        self,
-        created: float,
-        levelno: int,
-        name: str,
-        message: str,
-        items: list[tuple[str, object]],
-        spans: Spans,
-    ) -> str:
+    def line(self, line: Line) -> str:
         raise NotImplementedError
 
 
 class PlainFormatter(LineFormatter):
     """`<time>\\t<level>\\t<target>\\t"<message>"\\t<k=v …>`: strings quoted, numbers and addresses bare."""
 
-    def line(
-        self,
-        created: float,
-        levelno: int,
-        name: str,
-        message: str,
-        items: list[tuple[str, object]],
-        spans: Spans,
-    ) -> str:
+    def line(self, line: Line) -> str:
         span_text = "".join(
             f":{span}{{{' '.join([f'{k}={_plain_value(v)}' for k, v in fields.items() if v is not None])}}}"
-            for span, fields in spans
+            for span, fields in line.spans
         )
-        line = f"{_timestamp(created)}\t{_level_name(levelno)}\t{_target(name)}{span_text}\t{_quote(message)}"
-        if not items:
-            return line
-        return line + "\t" + " ".join([f"{key}={_plain_value(value)}" for key, value in items])
+        text = (
+            f"{_timestamp(line.created)}\t{_level_name(line.levelno)}\t{_target(line.name)}{span_text}\t"
+            f"{_quote(line.message)}"
+        )
+        if not line.items:
+            return text
+        return text + "\t" + " ".join([f"{key}={_plain_value(value)}" for key, value in line.items])
 
 
 def _plain_value(value: object) -> str:
@@ -341,24 +346,16 @@ def _plain_value(value: object) -> str:
 class JsonFormatter(LineFormatter):
     """One JSON object per line: level, time, scope, message, the fields, then one object per span."""
 
-    def line(
-        self,
-        created: float,
-        levelno: int,
-        name: str,
-        message: str,
-        items: list[tuple[str, object]],
-        spans: Spans,
-    ) -> str:
+    def line(self, line: Line) -> str:
         obj: dict[str, Any] = {
-            "level": _level_name(levelno),
-            "time": _timestamp(created),
-            "scope": _target(name),
-            "message": message,
+            "level": _level_name(line.levelno),
+            "time": _timestamp(line.created),
+            "scope": _target(line.name),
+            "message": line.message,
         }
-        for key, value in items:
+        for key, value in line.items:
             obj[key] = _json_value(value)
-        for span, fields in spans:
+        for span, fields in line.spans:
             obj[span] = {k: _json_value(v) for k, v in fields.items() if v is not None}
         return json.dumps(obj, ensure_ascii=False)
 
