@@ -5,11 +5,51 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ztunnel.app import App
 from ztunnel.config import Config
+
+
+def loopback_net() -> str:
+    """A random /24 of the loopback range per run, so that concurrent runs do not collide."""
+    return f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+
+
+def workload_yaml(
+    name: str,
+    ip: str,
+    *,
+    ns: str = "demo",
+    protocol: str = "HBONE",
+    uid: str = "t//v1/Pod",
+    extra: str = "",
+) -> str:
+    """One entry of a local config's `workloads:` (its service account named after it); `extra`:
+    further keys, each line indented by four spaces."""
+    return f"""
+  - uid: {uid}/{ns}/{name}
+    name: {name}
+    namespace: {ns}
+    serviceAccount: {name}
+    trustDomain: cluster.local
+    workloadIps: ["{ip}"]
+    protocol: {protocol}{extra}"""
+
+
+# A namespace-wide ALLOW of the frontend's identity only.
+ONLY_FRONTEND = """
+policies:
+  - name: only-frontend
+    namespace: demo
+    scope: Namespace
+    action: Allow
+    dryRun: false
+    rules:
+      - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
+"""
 
 
 def proxy_env(ns: str, name: str, sa: str, ip: str, local_config: str, **extra: str) -> dict[str, str]:

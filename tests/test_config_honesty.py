@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
-import random
 import re
 import socket
 import urllib.request
@@ -20,7 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.mesh import echo_roundtrip, proxy_env, start_echo, start_proxy
+from tests.mesh import (
+    ONLY_FRONTEND,
+    echo_roundtrip,
+    loopback_net,
+    proxy_env,
+    start_echo,
+    start_proxy,
+    workload_yaml,
+)
 from tests.waiting import eventually_async
 from ztunnel.app import App
 from ztunnel.config import Config
@@ -72,41 +79,11 @@ def test_every_config_field_and_variable_is_documented() -> None:
 
 # --- run-time effects --------------------------------------------------------------------------
 
-NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+NET = loopback_net()
 SERVER, FRONTEND, INTRUDER = f"{NET}.3", f"{NET}.2", f"{NET}.4"
 
 CONFIG = f"""
-workloads:
-  - uid: t//v1/Pod/demo/server
-    name: server
-    namespace: demo
-    serviceAccount: server
-    trustDomain: cluster.local
-    workloadIps: ["{SERVER}"]
-    protocol: HBONE
-  - uid: t//v1/Pod/demo/frontend
-    name: frontend
-    namespace: demo
-    serviceAccount: frontend
-    trustDomain: cluster.local
-    workloadIps: ["{FRONTEND}"]
-    protocol: HBONE
-  - uid: t//v1/Pod/demo/intruder
-    name: intruder
-    namespace: demo
-    serviceAccount: intruder
-    trustDomain: cluster.local
-    workloadIps: ["{INTRUDER}"]
-    protocol: HBONE
-policies:
-  - name: only-frontend
-    namespace: demo
-    scope: Namespace
-    action: Allow
-    dryRun: false
-    rules:
-      - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
-"""
+workloads:{workload_yaml("server", SERVER)}{workload_yaml("frontend", FRONTEND)}{workload_yaml("intruder", INTRUDER)}{ONLY_FRONTEND}"""
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import re
 import urllib.error
 import urllib.request
@@ -14,61 +13,46 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.mesh import Echo, echo_roundtrip, proxy_env, sha, socks5_connect, start_echo, start_proxy
+from tests.mesh import (
+    ONLY_FRONTEND,
+    Echo,
+    echo_roundtrip,
+    loopback_net,
+    proxy_env,
+    sha,
+    socks5_connect,
+    start_echo,
+    start_proxy,
+    workload_yaml,
+)
 from tests.netns import require_tools
 from tests.waiting import eventually_async
 from ztunnel.app import App
 
-# A random /24 of the loopback range per run, so that concurrent runs do not collide.
-NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+NET = loopback_net()
 SERVER, FRONTEND, INTRUDER, STRANGER, VIP = (f"{NET}.{i}" for i in (3, 2, 4, 9, 100))
 
-CONFIG = f"""
-workloads:
-  - uid: t//v1/Pod/demo/server
-    name: server
-    namespace: demo
-    serviceAccount: server
-    trustDomain: cluster.local
-    workloadIps: ["{SERVER}"]
-    protocol: HBONE
+# The server: a workload of service echo (80 → 8080), with canonical labels for telemetry.
+SERVER_LABELS = """
     canonicalName: echo
     canonicalRevision: v1
     workloadName: server
     services:
       "demo/echo.demo.svc.cluster.local":
-        80: 8080
-  - uid: t//v1/Pod/demo/frontend
-    name: frontend
-    namespace: demo
-    serviceAccount: frontend
-    trustDomain: cluster.local
-    workloadIps: ["{FRONTEND}"]
-    protocol: HBONE
-    workloadName: frontend
-  - uid: t//v1/Pod/demo/intruder
-    name: intruder
-    namespace: demo
-    serviceAccount: intruder
-    trustDomain: cluster.local
-    workloadIps: ["{INTRUDER}"]
-    protocol: HBONE
+        80: 8080"""
+FRONTEND_LABELS = "\n    workloadName: frontend"
+
+CONFIG = f"""
+workloads:{workload_yaml("server", SERVER, extra=SERVER_LABELS)}{
+    workload_yaml("frontend", FRONTEND, extra=FRONTEND_LABELS)
+}{workload_yaml("intruder", INTRUDER)}
 services:
   - name: echo
     namespace: demo
     hostname: echo.demo.svc.cluster.local
     vips: ["/{VIP}"]
     ports:
-      80: 8080
-policies:
-  - name: only-frontend
-    namespace: demo
-    scope: Namespace
-    action: Allow
-    dryRun: false
-    rules:
-      - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
-"""
+      80: 8080{ONLY_FRONTEND}"""
 
 
 def metric(app: App, name: str, **labels: str) -> float:

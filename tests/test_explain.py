@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -15,40 +14,37 @@ from typing import Any
 
 import pytest
 
-from tests.mesh import echo_roundtrip, proxy_env, sha, start_echo, start_proxy
+from tests.mesh import (
+    ONLY_FRONTEND,
+    echo_roundtrip,
+    loopback_net,
+    proxy_env,
+    sha,
+    start_echo,
+    start_proxy,
+    workload_yaml,
+)
 from tests.waiting import eventually_async
 from ztunnel.app import App
 
-NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+NET = loopback_net()
 SERVER, FRONTEND, INTRUDER, LEGACY, STRANGER = (f"{NET}.{i}" for i in (3, 2, 4, 5, 9))
 VIP, EMPTY_VIP = f"{NET}.100", f"{NET}.101"
 DENIED = "connection closed due to policy rejection: allow policies exist, but none allowed"
 
 
-def workload(name: str, ns: str, ip: str, protocol: str = "HBONE", services: str = "") -> str:
-    return f"""
-  - uid: t//v1/Pod/{ns}/{name}
-    name: {name}
-    namespace: {ns}
-    serviceAccount: {name}
-    trustDomain: cluster.local
-    workloadIps: ["{ip}"]
-    protocol: {protocol}{services}"""
-
-
 CONFIG = f"""
 workloads:{
-    workload(
+    workload_yaml(
         "server",
-        "demo",
         SERVER,
-        services='''
+        extra='''
     services:
       "demo/echo.demo.svc.cluster.local":
         80: 8080''',
     )
-}{workload("frontend", "demo", FRONTEND)}{workload("intruder", "demo", INTRUDER)}{
-    workload("legacy", "legacy", LEGACY, "TCP")
+}{workload_yaml("frontend", FRONTEND)}{workload_yaml("intruder", INTRUDER)}{
+    workload_yaml("legacy", LEGACY, ns="legacy", protocol="TCP")
 }
 services:
   - name: echo
@@ -62,16 +58,7 @@ services:
     hostname: empty.demo.svc.cluster.local
     vips: ["/{EMPTY_VIP}"]
     ports:
-      80: 8080
-policies:
-  - name: only-frontend
-    namespace: demo
-    scope: Namespace
-    action: Allow
-    dryRun: false
-    rules:
-      - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
-"""
+      80: 8080{ONLY_FRONTEND}"""
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -28,32 +27,18 @@ from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
 from tests import h2peer
 from tests.h2peer import RawH2, rst
-from tests.mesh import Echo, proxy_env, socks5_connect, start_echo
+from tests.mesh import Echo, loopback_net, proxy_env, socks5_connect, start_echo, workload_yaml
 from tests.waiting import eventually
 from ztunnel.identity import FakeCA
 
 pytestmark = pytest.mark.timeout(120)
 
-NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+NET = loopback_net()
 CLIENT, SERVER = f"{NET}.2", f"{NET}.3"
 APP_PORT = 8080
 
 CONFIG = f"""
-workloads:
-  - uid: p//v1/Pod/demo/server
-    name: server
-    namespace: demo
-    serviceAccount: server
-    trustDomain: cluster.local
-    workloadIps: ["{SERVER}"]
-    protocol: HBONE
-  - uid: p//v1/Pod/demo/client
-    name: client
-    namespace: demo
-    serviceAccount: client
-    trustDomain: cluster.local
-    workloadIps: ["{CLIENT}"]
-    protocol: HBONE
+workloads:{workload_yaml("server", SERVER, uid="p//v1/Pod")}{workload_yaml("client", CLIENT, uid="p//v1/Pod")}
 """
 
 

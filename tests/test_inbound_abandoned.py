@@ -4,7 +4,6 @@ at once (not left to its 10 s timeout) and the connection is still recorded as c
 from __future__ import annotations
 
 import asyncio
-import random
 import socket
 from collections.abc import AsyncIterator
 
@@ -14,25 +13,18 @@ from hbone.client import HboneConnection
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
-from tests.mesh import proxy_env, start_proxy
+from tests.mesh import loopback_net, proxy_env, start_proxy, workload_yaml
 from tests.waiting import eventually_async
 from ztunnel.app import App
 from ztunnel.identity import FakeCA
 
 pytestmark = pytest.mark.timeout(60)
 
-NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+NET = loopback_net()
 SERVER = f"{NET}.3"
 
 CONFIG = f"""
-workloads:
-  - uid: a//v1/Pod/demo/server
-    name: server
-    namespace: demo
-    serviceAccount: server
-    trustDomain: cluster.local
-    workloadIps: ["{SERVER}"]
-    protocol: HBONE
+workloads:{workload_yaml("server", SERVER, uid="a//v1/Pod")}
 """
 
 

@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from hbone.identity import Identity
-from tests.mesh import openssl_s_client, proxy_env, start_echo, start_proxy
+from tests.mesh import (
+    ONLY_FRONTEND,
+    loopback_net,
+    openssl_s_client,
+    proxy_env,
+    start_echo,
+    start_proxy,
+    workload_yaml,
+)
 from tests.netns import require_tools
 from tests.waiting import eventually_async
 from ztunnel.app import App
@@ -27,35 +34,12 @@ from ztunnel.identity import FakeCA
 
 pytestmark = pytest.mark.interop
 
-NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+NET = loopback_net()
 SERVER = f"{NET}.3"
 OTHER = f"{NET}.7"
 
 CONFIG = f"""
-workloads:
-  - uid: i//v1/Pod/demo/server
-    name: server
-    namespace: demo
-    serviceAccount: server
-    trustDomain: cluster.local
-    workloadIps: ["{SERVER}"]
-    protocol: HBONE
-  - uid: i//v1/Pod/demo/other
-    name: other
-    namespace: demo
-    serviceAccount: other
-    trustDomain: cluster.local
-    workloadIps: ["{OTHER}"]
-    protocol: HBONE
-policies:
-  - name: only-frontend
-    namespace: demo
-    scope: Namespace
-    action: Allow
-    dryRun: false
-    rules:
-      - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
-"""
+workloads:{workload_yaml("server", SERVER, uid="i//v1/Pod")}{workload_yaml("other", OTHER, uid="i//v1/Pod")}{ONLY_FRONTEND}"""
 
 NODE_CLIENT = r"""
 const http2 = require('http2');

@@ -3,31 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import random
 
 from policy.model import Action, Authorization, Match, Scope, StringMatch, StringMatchKind
-from tests.mesh import proxy_env, socks5_connect, start_echo, start_proxy
+from tests.mesh import loopback_net, proxy_env, socks5_connect, start_echo, start_proxy, workload_yaml
 from tests.waiting import eventually_async
 
-NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+NET = loopback_net()
 SERVER, CLIENT = f"{NET}.3", f"{NET}.2"
 
 CONFIG = f"""
-workloads:
-  - uid: l//v1/Pod/demo/server
-    name: server
-    namespace: demo
-    serviceAccount: server
-    trustDomain: cluster.local
-    workloadIps: ["{SERVER}"]
-    protocol: HBONE
-  - uid: l//v1/Pod/demo/client
-    name: client
-    namespace: demo
-    serviceAccount: client
-    trustDomain: cluster.local
-    workloadIps: ["{CLIENT}"]
-    protocol: HBONE
+workloads:{workload_yaml("server", SERVER, uid="l//v1/Pod")}{workload_yaml("client", CLIENT, uid="l//v1/Pod")}
 """
 
 

@@ -7,39 +7,31 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import random
 import re
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from tests.mesh import echo_roundtrip, proxy_env, socks5_connect, start_echo, start_proxy
+from tests.mesh import (
+    echo_roundtrip,
+    loopback_net,
+    proxy_env,
+    socks5_connect,
+    start_echo,
+    start_proxy,
+    workload_yaml,
+)
 from tests.test_e2e import metric
 from tests.waiting import eventually_async
 from ztunnel.app import App
 from ztunnel.logs import reset_logging, setup_logging
 
-NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+NET = loopback_net()
 SERVER, CLIENT = f"{NET}.3", f"{NET}.2"
 
+CLUSTER_EAST, CLUSTER_WEST = "\n    clusterId: east", "\n    clusterId: west"
 CONFIG = f"""
-workloads:
-  - uid: t//v1/Pod/demo/server
-    name: server
-    namespace: demo
-    serviceAccount: server
-    trustDomain: cluster.local
-    clusterId: east
-    workloadIps: ["{SERVER}"]
-    protocol: HBONE
-  - uid: t//v1/Pod/demo/client
-    name: client
-    namespace: demo
-    serviceAccount: client
-    trustDomain: cluster.local
-    clusterId: west
-    workloadIps: ["{CLIENT}"]
-    protocol: HBONE
+workloads:{workload_yaml("server", SERVER, extra=CLUSTER_EAST)}{workload_yaml("client", CLIENT, extra=CLUSTER_WEST)}
 """
 
 

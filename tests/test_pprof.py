@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import os
-import random
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -15,29 +14,15 @@ from typing import Any
 
 import pytest
 
-from tests.mesh import echo_roundtrip, proxy_env, sha, start_echo, start_proxy
+from tests.mesh import echo_roundtrip, loopback_net, proxy_env, sha, start_echo, start_proxy, workload_yaml
 from ztunnel import profiling
 from ztunnel.app import App
 
-NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+NET = loopback_net()
 SERVER, CLIENT = f"{NET}.3", f"{NET}.2"
 
 CONFIG = f"""
-workloads:
-  - uid: t//v1/Pod/demo/server
-    name: server
-    namespace: demo
-    serviceAccount: server
-    trustDomain: cluster.local
-    workloadIps: ["{SERVER}"]
-    protocol: HBONE
-  - uid: t//v1/Pod/demo/client
-    name: client
-    namespace: demo
-    serviceAccount: client
-    trustDomain: cluster.local
-    workloadIps: ["{CLIENT}"]
-    protocol: HBONE
+workloads:{workload_yaml("server", SERVER)}{workload_yaml("client", CLIENT)}
 """
 
 

@@ -187,8 +187,9 @@ class Counters:
 
     seq: int
     families: dict[str, Any]
-    # In-pod mode: each pod's open connections in this worker, as `workloadState` lists them.
-    pods: dict[str, dict[str, list[dict[str, str]]]] = field(default_factory=dict)
+    # Each pod's open connections in this worker, as `workloadState` lists them; only an answer to a
+    # scrape lists them (None: a periodic push, which says nothing of them).
+    pods: dict[str, dict[str, list[dict[str, str]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -1300,9 +1301,7 @@ class Supervisor:
                         self._started.set_result(None)
                 elif isinstance(message, Counters):
                     self.sums.report(slot.index, message.families)
-                    if message.seq:
-                        # Only an answer to a scrape lists the pods' connections; a periodic push
-                        # (seq 0) arriving after it must not wipe what /config_dump is about to show.
+                    if message.pods is not None:
                         slot.pod_connections = message.pods
                     scrape = slot.scrape
                     if message.seq and message.seq == slot.scrape_seq and scrape and not scrape.done():
