@@ -889,12 +889,15 @@ class H2Session(asyncio.BufferedProtocol):
         """Send a request's HEADERS; `flush=False` leaves them queued for the caller's first write."""
         if not self.is_usable():
             raise self.close_reason or ConnectionClosed("connection is not usable (closing)")
+        encoder = self._h2.encoder
         try:
-            self._h2.encoder.prepare(headers)
+            encoder.prepare(headers)
             sid = self._h2.get_next_available_stream_id()
             self._h2.send_headers(sid, headers)
         except H2Error as e:
             raise HboneError(f"cannot open stream: {e}") from e
+        finally:
+            encoder.discard()
         stream = HboneStream(self, sid, high_water=self.settings.client_send_buffer, client_side=True)
         self.streams[sid] = stream
         if flush:
@@ -908,11 +911,14 @@ class H2Session(asyncio.BufferedProtocol):
         (one TLS record and one syscall for a 200 and the first data)."""
         if self._dead:
             return False
+        encoder = self._h2.encoder
         try:
-            self._h2.encoder.prepare(headers)
+            encoder.prepare(headers)
             self._h2.send_headers(stream_id, headers, end_stream=end_stream)
         except H2Error:
             return False
+        finally:
+            encoder.discard()
         if flush:
             self.kick()
         return True

@@ -95,13 +95,22 @@ class StaticEncoder:
     def __init__(self) -> None:
         self._announce = True  # the first block announces the empty dynamic table
         self.header_table_size = 4096  # the peer's setting; assigned by h2, nothing to do with it
+        self._prepared: bytes | None = None
 
     def prepare(self, headers: Iterable[tuple[str | bytes, str | bytes]]) -> None:
-        """Encode (and remember) `headers` now: raises HeaderFieldError before h2 changes any state."""
-        for field in headers:
-            _field(field)
+        """Encode `headers` now, raising HeaderFieldError before h2 changes any state; h2's next
+        `encode` (of the same headers, as h2 hands them on) returns this block."""
+        self._prepared = self._block(headers)
+
+    def discard(self) -> None:
+        """h2 did not ask for the prepared block (it refused the headers first)."""
+        self._prepared = None
 
     def encode(self, headers: Iterable[tuple[str | bytes, str | bytes]], huffman: bool = True) -> bytes:
+        block, self._prepared = self._prepared, None
+        return block if block is not None else self._block(headers)
+
+    def _block(self, headers: Iterable[tuple[str | bytes, str | bytes]]) -> bytes:
         parts = [_field(field) for field in headers]
         if self._announce:
             self._announce = False

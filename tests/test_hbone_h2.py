@@ -223,6 +223,26 @@ async def test_connect_request_reaches_handler_with_headers(loopback) -> None:
     assert stream.get_extra_info("ssl_object").version() == "TLSv1.3"
 
 
+async def test_a_header_http2_forbids_fails_that_stream_only(loopback) -> None:
+    """A CONNECT whose header value holds CR LF is refused before anything is sent; the connection
+    goes on carrying streams, and the next one's headers arrive as sent."""
+    seen: list[ConnectRequest] = []
+
+    async def handler(req: ConnectRequest) -> None:
+        seen.append(req)
+        await echo_handler(req)
+
+    lb = await loopback(handler)
+    conn = await lb.connect()
+    with pytest.raises(HboneError, match="CR, LF or NUL"):
+        await conn.connect("127.0.0.1:8080", [("x-note", "a\r\nInjected: 1")])
+    stream, sink = await open_stream(conn, headers=[("x-note", "fine")])
+    stream.write(b"ping")
+    await eventually_async(lambda: bytes(sink.data) == b"ping", "the echo")
+    assert [req.headers for req in seen] == [{"x-note": "fine"}]
+    assert conn.is_usable()
+
+
 async def test_settings_on_the_wire(loopback) -> None:
     lb = await loopback()
     # what the server sends, as a raw client sees it

@@ -191,8 +191,7 @@ def access_log(level: int, message: str, fields: Mapping[str, object], spans: Sp
         # What `logging` would do with the record, minus the record: the same line, straight to
         # the handler's stream (two lines per connection; the record machinery was most of it).
         formatter = cast(LineFormatter, handler.formatter)
-        items = [(k, v) for k, v in fields.items() if v is not None]
-        line = formatter.line(Line(time.time(), level, ACCESS.name, message, items, spans))
+        line = formatter.line(Line(time.time(), level, ACCESS.name, message, _present(fields), spans))
         with handler.lock or contextlib.nullcontext():
             try:
                 handler.stream.write(line + "\n")
@@ -283,9 +282,13 @@ def _bare_text(value: object) -> str | None:
     return None
 
 
+def _present(fields: Mapping[str, object]) -> list[tuple[str, object]]:
+    """The fields a line shows: in order, None values left out."""
+    return [(k, v) for k, v in fields.items() if v is not None]
+
+
 def _fields(record: logging.LogRecord) -> list[tuple[str, object]]:
-    fields: Mapping[str, object] = getattr(record, "fields", None) or {}
-    items = [(k, v) for k, v in fields.items() if v is not None]
+    items = _present(getattr(record, "fields", None) or {})
     if record.exc_info and record.exc_info[1] is not None:
         items.append(("exception", "".join(traceback.format_exception(record.exc_info[1])).rstrip()))
     return items

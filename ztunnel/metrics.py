@@ -137,10 +137,6 @@ class _TrafficCollector(Collector):
                 yield f.family()
 
 
-# Labels objects whose cells are resolved (`ConnectionMetrics`), by id; each entry holds its labels.
-_RESOLVED_KEPT = 4096
-
-
 class ConnectionMetrics:
     """The counters of one connection, resolved when it opened."""
 
@@ -149,23 +145,12 @@ class ConnectionMetrics:
     def __init__(self, metrics: Metrics, labels: TrafficLabels) -> None:
         self._metrics = metrics
         self._closed = False
-        # The family's own key for these values (connections with the same labels share one tuple)
-        # and their cells, resolved once per labels object (cells are never removed).
-        resolved = metrics._resolved.get(id(labels))
-        if resolved is None or resolved[0] is not labels:
-            values = metrics._opened.key(_values(labels, NO_FLAGS))
-            resolved = (
-                labels,
-                values,
-                metrics._opened.cell(values),
-                metrics._received.cell(values),
-                metrics._sent.cell(values),
-            )
-            if len(metrics._resolved) >= _RESOLVED_KEPT:
-                metrics._resolved.clear()
-            metrics._resolved[id(labels)] = resolved
-        _, self._values, opened, self.received_cell, self.sent_cell = resolved
-        opened.inc()
+        # The family's own key for these values: connections with the same labels share one tuple
+        # (a held connection keeps it until it closes).
+        self._values = metrics._opened.key(_values(labels, NO_FLAGS))
+        metrics._opened.cell(self._values).inc()
+        self.received_cell = metrics._received.cell(self._values)
+        self.sent_cell = metrics._sent.cell(self._values)
 
     def received(self, n: int) -> None:
         """Bytes read from downstream and written upstream."""
@@ -366,9 +351,6 @@ class Metrics:
 
     def __init__(self, istio_version: str = UNKNOWN, *, process_metrics: bool = True) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._resolved: dict[
-            int, tuple[TrafficLabels, tuple[str, ...], CounterCell, CounterCell, CounterCell]
-        ] = {}
         self._opened = _CounterFamily(
             "istio_tcp_connections_opened", "The total number of TCP connections opened", TRAFFIC_LABEL_NAMES
         )
