@@ -349,6 +349,14 @@ def exchange(proxy_ip: str, payload: bytes) -> bytes:
         return got
 
 
+def refused(addr: tuple[str, int]) -> bool:
+    try:
+        socket.create_connection(addr, timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
 def opened_per_worker(proxy: Proxy) -> dict[int, int]:
     return {w["index"]: w["connectionsOpened"] for w in proxy.workers()}
 
@@ -470,6 +478,23 @@ def test_stopping_the_parent_leaves_no_worker_behind(mesh: Mesh) -> None:
     descendants = children(mesh.server.process.pid)
     assert stop(mesh.server) == 0
     assert not any(alive(p) for p in descendants)
+
+
+def test_a_drain_cuts_held_connections_at_its_deadline_in_every_worker(mesh: Mesh) -> None:
+    """SIGTERM with connections held in both workers: new connections are refused, the held ones
+    keep echoing until CONNECTION_TERMINATION_DEADLINE (1 s) and are then cut, each logged with
+    the drain deadline; the proxy exits 0."""
+    held = spread(mesh, mesh.client, n=8)
+    mesh.client.process.send_signal(signal.SIGTERM)
+    assert all(echoes(s, b"during") for s in held)  # inside the deadline: still carried
+    eventually(lambda: refused((CLIENT, 15080)), "new connections refused")
+    assert mesh.client.process.wait(timeout=20) == 0
+    for s in held:
+        s.settimeout(5)
+        assert not echoes(s, b"after")
+    lines = [line for line in mesh.client.output.text().splitlines() if "connection complete" in line]
+    cut = [line for line in lines if 'error="connection closed: drain deadline"' in line]
+    assert len(cut) == len(held), "\n".join(lines)
 
 
 def test_a_second_proxy_on_addresses_in_use_fails_with_one_line(echo: None) -> None:
