@@ -81,7 +81,7 @@ def raise_fd_limit() -> None:
 # returns the top of the heap to the kernel once more than twice that is free there. A relay's
 # buffers (a TLS write of a few hundred KiB, a payload copied out of a read) are allocated and freed
 # on every read, so that adaptive pair ends up mapping, zeroing and unmapping them again and again:
-# measured at up to 157,000 page faults per GiB relayed by the sending proxy, and ~8 % of its CPU.
+# measured at up to ~175,000 page faults per GiB relayed by the sending proxy, ~15 % of its CPU.
 # Fixed thresholds keep blocks up to MALLOC_MMAP_THRESHOLD in the heap and up to
 # MALLOC_TRIM_THRESHOLD of free heap for reuse. The glibc environment variables of the same names
 # (with a trailing underscore) or GLIBC_TUNABLES win when set.
