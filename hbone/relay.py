@@ -6,7 +6,9 @@ is the transports' own: when one side's write buffer passes its high-water mark,
 reading until it drains. The copy is done when both directions have ended or either side is lost.
 
 `Inbox` is the protocol of a connection that is accepted but not yet relayed: it holds what arrives
-(so a handshake such as SOCKS5 can read from it) until `start_relay` takes the transport over.
+(so a handshake such as SOCKS5 can read from it) until `start_relay` takes the transport over. What
+was taken out of it to be sent on ahead of the relay (`forward_early`: an HBONE CONNECT's early data)
+is counted by the relay as if it had carried it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ INBOX_LIMIT = 256 * 1024
 class Inbox(asyncio.Protocol):
     """Buffers an accepted connection's bytes until it is relayed; `wait_data` lets a handshake wait for them."""
 
-    __slots__ = ("_paused", "_waiter", "buffer", "eof", "error", "lost", "transport")
+    __slots__ = ("_paused", "_waiter", "buffer", "eof", "error", "forwarded", "lost", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -33,6 +35,7 @@ class Inbox(asyncio.Protocol):
         self.error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        self.forwarded = 0  # bytes taken by `forward_early`, counted when the relay starts
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing asyncio.Transport.
@@ -77,6 +80,12 @@ class Inbox(asyncio.Protocol):
     def take(self) -> bytes:
         data = bytes(self.buffer)
         self.buffer.clear()
+        return data
+
+    def forward_early(self) -> bytes:
+        """Take what is buffered to send it on before the relay starts; the relay still counts it."""
+        data = self.take()
+        self.forwarded += len(data)
         return data
 
 
@@ -197,6 +206,10 @@ def start_relay(
     for end, inbox in ((end_a, a_inbox), (end_b, b_inbox)):
         if inbox is None:
             continue
+        if inbox.forwarded:
+            end.count += inbox.forwarded
+            if end.on_bytes is not None:
+                end.on_bytes(inbox.forwarded)
         if inbox.buffer:
             end.data_received(inbox.take())
         if inbox.eof:

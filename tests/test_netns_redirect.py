@@ -83,6 +83,22 @@ CLIENT = textwrap.dedent(
     """
 )
 
+# Sends a payload the moment it is connected (before the proxy's CONNECT is answered), then waits
+# for all of it back; prints the byte count and whether it came back unchanged.
+BULK_CLIENT = textwrap.dedent(
+    """
+    import socket, sys
+    payload = bytes(range(256)) * (int(sys.argv[3]) // 256)
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+    c.sendall(payload); c.shutdown(socket.SHUT_WR)
+    data = b""
+    while (d := c.recv(65536)):
+        data += d
+    echoed = data[: len(payload)]
+    print(len(payload), echoed == payload)
+    """
+)
+
 MARKED_CLIENT = textwrap.dedent(
     """
     import socket, sys
@@ -152,6 +168,7 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Netns, Netns, Path]]:
         (tmp_path / "echo.py").write_text(ECHO)
         (tmp_path / "client.py").write_text(CLIENT)
         (tmp_path / "marked_client.py").write_text(MARKED_CLIENT)
+        (tmp_path / "bulk_client.py").write_text(BULK_CLIENT)
         # Host A: capture the app's outbound TCP (not to loopback, not from the proxy's marked sockets).
         a.exec(
             "iptables",
@@ -241,6 +258,40 @@ def test_redirected_connection_goes_over_hbone(hosts: tuple[Netns, Netns, Path])
     )
     log = (tmp / "client.log").read_text()
     assert f"dst.hbone_addr={B_IP}:8080" in log, log
+
+
+def test_bytes_sent_before_the_tunnel_is_up_are_delivered_and_counted(
+    hosts: tuple[Netns, Netns, Path],
+) -> None:
+    """What a client app sends at once goes out with the CONNECT (early data): it must still reach
+    the app once, in order, and be counted by the client proxy as the relay's own bytes."""
+    a, b, tmp = hosts
+    size = 256 * 1024  # more than one read of the accepted socket, and than a stream's first window
+    out = a.exec(sys.executable, str(tmp / "bulk_client.py"), B_IP, "8080", str(size)).stdout.decode()
+    assert out.split() == [str(size), "True"], out
+    metrics = a.exec("curl", "-s", f"http://{A_IP}:15020/metrics").stdout.decode()
+    received = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("istio_tcp_received_bytes_total{")
+        and 'reporter="source"' in line
+        and 'destination_workload="server"' in line  # (this curl is captured too, to the client itself)
+    ]
+    assert len(received) == 1, metrics
+    assert float(received[0].rsplit(" ", 1)[1]) == size, received
+    # The server proxy gave the app those bytes once: the early ones are not relayed again.
+    server_metrics = b.exec("curl", "-s", f"http://{B_IP}:15020/metrics").stdout.decode()
+    delivered = [
+        line
+        for line in server_metrics.splitlines()
+        if line.startswith("istio_tcp_received_bytes_total{") and 'reporter="destination"' in line
+    ]
+    assert len(delivered) == 1, server_metrics
+    assert float(delivered[0].rsplit(" ", 1)[1]) == size, delivered
+    eventually(
+        lambda: f"bytes_sent={size} " in (tmp / "client.log").read_text(),
+        lambda: f"bytes_sent={size} in the client proxy's access log: {(tmp / 'client.log').read_text()}",
+    )
 
 
 def test_plaintext_inbound_is_denied_by_strict_policy(hosts: tuple[Netns, Netns, Path]) -> None:

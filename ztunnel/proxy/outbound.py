@@ -122,15 +122,22 @@ class Outbound:
             connection_failed(format_addr(*src), format_addr(*dst), "outbound", RECURSIVE_CALL)
             transport.close()
             return None
-        up = await self.open_upstream(src, dst)
+        up = await self.open_upstream(src, dst, inbox)
         if isinstance(up, UpstreamFailure):
             transport.close()
             return None
         return self.proxy.hold(carry(transport, up.transport, up.record, down_inbox=inbox, up_inbox=up.inbox))
 
-    async def open_upstream(self, src: tuple[str, int], dst: tuple[str, int]) -> Upstream | UpstreamFailure:
+    async def open_upstream(
+        self, src: tuple[str, int], dst: tuple[str, int], early: Inbox | None = None
+    ) -> Upstream | UpstreamFailure:
         """Resolve and establish the upstream of an outbound connection: the source workload (waiting
-        for it), the route, a workload hostname's address, then the connection itself."""
+        for it), the route, a workload hostname's address, then the connection itself.
+
+        `early`: the accepted connection's inbox. On an HBONE route what the app has sent by the time
+        the CONNECT goes out rides with it (one TLS record, one write, and no round trip before the
+        first bytes); the server holds them until it answers 200 and drops them otherwise (then
+        the app's connection is closed anyway)."""
         proxy = self.proxy
         src_s, dst_s = format_addr(*src), format_addr(*dst)
         local = await proxy.local_workload()
@@ -179,7 +186,7 @@ class Outbound:
             dump_as=(dst_s, next_hop_s, r.protocol.name),
         )
         try:
-            transport, inbox = await self._establish(r, src, local, own, trace)
+            transport, inbox = await self._establish(r, src, local, own, trace, early)
         except Exception as e:
             fail = classify_upstream_error(e, r.protocol)
             record.finish(received=0, sent=0, error=fail.error, flags=fail.flags)
@@ -187,7 +194,7 @@ class Outbound:
         return Upstream(transport, inbox, record)
 
     async def _establish(
-        self, r: Route, src: tuple[str, int], local: Workload, own: Identity, trace: str
+        self, r: Route, src: tuple[str, int], local: Workload, own: Identity, trace: str, early: Inbox | None
     ) -> tuple[asyncio.Transport, Inbox | None]:
         """Connect by the route's protocol: TCP, HBONE (pooled), or double HBONE."""
         next_hop = (str(r.next_hop[0]), r.next_hop[1])
@@ -207,7 +214,9 @@ class Outbound:
         bag = baggage.encode(local)
         if bag:
             headers.insert(0, ("baggage", bag))
-        stream = await self.pool.connect(key, r.authority, headers)
+        # Double HBONE: the app's bytes belong inside the inner tunnel, which is not up yet.
+        early_data = early.forward_early() if early is not None and r.protocol is Protocol.HBONE else b""
+        stream = await self.pool.connect(key, r.authority, headers, early_data)
         if r.protocol is Protocol.DOUBLE_HBONE:
             stream = await self._inner_tunnel(stream, r, own, headers)
         stream.pause_reading()
