@@ -106,6 +106,17 @@ FIGURES += tuple(
     )
     for n in WORKER_COUNTS
 )
+FIGURES += (
+    Figure(
+        "pss_per_worker_mb",
+        "idle memory (PSS) per extra worker",
+        "MB",
+        False,
+        "growth of an hbone ztunnel's idle PSS (summed over its processes) per data-plane worker, "
+        "between the smallest and largest worker counts of the worker figures (10^6 bytes)",
+        ("hbone",),
+    ),
+)
 FIGURE_KEYS = tuple(f.key for f in FIGURES)
 
 
@@ -312,7 +323,8 @@ class Matrix:
         out["conn_cpu_us"] = cpu / (res["count"] + 3) * 1e6 if res["count"] else None
 
     def _workers(self, order: list[Mode], values: dict[str, dict[str, float | None]]) -> None:
-        """throughput_8 of `hbone` with each worker count, and of `direct` measured beside it."""
+        """throughput_8 of `hbone` with each worker count, and of `direct` measured beside it; and
+        what an extra worker adds to a ztunnel's idle PSS."""
         s = self.settings
         if self.set_workers is None or not s.worker_counts:
             return
@@ -320,9 +332,15 @@ class Matrix:
         hbone = next((m for m in measured if m.name == "hbone"), None)
         if hbone is None:
             return
+        idle_pss: dict[int, int] = {}
         try:
             for n in s.worker_counts:
                 self.set_workers(hbone, n)
+                # Idle as in `_memory`: a few connections through first, then the largest proxy.
+                self._call(hbone, "pss_per_worker_mb", "hold", entry=hbone.entry, count=3)
+                self._call(hbone, "pss_per_worker_mb", "release")
+                time.sleep(0.3)
+                idle_pss[n] = max(procfs.total_pss_kib(p.pids()) for p in hbone.processes)
                 for mode in measured:
                     key = f"throughput_w{n}"
                     res = self._call(mode, key, "throughput", entry=mode.entry, streams=8, seconds=s.seconds)
@@ -333,6 +351,11 @@ class Matrix:
                         )
         finally:
             self.set_workers(hbone, self.workers)
+        low, high = min(idle_pss, default=0), max(idle_pss, default=0)
+        if high > low:
+            values["hbone"]["pss_per_worker_mb"] = (
+                (idle_pss[high] - idle_pss[low]) / (high - low) * 1024 / 1e6
+            )
 
     def _memory(self, mode: Mode, out: dict[str, float | None]) -> None:
         s = self.settings

@@ -66,6 +66,11 @@ TARGETS = (
         at_most=600.0,
     ),
     Target("idle memory (PSS, all its processes) of one ztunnel ≤ 40 MB", _max_idle, at_most=40.0),
+    Target(
+        "idle memory (PSS) of an extra ztunnel worker ≤ 12 MB",
+        lambda s: s["value"]["hbone"]["pss_per_worker_mb"],
+        at_most=12.0,
+    ),
 )
 
 

@@ -21,7 +21,14 @@ from benches.soak import drift, parse_duration
 from tests.netns import require_root, require_tools
 
 # Figures that describe proxy processes: `direct` has none, so they are null there.
-PROXY_ONLY = {"cpu_s_per_gb", "rss_idle_mb", "rss_per_conn_kib", "rss_loaded_mb", "conn_cpu_us"}
+PROXY_ONLY = {
+    "cpu_s_per_gb",
+    "rss_idle_mb",
+    "rss_per_conn_kib",
+    "rss_loaded_mb",
+    "conn_cpu_us",
+    "pss_per_worker_mb",
+}
 
 
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -39,12 +46,15 @@ def _check_matrix(data: dict[str, Any]) -> list[str]:
     assert data["errors"] == []
 
     summary = data["summary"]
-    workers = {f"throughput_w{n}" for n in data["settings"]["worker_counts"]}
+    counts = data["settings"]["worker_counts"]
+    workers = {f"throughput_w{n}" for n in counts}
+    if len(set(counts)) > 1:
+        workers.add("pss_per_worker_mb")  # from the smallest and the largest count
     for mode in modes:
         for f in FIGURES:
             value = summary["value"][mode][f.key]
             measured = (f.modes is None or mode in f.modes) and (
-                not f.key.startswith("throughput_w") or f.key in workers
+                not (f.key.startswith("throughput_w") or f.key == "pss_per_worker_mb") or f.key in workers
             )
             if not measured or (mode == "direct" and f.key in PROXY_ONLY):
                 assert value is None, (mode, f.key, value)
