@@ -110,7 +110,7 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     os.chmod(d / "key.pem", 0o600)
 
     echo_listeners = []
-    for _ in range(2):
+    for _ in range(3):
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         s.listen(16)
@@ -253,6 +253,29 @@ async def test_connect_through_nghttpx_and_tinyproxy_round_trips(proxy: Proxy) -
         stream2.close()
         conn.close()
         await asyncio.wait_for(conn.wait_closed(), 10)
+    finally:
+        echo.close()
+
+
+async def test_early_data_with_the_connect_reaches_the_target_through_nghttpx(proxy: Proxy) -> None:
+    """What an app sent before the tunnel was up goes with the CONNECT (before nghttpx's 200): a
+    foreign CONNECT proxy must hold it and deliver it once the tunnel is up, in order."""
+    listener = proxy.echo_listeners[2]
+    echo = await _echo_server(listener)
+    try:
+        client = issue(proxy.ca, spiffe(namespace="default", sa="client"))
+        conn = await _open(proxy, client, [Identity.parse(PROXY_ID)])
+        early = b"sent before the 200" + os.urandom(100_000)  # more than nghttpx's first window
+        framed = len(early).to_bytes(8, "big") + early
+        stream = await conn.connect(f"127.0.0.1:{listener.getsockname()[1]}", early_data=framed)
+        assert stream.status == 200
+        sink = Sink()
+        stream.set_protocol(sink)
+        await asyncio.wait_for(sink.eof, 20)
+        assert sink.count == len(early)
+        assert sink.hash.hexdigest() == hashlib.sha256(early).hexdigest()
+        stream.close()
+        conn.close()
     finally:
         echo.close()
 
