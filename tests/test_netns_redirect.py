@@ -233,6 +233,16 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Netns, Netns, Path]]:
         b.delete()
 
 
+def series(ns: Netns, ip: str, name: str, *labels: str) -> list[str]:
+    """The lines of metric `name` on the proxy at `ip` (scraped from inside `ns`) carrying every label."""
+    metrics = ns.exec("curl", "-s", f"http://{ip}:15020/metrics").stdout.decode()
+    return [
+        line
+        for line in metrics.splitlines()
+        if line.startswith(name + "{") and all(label in line for label in labels)
+    ]
+
+
 def test_redirected_connection_goes_over_hbone(hosts: tuple[Netns, Netns, Path]) -> None:
     a, b, tmp = hosts
     out = a.exec(sys.executable, str(tmp / "client.py"), B_IP, "8080").stdout.decode().strip()
@@ -240,13 +250,8 @@ def test_redirected_connection_goes_over_hbone(hosts: tuple[Netns, Netns, Path])
     logs = "\n".join((tmp / f"{n}.log").read_text() for n in ("client", "server"))
     assert out.startswith("hello|peer="), logs
     # The server proxy saw it as mTLS from the client's identity, for the original destination.
-    metrics = b.exec("curl", "-s", f"http://{B_IP}:15020/metrics").stdout.decode()
-    opened = [
-        line
-        for line in metrics.splitlines()
-        if line.startswith("istio_tcp_connections_opened_total") and 'reporter="destination"' in line
-    ]
-    assert len(opened) == 1, metrics
+    opened = series(b, B_IP, "istio_tcp_connections_opened_total", 'reporter="destination"')
+    assert len(opened) == 1, opened
     assert 'source_principal="spiffe://cluster.local/ns/demo/sa/client"' in opened[0]
     assert 'connection_security_policy="mutual_tls"' in opened[0]
     assert opened[0].endswith(" 1.0") or opened[0].endswith(" 1")
@@ -269,24 +274,15 @@ def test_bytes_sent_before_the_tunnel_is_up_are_delivered_and_counted(
     size = 256 * 1024  # more than one read of the accepted socket, and than a stream's first window
     out = a.exec(sys.executable, str(tmp / "bulk_client.py"), B_IP, "8080", str(size)).stdout.decode()
     assert out.split() == [str(size), "True"], out
-    metrics = a.exec("curl", "-s", f"http://{A_IP}:15020/metrics").stdout.decode()
-    received = [
-        line
-        for line in metrics.splitlines()
-        if line.startswith("istio_tcp_received_bytes_total{")
-        and 'reporter="source"' in line
-        and 'destination_workload="server"' in line  # (this curl is captured too, to the client itself)
-    ]
-    assert len(received) == 1, metrics
+    # (The scrape of A's own proxy is captured too, as a connection to the client itself.)
+    received = series(
+        a, A_IP, "istio_tcp_received_bytes_total", 'reporter="source"', 'destination_workload="server"'
+    )
+    assert len(received) == 1, received
     assert float(received[0].rsplit(" ", 1)[1]) == size, received
     # The server proxy gave the app those bytes once: the early ones are not relayed again.
-    server_metrics = b.exec("curl", "-s", f"http://{B_IP}:15020/metrics").stdout.decode()
-    delivered = [
-        line
-        for line in server_metrics.splitlines()
-        if line.startswith("istio_tcp_received_bytes_total{") and 'reporter="destination"' in line
-    ]
-    assert len(delivered) == 1, server_metrics
+    delivered = series(b, B_IP, "istio_tcp_received_bytes_total", 'reporter="destination"')
+    assert len(delivered) == 1, delivered
     assert float(delivered[0].rsplit(" ", 1)[1]) == size, delivered
     eventually(
         lambda: f"bytes_sent={size} " in (tmp / "client.log").read_text(),
