@@ -86,7 +86,7 @@ def encode_field(name: str | bytes, value: str | bytes) -> bytes:
 # Encoded fields, shared by every connection of the process: the fields that repeat (`:method`,
 # `:authority`, `baggage`, `:status`). Fields unique to a stream are not kept.
 _FIELDS: dict[tuple[str | bytes, str | bytes], bytes] = {}
-_UNIQUE_NAMES = frozenset({"traceparent", "forwarded", b"traceparent", b"forwarded"})
+_UNIQUE_NAMES = frozenset({b"traceparent", b"forwarded"})  # as normalised (`Forwarded` too)
 
 
 class StaticEncoder:
@@ -123,7 +123,7 @@ def _field(field: tuple[str | bytes, str | bytes]) -> bytes:
     if encoded is None:
         name, value = field
         encoded = encode_field(name, value)
-        if name not in _UNIQUE_NAMES:
+        if _as_bytes(name).lower() not in _UNIQUE_NAMES:
             if len(_FIELDS) >= _REMEMBERED:
                 _FIELDS.clear()
             _FIELDS[(name, value)] = encoded

@@ -187,13 +187,19 @@ async def open_stream(
     return stream, sink
 
 
-async def test_connect_request_reaches_handler_with_headers(loopback) -> None:
+def recording_echo() -> tuple[Callable[[ConnectRequest], Awaitable[None]], list[ConnectRequest]]:
+    """An echo handler that also keeps every request it was given."""
     seen: list[ConnectRequest] = []
 
     async def handler(req: ConnectRequest) -> None:
         seen.append(req)
         await echo_handler(req)
 
+    return handler, seen
+
+
+async def test_connect_request_reaches_handler_with_headers(loopback) -> None:
+    handler, seen = recording_echo()
     lb = await loopback(handler)
     conn = await lb.connect()
     headers = [
@@ -226,12 +232,7 @@ async def test_connect_request_reaches_handler_with_headers(loopback) -> None:
 async def test_a_header_http2_forbids_fails_that_stream_only(loopback) -> None:
     """A CONNECT whose header value holds CR LF is refused before anything is sent; the connection
     goes on carrying streams, and the next one's headers arrive as sent."""
-    seen: list[ConnectRequest] = []
-
-    async def handler(req: ConnectRequest) -> None:
-        seen.append(req)
-        await echo_handler(req)
-
+    handler, seen = recording_echo()
     lb = await loopback(handler)
     conn = await lb.connect()
     with pytest.raises(HboneError, match="CR, LF or NUL"):

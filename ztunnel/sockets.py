@@ -230,6 +230,7 @@ class SocketFactory:
         for attempt in range(PORT_ATTEMPTS + 1):
             explicit = attempt < PORT_ATTEMPTS and ports.usable
             sock = self._new(family)
+            bound = False
             try:
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -245,13 +246,14 @@ class SocketFactory:
                             raise
                         sock.close()
                         continue  # the port is someone else's: the next one
+                    bound = True
                 elif source_ip is not None:
                     sock.setsockopt(SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
                     sock.bind((source_ip, 0))
                 await connect_nonblocking(sock, (host, port), timeout)
             except OSError as e:
                 sock.close()
-                if explicit and e.errno == errno.EADDRNOTAVAIL:
+                if bound and e.errno == errno.EADDRNOTAVAIL:
                     continue  # this address pair is in use (not reusable): the next port
                 raise
             except BaseException:
