@@ -14,7 +14,6 @@ import os
 import platform
 import resource
 import signal
-import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,13 +31,13 @@ from ztunnel.admin import (
     readiness_server,
     stats_server,
 )
+from ztunnel.certificates import FakeCA, SecretManager
 from ztunnel.config import Config, ConfigError, WorkloadInfo
 from ztunnel.crl import CrlError, CrlWatcher
 from ztunnel.explain import explain_route
-from ztunnel.identity import FakeCA, SecretManager
 from ztunnel.logs import setup_logging
 from ztunnel.metrics import Metrics
-from ztunnel.proxy.instance import ProxyInstance
+from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
 from ztunnel.sockets import SocketFactory, SocketOptions, user_timeout_ms
 from ztunnel.state import ProxyState
 
@@ -299,16 +298,8 @@ class App:
                 dns_task.release()
             return
         assert cfg.workload_info is not None
-        proxy = ProxyInstance(
-            cfg,
-            self.state,
-            self.secrets,
-            self.metrics,
-            cfg.workload_info,
-            SocketFactory(socket_options(self.config)),
-        )
         try:
-            socks = proxy.bind_listeners()
+            proxy = build_proxy(self._inputs(), cfg.workload_info, SocketFactory(socket_options(self.config)))
         except OSError as e:
             raise StartupError(f"failed to bind the proxy listeners: {e.strerror or e}") from None
         self.proxies.append(proxy)
@@ -317,11 +308,15 @@ class App:
         # The workload's certificate is requested at start-up, without gating readiness.
         self.secrets.prefetch(proxy.own_identity())
         if self.xds is None:
-            await self._serve(proxy, socks, proxy_task)
+            await self._serve(proxy, proxy_task)
         else:
             # Listeners are bound now; they accept once the first xDS state is in:
             # connections arriving earlier wait in the kernel backlog.
-            self._serving = asyncio.get_running_loop().create_task(self._serve(proxy, socks, proxy_task))
+            self._serving = asyncio.get_running_loop().create_task(self._serve(proxy, proxy_task))
+
+    def _inputs(self) -> ProxyInputs:
+        assert self.secrets is not None
+        return ProxyInputs(self.config, self.state, self.secrets, self.metrics)
 
     async def _start_self_listener(self) -> None:
         """In-pod mode, when ztunnel knows its own pod (POD_NAME, POD_NAMESPACE, SERVICE_ACCOUNT):
@@ -333,20 +328,19 @@ class App:
         info = WorkloadInfo(
             namespace=cfg.pod_namespace, name=cfg.pod_name, service_account=cfg.service_account
         )
-        proxy = ProxyInstance(
-            cfg, self.state, self.secrets, self.metrics, info, SocketFactory(socket_options(self.config))
-        )
         try:
-            socks = proxy.bind_listeners(inbound_only=True)
+            proxy = build_proxy(
+                self._inputs(), info, SocketFactory(socket_options(self.config)), inbound_only=True
+            )
         except OSError as e:
             raise StartupError(f"failed to bind ztunnel's own HBONE listener: {e.strerror or e}") from None
         self.proxies.append(proxy)
-        self._serving = asyncio.get_running_loop().create_task(self._serve_self(proxy, socks))
+        self._serving = asyncio.get_running_loop().create_task(self._serve_self(proxy))
 
-    async def _serve_self(self, proxy: ProxyInstance, socks: dict[str, socket.socket]) -> None:
+    async def _serve_self(self, proxy: ProxyInstance) -> None:
         if self.xds is not None:
             await self.xds.wait_synced()
-        await proxy.serve(socks)
+        await proxy.serve()
 
     def _start_inpod(self) -> None:
         """In-pod mode: pods arrive over ZDS once the first xDS state is in."""
@@ -359,9 +353,7 @@ class App:
 
         def build(pod: PodInfo, netns: Netns) -> ProxyInstance:
             info = WorkloadInfo(namespace=pod.namespace, name=pod.name, service_account=pod.service_account)
-            proxy = ProxyInstance(
-                self.config, self.state, secrets, self.metrics, info, NetnsSocketFactory(netns, options)
-            )
+            proxy = build_proxy(self._inputs(), info, NetnsSocketFactory(netns, options))
             secrets.prefetch(proxy.own_identity())
             return proxy
 
@@ -382,12 +374,10 @@ class App:
             self.exit_code = 1  # as the reference: a ZDS protocol error ends the process
             self.shutdown()
 
-    async def _serve(
-        self, proxy: ProxyInstance, socks: dict[str, socket.socket], ready: ReadinessHandle
-    ) -> None:
+    async def _serve(self, proxy: ProxyInstance, ready: ReadinessHandle) -> None:
         if self.xds is not None:
             await self.xds.wait_synced()
-        await proxy.serve(socks)
+        await proxy.serve()
         ready.release()
         log.info(
             "proxy ready: %s",

@@ -69,9 +69,9 @@ from xds.model import Service, Workload
 from ztunnel import logs, profiling
 from ztunnel.admin import ReadinessHandle
 from ztunnel.app import App, StartupError, socket_options
+from ztunnel.certificates import CaError, CertificateUnavailable, SecretManager
 from ztunnel.config import Config, WorkloadInfo
 from ztunnel.crl import CrlWatcher
-from ztunnel.identity import CaError, CertificateUnavailable, SecretManager
 from ztunnel.metrics import (
     OPENMETRICS_CONTENT_TYPE,
     TEXT_CONTENT_TYPE,
@@ -79,7 +79,7 @@ from ztunnel.metrics import (
     render_openmetrics,
     wants_openmetrics,
 )
-from ztunnel.proxy.instance import ProxyInstance
+from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState
 
@@ -661,7 +661,7 @@ class WorkerRuntime:
         tls = TlsPolicy(tls12=config.tls12_enabled, revocation=self.crl.revocation if self.crl else None)
         self.secrets = SecretManager(self.ca, tls=tls)
         self.options = socket_options(config, workers=True)
-        self.proxies: list[tuple[ProxyInstance, dict[str, socket.socket]]] = []
+        self.proxies: list[ProxyInstance] = []
         self.pods: Any = None  # in-pod mode: LocalPods
         self.netns: dict[str, Any] = {}  # uid -> Netns
         self.actions: asyncio.Queue[tuple[object, list[int]]] = asyncio.Queue()
@@ -675,7 +675,7 @@ class WorkerRuntime:
         if cfg.proxy_mode == "dedicated":
             assert cfg.workload_info is not None
             proxy = self._instance(cfg.workload_info, SocketFactory(self.options))
-            self.proxies.append((proxy, proxy.bind_listeners()))
+            self.proxies.append(proxy)
             return
         from ztunnel.inpod.manager import LocalPods
         from ztunnel.inpod.netns import NetnsSocketFactory
@@ -689,11 +689,13 @@ class WorkerRuntime:
             info = WorkloadInfo(
                 namespace=cfg.pod_namespace, name=cfg.pod_name, service_account=cfg.service_account
             )
-            proxy = self._instance(info, SocketFactory(self.options))
-            self.proxies.append((proxy, proxy.bind_listeners(inbound_only=True)))
+            self.proxies.append(self._instance(info, SocketFactory(self.options), inbound_only=True))
 
-    def _instance(self, info: WorkloadInfo, factory: SocketFactory) -> ProxyInstance:
-        return ProxyInstance(self.config, self.state, self.secrets, self.metrics, info, factory)
+    def _instance(
+        self, info: WorkloadInfo, factory: SocketFactory, *, inbound_only: bool = False
+    ) -> ProxyInstance:
+        inputs = ProxyInputs(self.config, self.state, self.secrets, self.metrics)
+        return build_proxy(inputs, info, factory, inbound_only=inbound_only)
 
     async def run(self) -> int:
         reader = asyncio.get_running_loop().create_task(self._read())
@@ -746,8 +748,8 @@ class WorkerRuntime:
 
     async def _act(self, message: object, fds: list[int]) -> None:
         if isinstance(message, Synced):
-            for proxy, socks in self.proxies:
-                await proxy.serve(socks)
+            for proxy in self.proxies:
+                await proxy.serve()
                 log.info(
                     "worker %d: proxy ready: %s",
                     self.index,
@@ -796,7 +798,7 @@ class WorkerRuntime:
         netns.close()
 
     async def _drain(self, deadline: float) -> None:
-        drains = [proxy.drain(deadline, graceful=deadline > 0) for proxy, _ in self.proxies]
+        drains = [proxy.drain(deadline, graceful=deadline > 0) for proxy in self.proxies]
         drains += [self._pod_stop(uid, deadline) for uid in list(self.netns)]
         await asyncio.gather(*drains, return_exceptions=True)
         await self.secrets.close()
@@ -1182,20 +1184,17 @@ class Supervisor:
 
     async def _check_listeners(self) -> None:
         assert self.config.workload_info is not None and self.app.secrets is not None
-        probe = ProxyInstance(
+        inputs = ProxyInputs(
             self.config,
             ProxyState(),
             self.app.secrets,
             Metrics(self.config.istio_version, process_metrics=False),
-            self.config.workload_info,
-            _ListenerCheck(self),
         )
         try:
-            socks = probe.bind_listeners()
+            probe = build_proxy(inputs, self.config.workload_info, _ListenerCheck(self))
         except OSError as e:
             raise StartupError(f"failed to bind the proxy listeners: {e.strerror or e}") from None
-        for sock in socks.values():
-            sock.close()  # the workers bind these addresses with SO_REUSEPORT; the locks stay
+        # Closes the sockets: the workers bind these addresses with SO_REUSEPORT; the locks stay.
         await probe.drain(0, graceful=False)
 
     async def _heartbeat(self) -> None:

@@ -63,12 +63,11 @@ class LocalPods:
 
     async def start(self, pod: PodInfo, netns: Netns) -> str | None:
         try:
-            instance = self._build(pod, netns)
-            socks = instance.bind_listeners()
+            instance = self._build(pod, netns)  # binds
         except OSError as e:
             return e.strerror or str(e)
         try:
-            await instance.serve(socks)
+            await instance.serve()
         except Exception as e:
             await instance.drain(0, graceful=False)
             return str(e)
