@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_pprof import functions_in
+from tests.profiles import functions_in
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,8 @@ import pickle
 
 from xds.localconfig import parse_local_config
 from ztunnel.state import ProxyState
-from ztunnel.workers import ReplicatedState, StateChanges, apply_changes
+from ztunnel.workers.messages import StateChanges
+from ztunnel.workers.replication import ReplicatedState, apply_changes
 
 FILE = """
 workloads:
@@ -41,9 +42,8 @@ policies:
 
 
 def test_a_worker_store_follows_the_parent_change_by_change() -> None:
-    parent = ReplicatedState()
     sent: list[StateChanges] = []
-    parent.publish = lambda changes: sent.append(pickle.loads(pickle.dumps(changes)))
+    parent = ReplicatedState(lambda changes: sent.append(pickle.loads(pickle.dumps(changes))))
     worker = ProxyState()
     notified: list[int] = []
     worker.subscribe(lambda: notified.append(len(sent)))
