@@ -212,8 +212,13 @@ class ControlRuntime:
             on_synced=on_synced,
         )
         self._xds_task = asyncio.get_running_loop().create_task(xds.run())
-        if cfg.xds_on_demand:
-            self.state.demander = lambda key, arrived: xds.demand(key, arrived=arrived)
+
+    async def demand(self, key: str, arrived: Callable[[], bool]) -> bool:
+        """On-demand xDS (the store's demander, for every process): ask the control plane for `key`;
+        True once `arrived()` holds after a response, False without xDS or after the timeout."""
+        if self.xds is None:
+            return False
+        return await self.xds.demand(key, arrived=arrived)
 
     async def wait_synced(self) -> None:
         """Until the first state of every xDS type is in (at once without xDS)."""

@@ -120,6 +120,21 @@ class CertificateReply:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class Demand:
+    """Worker -> supervisor, with on-demand xDS: ask the control plane for `key` (`network/ip` or
+    `namespace/hostname`); answered once it is in the store (its changes reach the worker first)."""
+
+    seq: int
+    key: str
+
+
+@dataclass(frozen=True)
+class DemandReply:
+    seq: int
+    answered: bool  # False: the control plane did not answer in time
+
+
 # -- pods (in-pod mode) -------------------------------------------------------------------------
 
 
@@ -234,6 +249,7 @@ ToWorker = (
     StateChanges
     | Synced
     | CertificateReply
+    | DemandReply
     | PodAdd
     | PodDel
     | Scrape
@@ -242,6 +258,6 @@ ToWorker = (
     | Ping
     | Stop
 )
-FromWorker = CertificateRequest | PodResult | Counters | ProfileReply | Pong | Ready | Failed
+FromWorker = CertificateRequest | Demand | PodResult | Counters | ProfileReply | Pong | Ready | Failed
 ToForkServer = Spawn
 FromForkServer = Spawned | Exited

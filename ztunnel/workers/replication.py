@@ -9,12 +9,13 @@ late gets `snapshot()` first.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 from collections.abc import Callable, Iterator
 
 from policy.model import Authorization
 from xds.localconfig import LocalConfig
 from xds.model import Service, Workload
-from ztunnel.state import ProxyState
+from ztunnel.state import Demander, ProxyState
 from ztunnel.workers.messages import (
     Clear,
     RemovePolicy,
@@ -30,11 +31,24 @@ from ztunnel.workers.messages import (
 Publish = Callable[[StateChanges], None]
 
 
+def demand_arrived(state: ProxyState, key: str) -> Callable[[], bool]:
+    """Whether the store now holds what an on-demand `key` names: `network/ip` (a workload, or a
+    service by VIP) or `namespace/hostname` (a service, or a workload by hostname)."""
+    scope, _, name = key.rpartition("/")
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return lambda: (
+            state.service_by_key(key) is not None or state.workload_by_hostname(scope, name) is not None
+        )
+    return lambda: state.workload_by_addr(scope, ip) is not None or bool(state.services_by_vip(scope, ip))
+
+
 class ReplicatedState(ProxyState):
     """The supervisor's store: every committed change is also handed to `publish`."""
 
-    def __init__(self, publish: Publish) -> None:
-        super().__init__()
+    def __init__(self, publish: Publish, demander: Demander | None = None) -> None:
+        super().__init__(demander)
         self._publish = publish
         self._journal: list[StateOp] = []
         self._depth = 0  # ops inside ops (a service removed by name) are recorded once

@@ -40,6 +40,8 @@ from ztunnel.workers.messages import (
     CertificateReply,
     CertificateRequest,
     Counters,
+    Demand,
+    DemandReply,
     Exited,
     Failed,
     Ping,
@@ -59,7 +61,7 @@ from ztunnel.workers.messages import (
     Synced,
     ToWorker,
 )
-from ztunnel.workers.replication import ReplicatedState
+from ztunnel.workers.replication import ReplicatedState, demand_arrived
 from ztunnel.workers.worker import collect_profile
 
 log = logging.getLogger("ztunnel.workers")
@@ -120,7 +122,8 @@ class Supervisor:
         self.fleet = Fleet(max(1, config.worker_threads))
         self.slots = [WorkerSlot(i) for i in range(self.fleet.count)]
         self.sums = TrafficSums()
-        self.state = ReplicatedState(self.tell_all)
+        on_demand = config.xds_on_demand and bool(config.xds_address)
+        self.state = ReplicatedState(self.tell_all, self._demand if on_demand else None)
         self.readiness = Readiness()
         self.pods = WorkerPods(self) if config.proxy_mode == "shared" else None
         self.control = ControlRuntime(
@@ -154,6 +157,7 @@ class Supervisor:
             Ready: self._on_ready,
             Counters: self._on_counters,
             CertificateRequest: self._on_certificate_request,
+            Demand: self._on_demand,
             ProfileReply: self._on_profile_reply,
             PodResult: self._on_pod_result,
             Failed: self._on_failed,
@@ -356,6 +360,16 @@ class Supervisor:
 
     def _on_certificate_request(self, slot: WorkerSlot, message: CertificateRequest) -> None:
         self._background(self._answer_certificate(slot, message))
+
+    def _on_demand(self, slot: WorkerSlot, message: Demand) -> None:
+        self._background(self._answer_demand(slot, message))
+
+    async def _answer_demand(self, slot: WorkerSlot, message: Demand) -> None:
+        answered = await self._demand(message.key, demand_arrived(self.state, message.key))
+        slot.send(DemandReply(message.seq, answered))
+
+    async def _demand(self, key: str, arrived: Callable[[], bool]) -> bool:
+        return await self.control.demand(key, arrived)
 
     def _on_profile_reply(self, slot: WorkerSlot, message: ProfileReply) -> None:
         waiter = slot.profile_waiters.pop(message.seq, None)

@@ -36,6 +36,8 @@ from ztunnel.workers.messages import (
     CertificateReply,
     CertificateRequest,
     Counters,
+    Demand,
+    DemandReply,
     Failed,
     Ping,
     PodAdd,
@@ -93,6 +95,37 @@ class ParentCa:
         self._waiting.clear()
 
 
+class ParentDemands:
+    """A worker's on-demand xDS: the supervisor asks its control plane (one stream for all)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self._waiting: dict[int, asyncio.Future[bool]] = {}
+        self._seq = 0
+
+    async def demand(self, key: str, known: Callable[[], bool]) -> bool:
+        """True once the key's answer is in the supervisor's store: the changes that brought it
+        reach this worker's store before the reply, on the same channel."""
+        self._seq += 1
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting[self._seq] = fut
+        try:
+            await self._channel.send(Demand(self._seq, key))
+            return await fut
+        finally:
+            self._waiting.pop(self._seq, None)
+
+    def answer(self, reply: DemandReply) -> None:
+        fut = self._waiting.get(reply.seq)
+        if fut is not None and not fut.done():
+            fut.set_result(reply.answered)
+
+    def parent_gone(self) -> None:
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_result(False)
+
+
 Action = tuple[object, list[int]]
 
 
@@ -103,7 +136,9 @@ class WorkerRuntime:
         self.config = config
         self.index = index
         self.channel = channel
-        self.state = ProxyState()
+        self.demands = ParentDemands(channel)
+        on_demand = config.xds_on_demand and bool(config.xds_address)  # asked of the supervisor's xDS
+        self.state = ProxyState(self.demands.demand if on_demand else None)
         # Only the traffic counters are reported to the parent: no /proc reads for process_* here.
         self.metrics = Metrics(config.istio_version, process_metrics=False)
         self.ca = ParentCa(channel)
@@ -120,6 +155,7 @@ class WorkerRuntime:
         self._now: dict[type, Callable[[Any], Awaitable[None]]] = {
             StateChanges: self._on_changes,
             CertificateReply: self._on_certificate,
+            DemandReply: self._on_demand_reply,
             Scrape: self._on_scrape,
             Ping: self._on_ping,
             ProfileRequest: self._on_profile,
@@ -179,6 +215,7 @@ class WorkerRuntime:
                 got = None
             if got is None:
                 self.ca.parent_gone()
+                self.demands.parent_gone()
                 self.request_stop(0.0)  # the parent is gone: never outlive it
                 return
             message, fds = got
@@ -194,6 +231,9 @@ class WorkerRuntime:
 
     async def _on_certificate(self, message: CertificateReply) -> None:
         self.ca.answer(message)
+
+    async def _on_demand_reply(self, message: DemandReply) -> None:
+        self.demands.answer(message)
 
     async def _on_scrape(self, message: Scrape) -> None:
         await self.channel.send(self._counters(message.seq))
