@@ -378,6 +378,15 @@ def spread(m: Mesh, proxy: Proxy, n: int = 16) -> list[socket.socket]:
 
 
 def test_one_xds_stream_and_one_certificate_request_per_identity(mesh: Mesh) -> None:
+    # The workload's certificate is asked for at start-up, before any connection needs it.
+    for proxy, name in ((mesh.client, "client"), (mesh.server, "server")):
+        eventually(
+            lambda p=proxy, n=name: (
+                [(c["identity"], c["state"]) for c in p.dump()["certificates"]]  # type: ignore[misc]
+                == [(f"spiffe://{TD}/ns/demo/sa/{n}", "Available")]
+            ),
+            f"{name}'s certificate prefetched",
+        )
     for proxy in (mesh.client, mesh.server):
         pids = {w["pid"] for w in proxy.workers()}
         assert len(pids) == 2 and proxy.process.pid not in pids
