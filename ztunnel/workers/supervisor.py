@@ -145,7 +145,6 @@ class Supervisor:
         )
         self.locks: list[socket.socket] = []
         self.synced = False
-        self._fork = fork_server
         self._fork_channel = Channel(fork_server.sock)
         self._stop = asyncio.Event()
         self._proxy_ready: ReadinessHandle | None = self.readiness.register("proxy")
