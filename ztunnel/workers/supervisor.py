@@ -145,6 +145,7 @@ class Supervisor:
         )
         self.locks: list[socket.socket] = []
         self.synced = False
+        self.exit_code = 0  # 1 when the fork server is gone (the control runtime has its own)
         self._fork_channel = Channel(fork_server.sock)
         self._stop = asyncio.Event()
         self._proxy_ready: ReadinessHandle | None = self.readiness.register("proxy")
@@ -425,7 +426,7 @@ class Supervisor:
             await self.control.drain()
             fork_reader.cancel()
             self._fork_channel.close()
-        return self.control.exit_code
+        return self.exit_code or self.control.exit_code
 
     async def _claim_listeners(self) -> None:
         try:
@@ -487,7 +488,7 @@ class Supervisor:
             if got is None:
                 if not self.fleet.stopping:
                     log.error("the fork server exited; stopping")
-                    self.control.exit_code = 1
+                    self.exit_code = 1
                     self.shutdown()
                 return
             message, fds = got
