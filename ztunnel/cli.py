@@ -15,7 +15,7 @@ from ztunnel import __version__
 
 
 def _version() -> int:
-    from ztunnel.app import build_info
+    from ztunnel.control import build_info
 
     info = build_info()
     fields = ", ".join(f"{k[0].upper()}{k[1:]}:{v!r}" for k, v in info.items())
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         argv = ["proxy"]
     args = parser.parse_args(argv)
-    from ztunnel.app import StartupError
+    from ztunnel.control import StartupError
 
     try:
         if args.command == "version":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -45,6 +44,7 @@ from ztunnel.proxy.plan import (
     SOCKS5,
     ListenSpec,
     bind_address,
+    check_transparent,
     listen_plan,
 )
 from ztunnel.proxy.socks5_listener import Socks5Listener
@@ -78,7 +78,7 @@ def build_proxy(
     local = LocalWorkload(config, inputs.state, info)
     plan = listen_plan(config, inbound_only=inbound_only)
     try:
-        listening, dns_server = _bind(inputs, local, sockets, plan, orig_src=not inbound_only)
+        listening, dns_server = _bind(inputs, local, sockets, plan)
     except BaseException:
         local.close()
         raise
@@ -116,8 +116,6 @@ def _bind(
     local: LocalWorkload,
     sockets: SocketFactory,
     plan: tuple[ListenSpec, ...],
-    *,
-    orig_src: bool,
 ) -> tuple[dict[str, socket.socket], dns.DnsServer | None]:
     """Every listener of `plan`, in its order; on a failure none is left open."""
     config = inputs.config
@@ -130,15 +128,7 @@ def _bind(
                 dns_server.bind()
                 continue
             sock = listening[spec.name] = sockets.listener(spec.host, spec.port, transparent=spec.transparent)
-            if (
-                spec.name == INBOUND
-                and orig_src
-                and config.enable_orig_src is True
-                and not is_transparent(sock)
-            ):
-                raise PermissionError(
-                    errno.EPERM, "ENABLE_ORIG_SRC=true but IP_TRANSPARENT was refused (needs CAP_NET_ADMIN)"
-                )
+            check_transparent(config, spec, sock)
     except BaseException:
         for s in listening.values():
             s.close()

@@ -7,10 +7,13 @@ exclusivity before its workers bind the same addresses with `SO_REUSEPORT`. The 
 
 from __future__ import annotations
 
+import errno
+import socket
 from dataclasses import dataclass
 
 from ztunnel.config import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Config
 from ztunnel.dns import dns_address
+from ztunnel.sockets import is_transparent
 
 OUTBOUND = "outbound"
 INBOUND = "inbound"
@@ -60,3 +63,17 @@ def listen_plan(config: Config, *, inbound_only: bool = False) -> tuple[ListenSp
     if config.dns_capture:
         plan.append(dns)
     return tuple(plan)
+
+
+def check_transparent(config: Config, spec: ListenSpec, sock: socket.socket) -> None:
+    """ENABLE_ORIG_SRC=true is a promise to spoof the client's address: refuse to start when the
+    inbound listener did not get IP_TRANSPARENT."""
+    if (
+        spec.name == INBOUND
+        and spec.transparent
+        and config.enable_orig_src is True
+        and not is_transparent(sock)
+    ):
+        raise PermissionError(
+            errno.EPERM, "ENABLE_ORIG_SRC=true but IP_TRANSPARENT was refused (needs CAP_NET_ADMIN)"
+        )
