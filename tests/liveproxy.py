@@ -143,8 +143,9 @@ def echo_server(ip: str, port: int) -> Iterator[None]:
         server.server_close()
 
 
-def socks5(proxy_ip: str, dst_ip: str, dst_port: int, timeout: float = 10) -> socket.socket:
-    """A connection through the proxy's SOCKS5 listener to `dst_ip:dst_port`."""
+def socks5_reply(proxy_ip: str, dst_ip: str, dst_port: int, timeout: float = 10) -> tuple[socket.socket, int]:
+    """A connection through the proxy's SOCKS5 listener to `dst_ip:dst_port`, and the CONNECT reply
+    code (0: connected; 2: not allowed by the rules, e.g. a policy denied it)."""
     s = socket.create_connection((proxy_ip, 15080), timeout=timeout)
     s.sendall(b"\x05\x01\x00" + b"\x05\x01\x00\x01" + socket.inet_aton(dst_ip) + dst_port.to_bytes(2, "big"))
     reply = b""
@@ -153,7 +154,13 @@ def socks5(proxy_ip: str, dst_ip: str, dst_port: int, timeout: float = 10) -> so
         if not chunk:
             raise ConnectionError(f"closed during the SOCKS5 handshake: {reply!r}")
         reply += chunk
-    assert reply[:2] == b"\x05\x00" and reply[3] == 0, reply  # no authentication; CONNECT succeeded
+    assert reply[:3] == b"\x05\x00\x05", reply  # no authentication, then the CONNECT reply
+    return s, reply[3]
+
+
+def socks5(proxy_ip: str, dst_ip: str, dst_port: int, timeout: float = 10) -> socket.socket:
+    s, code = socks5_reply(proxy_ip, dst_ip, dst_port, timeout)
+    assert code == 0, code
     return s
 
 
