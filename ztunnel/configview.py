@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -427,7 +428,7 @@ def fetch_dump(base: str) -> dict[str, Any]:
 
 def read_dump(path: str) -> dict[str, Any]:
     try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()  # noqa: SIM115
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigViewError(f"cannot read {path}: {e.strerror}") from None
     return _parse_dump(text, path)
@@ -452,7 +453,6 @@ def log_query(level: str, reset: bool) -> str:
         return "reset"
     directives = []
     for directive in filter(None, (d.strip() for d in level.split(","))):
-        # The logger is what precedes the last single `:` or `=` (`ztunnel::proxy:debug`).
         head, value = _split_directive(directive)
         spelled = LOG_LEVELS.get(value.lower())
         if spelled is None:
