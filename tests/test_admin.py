@@ -124,7 +124,11 @@ async def test_logging_endpoint(serve: Any) -> None:
     assert r.text.startswith("Invalid level provided: loud")
     assert "error|warn|info|debug|trace|off" in r.text
     assert logs.current_filter() == "debug"
-    assert (await request(port, "POST", "/logging?level=")).status == 400
+    # What `istioctl ztunnel-config log` posts with no flags: the current level, unchanged.
+    r = await request(port, "POST", "/logging?level=")
+    assert (r.status, r.text) == (200, "current log level is debug\n")
+    assert (await request(port, "POST", "/logging?level=,")).status == 400
+    assert logs.current_filter() == "debug"
     r = await request(port, "GET", "/logging")
     assert r.status == 405
     assert r.headers["allow"] == "POST"

@@ -220,9 +220,11 @@ hint: mod_name:\tthe module name, i.e. ztunnel::proxy or access
 def _logging(request: Request, on_change: Callable[[str], object] | None = None) -> Response:
     level = request.query.get("level")
     reset = "reset" in request.query
-    if level is None and not reset:
-        return Response(200, f"current log level is {logs.current_filter()}\n".encode())
     spec = level[-1] if level else ""
+    # An empty level without `reset` lists, as no level does (`istioctl ztunnel-config log` with no
+    # flags posts `?level=`).
+    if not spec and not reset:
+        return Response(200, f"current log level is {logs.current_filter()}\n".encode())
     try:
         new = logs.set_filter(spec, reset)
     except ValueError as e:

@@ -26,7 +26,7 @@ from ztunnel.metrics import (
 from ztunnel.workers.messages import Snapshot
 
 # The families the workers count (the supervisor shows their sums).
-DATA_PLANE_PREFIXES = ("istio_tcp_", "istio_dns_", "istio_on_demand_dns", "istio_crl_")
+DATA_PLANE_PREFIXES = ("istio_tcp_", "istio_dns_", "istio_on_demand_dns", "istio_crl_", "ztunnel_log_")
 KINDS = ("counter", "histogram", "gauge")
 
 LabelPairs = tuple[tuple[str, str], ...]
