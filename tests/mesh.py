@@ -12,6 +12,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -153,8 +154,6 @@ class Proxy:
         assert self.process is None or self.process.poll() is not None, "already running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"--- start {self.starts + 1} of {self.name} ---\n".encode())
-            log.flush()
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "ztunnel", "proxy"],
                 env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
@@ -353,6 +352,65 @@ class Fleet:
         finally:
             for proxy in self.proxies:
                 sys.stdout.write(f"--- {proxy.name} ({proxy.ip}) log, tail ---\n{proxy.log()[-6000:]}\n")
+
+
+@dataclass
+class ControlPlane:
+    """`ztunnel control-plane` as a process: xDS and a CA from a YAML file it watches (a live change
+    is a new file); `env` points a proxy at it (FAKE_CA off)."""
+
+    config: Path
+    address: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @classmethod
+    def start(cls, directory: Path, host: str, text: str) -> ControlPlane:
+        directory.mkdir(parents=True, exist_ok=True)
+        config, log_path = directory / "mesh.yaml", directory / "control-plane.log"
+        config.write_text(text)
+        with socket.socket() as s:
+            s.bind((host, 0))
+            address = f"{host}:{s.getsockname()[1]}"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "ztunnel", "control-plane", "--config", str(config),
+                 "--listen", address, "--ca-dir", str(directory / "ca")],
+                env=process_env({}), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            )  # fmt: skip
+        cp = cls(config, address, process, log_path)
+        deadline = time.monotonic() + 30
+        while "root certificate:" not in cp.log():
+            if process.poll() is not None or time.monotonic() > deadline:
+                cp.stop()
+                raise AssertionError(f"the control plane did not start:\n{cp.log()}")
+            time.sleep(0.05)
+        return cp
+
+    def wire(self, env: Mapping[str, str]) -> dict[str, str]:
+        """A proxy's `env` fed by this control plane instead of a local config and the fake CA."""
+        wired = {k: v for k, v in env.items() if k not in ("LOCAL_XDS", "LOCAL_XDS_PATH", "FAKE_CA")}
+        wired.update(XDS_ADDRESS=f"http://{self.address}", CA_ADDRESS=f"http://{self.address}")
+        return wired
+
+    def push(self, text: str) -> None:
+        """A new config, written whole (the control plane reads the file when it changes)."""
+        tmp = self.config.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.config)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(10)
+        while self.process.poll() is None or group_members(self.process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            time.sleep(0.02)
 
 
 @dataclass
