@@ -274,6 +274,17 @@ class Proxy:
 
         return total(self.samples()) - (total(since) if since is not None else 0.0)
 
+    def listeners(self) -> dict[str, tuple[str, int]]:
+        """The data-plane listeners (name -> address) of the last worker's "proxy ready" log line."""
+        lines = [line for line in self.log().splitlines() if ": proxy ready: " in line]
+        assert lines, f"no proxy ready line in {self.name}'s log"
+        text = lines[-1].rsplit(": proxy ready: ", 1)[1].rstrip('"')
+        out = {}
+        for item in filter(None, text.split(", ")):
+            name, _, address = item.partition(" ")
+            out[name] = _address(address)
+        return out
+
     def log(self) -> str:
         """Everything the proxy wrote (every start of it), as a user reading its output sees it."""
         try:
