@@ -558,13 +558,3 @@ async def openssl_s_client(target: str, cert: str, key: str, ca: str) -> TlsView
         ext = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         sans = [str(name.value) for name in ext]
     return TlsView(text, sans)
-
-
-async def start_proxy(env: Mapping[str, str]) -> Any:
-    """In-process `App` (the runtime the binary never runs): only until every module is converted."""
-    from ztunnel.app import App
-    from ztunnel.config import Config
-
-    app = App(Config.from_env(env))
-    await app.start()
-    return app

@@ -18,7 +18,7 @@ from tests.test_xds_e2e import ControlPlane, free_port
 from tests.waiting import eventually_async
 
 # On today's main a worker's lookup miss is not asked of the supervisor's xDS stream: the shipped
-# processes pass an unknown address through at once (what the in-process App did only). The marks
+# processes pass an unknown address through at once (only the in-process runtime asked). The marks
 # go when the process model asks the parent on a miss (issue 20's process-model branch).
 pytestmark = pytest.mark.xfail(
     strict=True, reason="on-demand xDS does not reach the supervisor's stream from a worker yet"
