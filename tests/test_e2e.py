@@ -249,12 +249,19 @@ async def test_200_concurrent_connections_over_the_pool(mesh: Mesh) -> None:
         blocking=True,
     )
     assert mesh.count(server, "istio_tcp_connections_opened_total", reporter="destination") == 200
+
     # The server's access log names the client proxy's address of each HBONE connection.
-    inbound = [
-        line
-        for line in server.log_since_mark().splitlines()
-        if '"connection complete"' in line and 'direction="inbound"' in line
-    ]
+    def complete() -> list[str]:
+        return [
+            line
+            for line in server.log_since_mark().splitlines()
+            if '"connection complete"' in line and 'direction="inbound"' in line
+        ]
+
+    await eventually_async(
+        lambda: len(complete()) >= 200, lambda: f"200 access logs, {len(complete())} so far"
+    )
+    inbound = complete()
     ports = collections.Counter(
         re.search(rf"src.addr={re.escape(FRONTEND)}:(\d+)", line).group(1)  # type: ignore[union-attr]
         for line in inbound

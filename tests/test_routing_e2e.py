@@ -22,6 +22,7 @@ from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
 from tests.mesh import Echo, Fleet, Proxy, echo_roundtrip, proxy_env, sha, socks5_connect, start_echo
 from tests.relays import Onward, Relay, certificate, dial, start_gateway, start_waypoint
+from tests.waiting import eventually_async
 from ztunnel.proxyprotocol import ProxyHeader, decode
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
@@ -224,6 +225,11 @@ def logs(fleet: Fleet) -> str:
     return "".join(proxy.log() for proxy in fleet.proxies)
 
 
+async def logged(fleet: Fleet, text: str) -> None:
+    """Until a proxy has logged `text` (its access log comes a moment after the client's answer)."""
+    await eventually_async(lambda: text in logs(fleet), f"{text!r} in a proxy's log")
+
+
 Servers = list[asyncio.AbstractServer | Echo | ProxyApp | Relay]
 
 
@@ -284,7 +290,7 @@ async def test_service_waypoint_carries_traffic_and_a_direct_attempt_is_denied(
 
         direct = await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"around the waypoint")
         assert direct.code == 2  # the server's proxy answered 401: only the waypoint is allowed
-    assert "allow policies exist, but none allowed" in logs(fleet)
+    await logged(fleet, "allow policies exist, but none allowed")
 
 
 async def test_workload_waypoint(fleet: Fleet, servers: Servers) -> None:
@@ -322,7 +328,7 @@ async def test_a_proxy_accepts_connections_for_what_it_is_the_waypoint_of(
             assert refused.value.status == 400
         finally:
             conn.abort()
-    assert f"ip mismatch: {INLINE_WP} != {CLIENT}" in logs(fleet)
+    await logged(fleet, f"ip mismatch: {INLINE_WP} != {CLIENT}")
 
 
 async def test_application_tunnel_tells_the_app_who_connected(fleet: Fleet, servers: Servers) -> None:
@@ -382,7 +388,7 @@ async def test_double_hbone_through_a_network_gateway(fleet: Fleet, servers: Ser
         # A service whose SANs the remote proxy does not have: the inner handshake fails.
         wrong = await echo_roundtrip((EAST_CLIENT, 15080), VIP_WRONG_SANS, 9080, b"x")
         assert wrong.code == 1
-    assert "identity verification error" in logs(fleet)
+    await logged(fleet, "identity verification error")
 
 
 async def test_inner_tls_checks_the_final_identity(fleet: Fleet, servers: Servers) -> None:
