@@ -69,6 +69,29 @@ async def leaf_of(proxy: Proxy, name: str) -> x509.Certificate:
     return x509.load_pem_x509_certificate(base64.b64decode(cert["certChain"][0]["pem"]))
 
 
+def replace(path: Path, data: bytes) -> None:
+    """A new file in one step, as an operator's tooling (or a mounted Secret) swaps it: no process
+    reads it half written."""
+    tmp = path.with_suffix(".new")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+async def reloaded_everywhere(proxy: Proxy) -> None:
+    """Until each process that loaded the CRL at start (every worker watches the file for its own
+    TLS contexts) has logged reloading it: before that, a worker may still take a revoked peer."""
+
+    def count(what: str) -> int:
+        return sum(1 for line in proxy.log().splitlines() if f'"{what} ' in line and "CRL(s) from" in line)
+
+    await eventually_async(
+        lambda: count("loaded") > 0 and count("reloaded") >= count("loaded"),
+        lambda: (
+            f"the CRL reloaded by every worker of {proxy.name} ({count('reloaded')} of {count('loaded')})"
+        ),
+    )
+
+
 class Held:
     """A connection through a proxy's SOCKS5 listener to the echo app, kept open."""
 
@@ -126,7 +149,8 @@ async def test_inbound_reload_tears_down_the_revoked_client_only(
     kept_conn = await Held.open(OTHER)
     assert crl_rejections(server) == 0
 
-    crl.write_bytes(make_crl(ca, [await leaf_of(frontend, "frontend")]))
+    replace(crl, make_crl(ca, [await leaf_of(frontend, "frontend")]))
+    await reloaded_everywhere(server)
 
     assert await revoked_conn.closed()
     assert await kept_conn.echo(b"still here")
@@ -164,7 +188,8 @@ async def test_outbound_reload_drops_the_tunnel_to_a_revoked_server(
     server, frontend = await fleet.start(env("server", SERVER), env("frontend", FRONTEND, crl))
     held = await Held.open(FRONTEND)
 
-    crl.write_bytes(make_crl(ca, [await leaf_of(server, "server")]))
+    replace(crl, make_crl(ca, [await leaf_of(server, "server")]))
+    await reloaded_everywhere(frontend)
 
     assert await held.closed()
     await eventually_async(
