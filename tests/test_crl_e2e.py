@@ -58,10 +58,6 @@ def crl_rejections(proxy: Proxy) -> float:
     return proxy.metric("istio_crl_policy_rejections_total")
 
 
-def metric(proxy: Proxy, name: str, **labels: str) -> float:
-    return proxy.metric(name, **labels)
-
-
 async def leaf_of(proxy: Proxy, name: str) -> x509.Certificate:
     """The workload's leaf certificate as `/config_dump` shows it."""
     dump = await asyncio.to_thread(proxy.config_dump)
@@ -156,8 +152,7 @@ async def test_inbound_reload_tears_down_the_revoked_client_only(
     assert await kept_conn.echo(b"still here")
     await eventually_async(
         lambda: (
-            metric(
-                server,
+            server.metric(
                 "istio_tcp_connections_closed_total",
                 reporter="destination",
                 response_flags="CERT_REVOKED",
@@ -194,8 +189,7 @@ async def test_outbound_reload_drops_the_tunnel_to_a_revoked_server(
     assert await held.closed()
     await eventually_async(
         lambda: (
-            metric(
-                frontend,
+            frontend.metric(
                 "istio_tcp_connections_closed_total",
                 reporter="source",
                 response_flags="CERT_REVOKED",
@@ -211,14 +205,12 @@ async def test_outbound_reload_drops_the_tunnel_to_a_revoked_server(
     assert code != 0
     await eventually_async(
         lambda: (
-            metric(
-                frontend,
+            frontend.metric(
                 "istio_tcp_connections_closed_total",
                 reporter="source",
                 response_flags="CERT_REVOKED",
             )
-            + metric(
-                frontend,
+            + frontend.metric(
                 "istio_tcp_connections_failed_total",
                 reporter="source",
                 response_flags="CERT_REVOKED",
