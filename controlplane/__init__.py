@@ -1,4 +1,5 @@
-"""The development control plane: Delta ADS and a CA over gRPC, fed from a YAML file.
+"""The development control plane: Delta ADS and a CA over gRPC, fed from a YAML file or Kubernetes
+manifests (`kube`, istiod's ambient index).
 
 It talks to proxies only over the wire and never imports `ztunnel`, which is what makes it a fair test
 of wire compatibility. `ads` serves the resources, `snapshot` names and versions them, `source`
@@ -17,8 +18,12 @@ DEFAULT_LISTEN = "127.0.0.1:15012"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `ztunnel control-plane` (and `python -m controlplane`)."""
+    parser.add_argument("--config", metavar="FILE", help="local-config YAML to serve (watched)")
     parser.add_argument(
-        "--config", required=True, metavar="FILE", help="local-config YAML to serve (watched)"
+        "--kube",
+        metavar="PATH",
+        help="Kubernetes manifests (a file or a directory) to serve as istiod would (watched);"
+        " with --config, both are served",
     )
     parser.add_argument(
         "--listen",

@@ -64,6 +64,7 @@ def _control_plane(args: argparse.Namespace) -> int:
             args.ca_dir,
             auth_token=args.auth_token,
             cluster_id=args.cluster_id,
+            kube=args.kube,
         )
     except ControlPlaneError as e:
         print(f"ztunnel: control-plane: {e}", file=sys.stderr)

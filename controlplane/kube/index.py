@@ -1,0 +1,190 @@
+"""The ambient index: a cluster's objects to the workloads, services and policies istiod would send.
+
+`build` converts every object it reads in the order istiod's collections depend on each other:
+waypoints (Gateways), services (Services and ServiceEntries, then one per hostname), policies
+(AuthorizationPolicies, PeerAuthentications), then workloads (Pods, WorkloadEntries, ServiceEntry
+endpoints), which name the services that select them and the policies that apply to them. An object
+that cannot be converted is refused, with its kind, namespace, name and reason, and left out;
+everything else is served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from controlplane.kube.cluster import Cluster, Options, selects
+from controlplane.kube.manifests import Obj, Refusal, Refused
+from controlplane.kube.policies import (
+    authorization_policy,
+    oldest,
+    peer_authentication,
+    static_strict,
+    workload_peer_keys,
+)
+from controlplane.kube.services import ServiceInfo, select_services, service_entries_of, service_of
+from controlplane.kube.warnings import pod_warnings
+from controlplane.kube.waypoints import Waypoints, is_waypoint_gateway, waypoint_of
+from controlplane.kube.workloads import (
+    Context,
+    pod_workload,
+    service_entry_workloads,
+    workload_entry_workload,
+)
+from policy.model import Authorization
+from xds.localconfig import LocalConfig
+from xds.model import Workload
+
+T = TypeVar("T")
+
+
+@dataclass
+class Index:
+    """What the objects amount to: the config served, the objects refused, the warnings."""
+
+    config: LocalConfig = field(default_factory=LocalConfig)
+    refusals: list[Refusal] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+class _Build:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.result = Index(refusals=list(cluster.refusals))
+        self._refused: set[int] = set()
+
+    def attempt(self, obj: Obj, convert: Callable[[], T]) -> T | None:
+        try:
+            return convert()
+        except Refused as e:
+            self.refuse(obj, e.reason)
+            return None
+
+    def refuse(self, obj: Obj, reason: str) -> None:
+        if id(obj) not in self._refused:
+            self._refused.add(id(obj))
+            self.result.refusals.append(obj.refusal(reason))
+
+    def warn(self, obj: Obj, message: str) -> None:
+        self.result.warnings.append(f"{obj.kind} {obj.key}: {message}")
+
+
+def _policies(build: _Build) -> tuple[list[Authorization], list[tuple[Authorization, Mapping[str, str]]]]:
+    cluster, root = build.cluster, build.cluster.options.root_namespace
+    policies: list[Authorization] = []
+    selecting: list[tuple[Authorization, Mapping[str, str]]] = []
+    for obj in cluster.of("AuthorizationPolicy"):
+        converted = build.attempt(obj, lambda obj=obj: authorization_policy(obj, root))  # type: ignore[misc]
+        if converted is None:
+            continue
+        if converted.warning:
+            build.warn(obj, converted.warning)
+        if converted.policy is not None:
+            policies.append(converted.policy)
+            if converted.selector is not None:
+                selecting.append((converted.policy, converted.selector))
+    peer = cluster.of("PeerAuthentication")
+    namespace_wide: dict[str, list[Obj]] = {}
+    for pa in peer:
+        if pa.spec.get("selector") is None:
+            namespace_wide.setdefault(pa.namespace, []).append(pa)
+    for pa in peer:
+        derived = build.attempt(
+            pa,
+            lambda pa=pa: peer_authentication(  # type: ignore[misc]
+                pa, root, oldest(namespace_wide.get(pa.namespace, [])), oldest(namespace_wide.get(root, []))
+            ),
+        )
+        if derived is not None:
+            policies.append(derived)
+    if peer:
+        policies.append(static_strict(root))
+    return policies, selecting
+
+
+def _policy_lookup(
+    cluster: Cluster, selecting: list[tuple[Authorization, Mapping[str, str]]]
+) -> Callable[[str, Mapping[str, str]], tuple[str, ...]]:
+    root = cluster.options.root_namespace
+    peer = cluster.of("PeerAuthentication")
+
+    def policies_for(namespace: str, labels: Mapping[str, str]) -> tuple[str, ...]:
+        keys = sorted(
+            p.key
+            for p, selector in selecting
+            if p.namespace in (root, namespace) and selects(selector, labels)
+        )
+        applicable = [
+            pa
+            for pa in peer
+            if (pa.namespace == namespace and _pa_selects(pa, labels))
+            or (namespace != root and pa.namespace == root and pa.spec.get("selector") is None)
+        ]
+        return (*keys, *workload_peer_keys(applicable, root))
+
+    return policies_for
+
+
+def _pa_selects(pa: Obj, labels: Mapping[str, str]) -> bool:
+    selector = pa.spec.get("selector")
+    if selector is None:
+        return True
+    match = selector.get("matchLabels") if isinstance(selector, dict) else None
+    return isinstance(match, dict) and all(labels.get(k) == v for k, v in match.items())
+
+
+def _services(build: _Build, waypoints: Waypoints) -> list[ServiceInfo]:
+    infos: list[ServiceInfo] = []
+    for obj in build.cluster.of("Service"):
+        waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
+        info = build.attempt(obj, lambda obj=obj, w=waypoint: service_of(obj, build.cluster, w))  # type: ignore[misc]
+        if info is not None:
+            infos.append(info)
+        elif obj.spec.get("type") == "ExternalName":
+            build.warn(obj, "type ExternalName is not sent to ztunnel (as by istiod)")
+    for obj in build.cluster.of("ServiceEntry"):
+        waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
+        entries = build.attempt(obj, lambda obj=obj, w=waypoint: service_entries_of(obj, build.cluster, w))  # type: ignore[misc]
+        infos.extend(entries or [])
+    return select_services(infos)
+
+
+def _workloads(build: _Build, ctx: Context) -> list[Workload]:
+    out: list[Workload] = []
+    for pod in build.cluster.of("Pod"):
+        for message in pod_warnings(pod, build.cluster):
+            build.result.warnings.append(message)
+        workload = build.attempt(pod, lambda pod=pod: pod_workload(pod, ctx))  # type: ignore[misc]
+        if workload is not None:
+            out.append(workload)
+    for entry in build.cluster.of("WorkloadEntry"):
+        workload = build.attempt(entry, lambda e=entry: workload_entry_workload(e, ctx))  # type: ignore[misc]
+        if workload is not None:
+            out.append(workload)
+    for entry in build.cluster.of("ServiceEntry"):
+        out.extend(build.attempt(entry, lambda e=entry: service_entry_workloads(e, ctx)) or [])  # type: ignore[misc]
+    return out
+
+
+def build(objects: Iterable[Obj], options: Options | None = None) -> Index:
+    cluster = Cluster(objects, options or Options())
+    b = _Build(cluster)
+    gateways = []
+    for gateway in cluster.of("Gateway"):
+        if is_waypoint_gateway(gateway, cluster):
+            waypoint = b.attempt(gateway, lambda g=gateway: waypoint_of(g, cluster))  # type: ignore[misc]
+            if waypoint is not None:
+                gateways.append(waypoint)
+    waypoints = Waypoints(cluster, gateways)
+    services = _services(b, waypoints)
+    policies, selecting = _policies(b)
+    ctx = Context(cluster, services, waypoints, _policy_lookup(cluster, selecting))
+    workloads = _workloads(b, ctx)
+    b.result.warnings.extend(waypoints.warnings)
+    b.result.config = LocalConfig(
+        workloads=tuple(workloads),
+        services=tuple(info.service for info in services),
+        policies=tuple(policies),
+    )
+    return b.result
