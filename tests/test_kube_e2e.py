@@ -18,13 +18,15 @@ import socketserver
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.test_workers import Output, Proxy, launch, stop, wait_ready
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(180)
@@ -111,6 +113,62 @@ class _Echo(socketserver.BaseRequestHandler):
 class _EchoServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+
+class Output:
+    """A process's output, collected by a thread as it comes."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: list[str] = []
+        threading.Thread(target=self._drain, args=(stream,), daemon=True).start()
+
+    def _drain(self, stream: Any) -> None:
+        for line in stream:
+            self.lines.append(line.decode(errors="replace") if isinstance(line, bytes) else line)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+@dataclass
+class Proxy:
+    ip: str
+    process: subprocess.Popen[bytes]
+    output: Output
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.ip}:15021/healthz/ready", timeout=5) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+
+def launch(env: dict[str, str], ip: str) -> Proxy:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ztunnel", "proxy"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    return Proxy(ip, process, Output(process.stdout))
+
+
+def wait_ready(proxy: Proxy) -> None:
+    eventually(
+        lambda: proxy.ready() or proxy.process.poll() is not None,
+        lambda: f"readiness of {proxy.ip}\n{proxy.output.text()[-3000:]}",
+        timeout=30,
+    )
+    assert proxy.process.poll() is None, proxy.output.text()
+
+
+def stop(proxy: Proxy) -> None:
+    if proxy.process.poll() is None:
+        proxy.process.terminate()
+        try:
+            proxy.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proxy.process.kill()
+            proxy.process.wait()
+    sys.stdout.write(f"--- proxy {proxy.ip} output (tail) ---\n{proxy.output.text()[-3000:]}\n")
 
 
 @dataclass

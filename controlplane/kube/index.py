@@ -54,12 +54,16 @@ class _Build:
         self.result = Index(refusals=list(cluster.refusals))
         self._refused: set[int] = set()
 
-    def attempt(self, obj: Obj, convert: Callable[[], T]) -> T | None:
+    def attempt(self, obj: Obj, convert: Callable[..., T], *args: object) -> T | None:
+        """`convert(obj, *args)`, or None with the object refused."""
         try:
-            return convert()
+            return convert(obj, *args)
         except Refused as e:
             self.refuse(obj, e.reason)
-            return None
+        except (TypeError, ValueError, AttributeError, LookupError) as e:
+            # A shape no reader expected (a list where a mapping goes, deep down): still this object only.
+            self.refuse(obj, f"cannot be read: {type(e).__name__}: {e}")
+        return None
 
     def refuse(self, obj: Obj, reason: str) -> None:
         if id(obj) not in self._refused:
@@ -75,7 +79,7 @@ def _policies(build: _Build) -> tuple[list[Authorization], list[tuple[Authorizat
     policies: list[Authorization] = []
     selecting: list[tuple[Authorization, Mapping[str, str]]] = []
     for obj in cluster.of("AuthorizationPolicy"):
-        converted = build.attempt(obj, lambda obj=obj: authorization_policy(obj, root))  # type: ignore[misc]
+        converted = build.attempt(obj, authorization_policy, root)
         if converted is None:
             continue
         if converted.warning:
@@ -92,9 +96,10 @@ def _policies(build: _Build) -> tuple[list[Authorization], list[tuple[Authorizat
     for pa in peer:
         derived = build.attempt(
             pa,
-            lambda pa=pa: peer_authentication(  # type: ignore[misc]
-                pa, root, oldest(namespace_wide.get(pa.namespace, [])), oldest(namespace_wide.get(root, []))
-            ),
+            peer_authentication,
+            root,
+            oldest(namespace_wide.get(pa.namespace, [])),
+            oldest(namespace_wide.get(root, [])),
         )
         if derived is not None:
             policies.append(derived)
@@ -138,32 +143,35 @@ def _services(build: _Build, waypoints: Waypoints) -> list[ServiceInfo]:
     infos: list[ServiceInfo] = []
     for obj in build.cluster.of("Service"):
         waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
-        info = build.attempt(obj, lambda obj=obj, w=waypoint: service_of(obj, build.cluster, w))  # type: ignore[misc]
+        info = build.attempt(obj, service_of, build.cluster, waypoint)
         if info is not None:
             infos.append(info)
         elif obj.spec.get("type") == "ExternalName":
             build.warn(obj, "type ExternalName is not sent to ztunnel (as by istiod)")
     for obj in build.cluster.of("ServiceEntry"):
         waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
-        entries = build.attempt(obj, lambda obj=obj, w=waypoint: service_entries_of(obj, build.cluster, w))  # type: ignore[misc]
+        entries = build.attempt(obj, service_entries_of, build.cluster, waypoint)
         infos.extend(entries or [])
     return select_services(infos)
+
+
+def _pod_warnings(pod: Obj, cluster: Cluster) -> list[str]:
+    return list(pod_warnings(pod, cluster))
 
 
 def _workloads(build: _Build, ctx: Context) -> list[Workload]:
     out: list[Workload] = []
     for pod in build.cluster.of("Pod"):
-        for message in pod_warnings(pod, build.cluster):
-            build.result.warnings.append(message)
-        workload = build.attempt(pod, lambda pod=pod: pod_workload(pod, ctx))  # type: ignore[misc]
+        build.result.warnings += build.attempt(pod, _pod_warnings, build.cluster) or []  # type: ignore[misc]
+        workload = build.attempt(pod, pod_workload, ctx)
         if workload is not None:
             out.append(workload)
     for entry in build.cluster.of("WorkloadEntry"):
-        workload = build.attempt(entry, lambda e=entry: workload_entry_workload(e, ctx))  # type: ignore[misc]
+        workload = build.attempt(entry, workload_entry_workload, ctx)
         if workload is not None:
             out.append(workload)
     for entry in build.cluster.of("ServiceEntry"):
-        out.extend(build.attempt(entry, lambda e=entry: service_entry_workloads(e, ctx)) or [])  # type: ignore[misc]
+        out.extend(build.attempt(entry, service_entry_workloads, ctx) or [])
     return out
 
 
@@ -173,7 +181,7 @@ def build(objects: Iterable[Obj], options: Options | None = None) -> Index:
     gateways = []
     for gateway in cluster.of("Gateway"):
         if is_waypoint_gateway(gateway, cluster):
-            waypoint = b.attempt(gateway, lambda g=gateway: waypoint_of(g, cluster))  # type: ignore[misc]
+            waypoint = b.attempt(gateway, waypoint_of, cluster)
             if waypoint is not None:
                 gateways.append(waypoint)
     waypoints = Waypoints(cluster, gateways)

@@ -14,6 +14,7 @@ counted and reported once. An object without a name, or with metadata Kubernetes
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -110,6 +111,9 @@ class Obj:
     def created(self) -> str:
         """`creationTimestamp` as written (RFC 3339 sorts as text); "" when absent, which sorts first."""
         value = self.metadata.get("creationTimestamp")
+        if isinstance(value, datetime.datetime):  # unquoted, YAML 1.1 reads a timestamp
+            utc = value.astimezone(datetime.UTC) if value.tzinfo else value
+            return utc.strftime("%Y-%m-%dT%H:%M:%SZ")
         return str(value) if value is not None else ""
 
     def refusal(self, reason: str) -> Refusal:
