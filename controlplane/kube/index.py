@@ -33,8 +33,9 @@ from controlplane.kube.workloads import (
     workload_entry_workload,
 )
 from policy.model import Authorization
+from xds.convert import address_to_wire, authorization_to_wire
 from xds.localconfig import LocalConfig
-from xds.model import Workload
+from xds.model import Service, Workload
 
 T = TypeVar("T")
 
@@ -70,6 +71,15 @@ class _Build:
             self._refused.add(id(obj))
             self.result.refusals.append(obj.refusal(reason))
 
+    def sendable(self, obj: Obj, item: Workload | Service | Authorization) -> bool:
+        """Whether the wire can carry what `obj` became (protobuf refuses, say, an unpaired surrogate)."""
+        try:
+            authorization_to_wire(item) if isinstance(item, Authorization) else address_to_wire(item)
+        except ValueError as e:
+            self.refuse(obj, f"cannot be sent over xDS: {e}")
+            return False
+        return True
+
     def warn(self, obj: Obj, message: str) -> None:
         self.result.warnings.append(f"{obj.kind} {obj.key}: {message}")
 
@@ -84,7 +94,7 @@ def _policies(build: _Build) -> tuple[list[Authorization], list[tuple[Authorizat
             continue
         if converted.warning:
             build.warn(obj, converted.warning)
-        if converted.policy is not None:
+        if converted.policy is not None and build.sendable(obj, converted.policy):
             policies.append(converted.policy)
             if converted.selector is not None:
                 selecting.append((converted.policy, converted.selector))
@@ -101,7 +111,7 @@ def _policies(build: _Build) -> tuple[list[Authorization], list[tuple[Authorizat
             oldest(namespace_wide.get(pa.namespace, [])),
             oldest(namespace_wide.get(root, [])),
         )
-        if derived is not None:
+        if derived is not None and build.sendable(pa, derived):
             policies.append(derived)
     if peer:
         policies.append(static_strict(root))
@@ -144,14 +154,15 @@ def _services(build: _Build, waypoints: Waypoints) -> list[ServiceInfo]:
     for obj in build.cluster.of("Service"):
         waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
         info = build.attempt(obj, service_of, build.cluster, waypoint)
-        if info is not None:
+        if info is not None and build.sendable(obj, info.service):
             infos.append(info)
         elif obj.spec.get("type") == "ExternalName":
             build.warn(obj, "type ExternalName is not sent to ztunnel (as by istiod)")
     for obj in build.cluster.of("ServiceEntry"):
         waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
-        entries = build.attempt(obj, service_entries_of, build.cluster, waypoint)
-        infos.extend(entries or [])
+        entries = build.attempt(obj, service_entries_of, build.cluster, waypoint) or []
+        if all(build.sendable(obj, e.service) for e in entries):
+            infos.extend(entries)
     return select_services(infos)
 
 
@@ -160,19 +171,27 @@ def _pod_warnings(pod: Obj, cluster: Cluster) -> list[str]:
 
 
 def _workloads(build: _Build, ctx: Context) -> list[Workload]:
-    out: list[Workload] = []
+    made: list[tuple[Obj, Workload]] = []
     for pod in build.cluster.of("Pod"):
-        build.result.warnings += build.attempt(pod, _pod_warnings, build.cluster) or []  # type: ignore[misc]
+        build.result.warnings += build.attempt(pod, _pod_warnings, build.cluster) or []
         workload = build.attempt(pod, pod_workload, ctx)
         if workload is not None:
-            out.append(workload)
+            made.append((pod, workload))
     for entry in build.cluster.of("WorkloadEntry"):
         workload = build.attempt(entry, workload_entry_workload, ctx)
         if workload is not None:
-            out.append(workload)
+            made.append((entry, workload))
     for entry in build.cluster.of("ServiceEntry"):
-        out.extend(build.attempt(entry, service_entry_workloads, ctx) or [])
-    return out
+        made += [(entry, w) for w in build.attempt(entry, service_entry_workloads, ctx) or []]
+    out: dict[str, Workload] = {}
+    for obj, workload in made:
+        if workload.uid in out:
+            build.warn(
+                obj, f"a second workload with uid {workload.uid} (an endpoint listed twice?); left out"
+            )
+        elif build.sendable(obj, workload):
+            out[workload.uid] = workload
+    return list(out.values())
 
 
 def build(objects: Iterable[Obj], options: Options | None = None) -> Index:
