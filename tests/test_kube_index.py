@@ -4,12 +4,19 @@ user sees."""
 
 from __future__ import annotations
 
+import base64
+import ipaddress
 from typing import Any
 
 import pytest
+from google.protobuf import json_format
 
 from controlplane.kube.cluster import Options
+from policy.model import Connection, Scope
+from policy.rbac import Allow, authorize
 from tests.kube_wire import serve
+from xds.convert import authorization_from_wire
+from xds.gen.istio.security import authorization_pb2
 
 NS = """
 apiVersion: v1
@@ -959,3 +966,67 @@ def test_precheck_warnings() -> None:
     assert served.warned("Pod demo/sidecarish", "container app runs as UID 1337")
     assert served.warned("Pod demo/unlabelled", "no app and version label")
     assert not served.warned("Pod demo/root", "label")
+
+
+# --- what a proxy decides with them -------------------------------------------------------------
+
+
+def decide(text: str, workload_uid: str, principal: str | None, port: int = 80) -> str:
+    """The verdict a destination proxy reaches with the policies sent: the wire decoded by the proxy's
+    own converter, the candidates chosen as the proxy does (namespace, global, the workload's list)."""
+    served = serve(text)
+    workload = served.workloads[workload_uid]
+    policies = [
+        authorization_from_wire(json_format.ParseDict(_wire_ips(p), authorization_pb2.Authorization()))
+        for p in served.policies.values()
+    ]
+    listed = set(workload.get("authorization_policies", []))
+    candidates = [
+        p
+        for p in policies
+        if p.scope is Scope.GLOBAL
+        or (p.scope is Scope.NAMESPACE and p.namespace == workload["namespace"])
+        or p.key in listed
+    ]
+    ns = principal.split("/")[2] if principal else None
+    conn = Connection(
+        src_ip=ipaddress.ip_address("10.1.1.1"),
+        src_port=40000,
+        dst_ip=ipaddress.ip_address(workload["addresses"][0]),
+        dst_port=port,
+        src_principal=f"spiffe://{principal}" if principal else None,
+        src_namespace=ns,
+        src_service_account=principal.rsplit("/", 1)[1] if principal else None,
+    )
+    return "allow" if isinstance(authorize(candidates, conn), Allow) else "deny"
+
+
+def _wire_ips(value: Any) -> Any:
+    """The reverse of the test helper's rendering: IP text back to base64 bytes for ParseDict."""
+    if isinstance(value, dict):
+        return {
+            k: (base64.b64encode(ipaddress.ip_address(v).packed).decode() if k == "address" else _wire_ips(v))
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_wire_ips(v) for v in value]
+    return value
+
+
+def test_the_proxy_enforces_strict_mtls_and_the_fail_closed_deny() -> None:
+    mesh = NS + pod("a") + peer("default", "istio-system", "STRICT")
+    assert decide(mesh, "Kubernetes//Pod/demo/a", None) == "deny"  # plaintext: no peer identity
+    assert decide(mesh, "Kubernetes//Pod/demo/a", "cluster.local/ns/other/sa/x") == "allow"
+    deny_get = (
+        NS
+        + pod("a")
+        + policy(
+            "no-get", '  action: DENY\n  rules:\n    - to: [{operation: {methods: [GET], ports: ["80"]}}]'
+        )
+    )
+    # The HTTP method is out of ztunnel's sight: all of port 80 is denied, other ports are not.
+    assert decide(deny_get, "Kubernetes//Pod/demo/a", "cluster.local/ns/x/sa/y", 80) == "deny"
+    assert decide(deny_get, "Kubernetes//Pod/demo/a", "cluster.local/ns/x/sa/y", 8080) == "allow"
+    allow_get = NS + pod("a") + policy("only-get", "  rules:\n    - to: [{operation: {methods: [GET]}}]")
+    # ALLOW with only an HTTP rule: the rule is dropped, nothing is allowed.
+    assert decide(allow_get, "Kubernetes//Pod/demo/a", "cluster.local/ns/x/sa/y") == "deny"
