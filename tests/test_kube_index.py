@@ -1030,3 +1030,24 @@ def test_the_proxy_enforces_strict_mtls_and_the_fail_closed_deny() -> None:
     allow_get = NS + pod("a") + policy("only-get", "  rules:\n    - to: [{operation: {methods: [GET]}}]")
     # ALLOW with only an HTTP rule: the rule is dropped, nothing is allowed.
     assert decide(allow_get, "Kubernetes//Pod/demo/a", "cluster.local/ns/x/sa/y") == "deny"
+
+
+def test_which_gateways_are_waypoints() -> None:
+    ingress = """
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {name: ingress, namespace: demo, labels: {istio.io/waypoint-for: all}}
+spec: {gatewayClassName: istio, listeners: [{name: http, port: 80, protocol: HTTP}]}
+"""
+    labels = "{app: a, version: v1, istio.io/use-waypoint: ingress}"
+    without_status = serve(NS + ingress + pod("p", labels=labels))
+    assert "waypoint" not in without_status.workloads["Kubernetes//Pod/demo/p"]
+    assert without_status.warned("Pod demo/p", "waypoint demo/ingress is not found")
+    # With the status a controller writes, istiod takes any Gateway as a waypoint.
+    status = "status:\n  addresses: [{type: Hostname, value: ingress-istio.demo.svc.cluster.local}]\n"
+    with_status = serve(NS + ingress + status + pod("p", labels=labels))
+    assert with_status.workloads["Kubernetes//Pod/demo/p"]["waypoint"] == {
+        "hostname": {"namespace": "demo", "hostname": "ingress-istio.demo.svc.cluster.local"},
+        "hbone_mtls_port": 15008,
+    }

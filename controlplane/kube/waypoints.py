@@ -1,9 +1,10 @@
 """Waypoints: Gateways of the `istio-waypoint` class, and which of them an object uses.
 
-A Gateway is a waypoint when its class is `istio-waypoint` (or a GatewayClass whose controller is
-`istio.io/mesh-controller`). Its address is the first `Hostname` of `status.addresses`, else the first
-`IPAddress`, as istiod reads it; in manifests that carry no status (no controller has run), it is the
-hostname Istio's gateway controller would publish, `<name>.<namespace>.svc.<domain>`. It serves the
+Any Gateway with `status.addresses` can be a waypoint, as for istiod; its address is the first
+`Hostname` there, else the first `IPAddress`. Manifests usually carry no status (no controller has
+run): then a Gateway of the `istio-waypoint` class (or of a GatewayClass whose controller is
+`istio.io/mesh-controller`) is a waypoint at the hostname Istio's gateway controller would publish,
+`<name>.<namespace>.svc.<domain>`. It serves the
 traffic its `istio.io/waypoint-for` label says (on the Gateway, else its class; `service` by default).
 
 An object uses the waypoint named by its own `istio.io/use-waypoint` label (`none` opts out), else its
@@ -120,6 +121,10 @@ def _allowed_routes(gateway: Obj) -> tuple[str, Mapping[str, str]]:
 
 
 def is_waypoint_gateway(gateway: Obj, cluster: Cluster) -> bool:
+    """istiod takes any Gateway with `status.addresses` as a possible waypoint; without a status (no
+    controller ran), only one of the waypoint class."""
+    if gateway.status.get("addresses"):
+        return True
     class_name = gateway.spec.get("gatewayClassName")
     if class_name == WAYPOINT_CLASS:
         return True
@@ -175,7 +180,9 @@ class Waypoints:
         key = f"{named[0]}/{named[1]}"
         waypoint = self.by_key.get(key)
         if waypoint is None:
-            raise WaypointError(f"waypoint {key} is not found (no Gateway of class {WAYPOINT_CLASS})")
+            raise WaypointError(
+                f"waypoint {key} is not found (no Gateway of class {WAYPOINT_CLASS}, nor one with status.addresses)"
+            )
         if not waypoint.allows(namespace, self.cluster.namespace_labels(namespace)):
             raise WaypointError(f"waypoint {key} does not allow attachment from namespace {namespace}")
         return waypoint
