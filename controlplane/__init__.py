@@ -3,7 +3,7 @@ manifests (`kube`, istiod's ambient index).
 
 It talks to proxies only over the wire and never imports `ztunnel`, which is what makes it a fair test
 of wire compatibility. `ads` serves the resources, `snapshot` names and versions them, `source`
-loads and watches the file, `ca` signs certificates, `server` runs them on one port.
+loads and watches the file (and `kube` the manifests), `ca` signs certificates, `server` runs them on one port.
 
 This module stays light (argparse only), so the `ztunnel` CLI can describe the command without
 importing gRPC.
@@ -41,5 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="require every call to carry `authorization: Bearer <the token in FILE>`, as istiod does",
     )
     parser.add_argument(
-        "--cluster-id", metavar="ID", help="require every call to carry the `clusterid: ID` header"
+        "--cluster-id",
+        metavar="ID",
+        help="require every call to carry the `clusterid: ID` header; the cluster --kube workloads are named in"
+        " (default Kubernetes)",
     )

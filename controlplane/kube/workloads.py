@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +67,8 @@ class Context:
     cluster: Cluster
     services: Sequence[ServiceInfo]
     waypoints: Waypoints
-    policies_for: Any  # Callable[[str, Mapping[str, str]], tuple[str, ...]]: keys of selecting policies
+    # (namespace, labels) -> the keys of the policies a workload there lists (selector and peer ones).
+    policies_for: Callable[[str, Mapping[str, str]], tuple[str, ...]]
 
 
 def tunnel_protocol(
