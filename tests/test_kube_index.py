@@ -1051,3 +1051,51 @@ spec: {gatewayClassName: istio, listeners: [{name: http, port: 80, protocol: HTT
         "hostname": {"namespace": "demo", "hostname": "ingress-istio.demo.svc.cluster.local"},
         "hbone_mtls_port": 15008,
     }
+
+
+def test_endpoint_slices_of_a_service_without_selector() -> None:
+    served = serve(
+        NS
+        + """
+---
+apiVersion: v1
+kind: Service
+metadata: {name: legacy, namespace: demo}
+spec: {clusterIP: 10.96.0.20, ports: [{name: db, port: 5432, targetPort: 15432}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: legacy-abc, namespace: demo, labels: {kubernetes.io/service-name: legacy}}
+addressType: IPv4
+ports: [{name: db, port: 15432, protocol: TCP}, {name: other, port: 1}]
+endpoints:
+  - addresses: [10.0.0.1]
+    targetRef: {kind: Pod, name: p, namespace: demo}
+  - addresses: [192.0.2.7]
+    conditions: {ready: false}
+  - addresses: [192.0.2.8]
+"""
+        + pod("p", "10.0.0.1")
+    )
+    key = "demo/legacy.demo.svc.cluster.local"
+    # The pod the slice names joins the Service, its ports resolved as for a selector.
+    assert served.workloads["Kubernetes//Pod/demo/p"]["services"] == {
+        key: {"ports": [{"service_port": 5432, "target_port": 15432}]}
+    }
+    outside = served.workloads["Kubernetes/discovery.k8s.io/EndpointSlice/demo/legacy-abc/192.0.2.7"]
+    subset(
+        {
+            "name": "legacy-abc",
+            "addresses": ["192.0.2.7"],
+            "status": "UNHEALTHY",
+            "network_mode": "HOST_NETWORK",
+            "service_account": None,
+            "services": {key: {"ports": [{"service_port": 5432, "target_port": 15432}]}},
+        },
+        outside,
+    )
+    assert (
+        "status"
+        not in served.workloads["Kubernetes/discovery.k8s.io/EndpointSlice/demo/legacy-abc/192.0.2.8"]
+    )
+    assert "Kubernetes/discovery.k8s.io/EndpointSlice/demo/legacy-abc/10.0.0.1" not in served.workloads

@@ -3,9 +3,9 @@
 `build` converts every object it reads in the order istiod's collections depend on each other:
 waypoints (Gateways), services (Services and ServiceEntries, then one per hostname), policies
 (AuthorizationPolicies, PeerAuthentications), then workloads (Pods, WorkloadEntries, ServiceEntry
-endpoints), which name the services that select them and the policies that apply to them. An object
-that cannot be converted is refused, with its kind, namespace, name and reason, and left out;
-everything else is served.
+and EndpointSlice endpoints), which name the services that select them and the policies that apply
+to them. An object that cannot be converted is refused, with its kind, namespace, name and reason,
+and left out; everything else is served.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from controlplane.kube.cluster import Cluster, Options, selects
+from controlplane.kube.endpointslices import slice_workloads
 from controlplane.kube.manifests import Obj, Refusal, Refused
 from controlplane.kube.policies import (
     authorization_policy,
@@ -183,6 +184,8 @@ def _workloads(build: _Build, ctx: Context) -> list[Workload]:
             made.append((entry, workload))
     for entry in build.cluster.of("ServiceEntry"):
         made += [(entry, w) for w in build.attempt(entry, service_entry_workloads, ctx) or []]
+    for es in build.cluster.of("EndpointSlice"):
+        made += [(es, w) for w in build.attempt(es, slice_workloads, ctx.services, build.cluster) or []]
     out: dict[str, Workload] = {}
     for obj, workload in made:
         if workload.uid in out:

@@ -30,6 +30,7 @@ READ_KINDS = {
     ("", "Node"),
     ("", "Pod"),
     ("", "Service"),
+    ("discovery.k8s.io", "EndpointSlice"),
     ("networking.istio.io", "ServiceEntry"),
     ("networking.istio.io", "WorkloadEntry"),
     ("security.istio.io", "AuthorizationPolicy"),

@@ -43,6 +43,7 @@ from controlplane.kube.cluster import (
     string_map,
     text,
 )
+from controlplane.kube.endpointslices import pod_slice_services
 from controlplane.kube.manifests import Obj, refuse
 from controlplane.kube.services import ServiceInfo
 from controlplane.kube.waypoints import Waypoint, Waypoints
@@ -215,6 +216,7 @@ def pod_workload(pod: Obj, ctx: Context) -> Workload | None:
         return None
     cluster = ctx.cluster
     services = _selecting(ctx, pod.namespace, pod.labels, ("Service", "ServiceEntry"))
+    services += pod_slice_services(pod, cluster.of("EndpointSlice"), ctx.services, services, cluster)
     waypoint, app_tunnel = _waypoint_and_tunnel(ctx, pod, pod.labels)
     protocol, native = tunnel_protocol(pod.labels, pod.annotations, pod_enrolled(pod, cluster))
     healthy = pod_ready(pod) and not pod.metadata.get("deletionTimestamp")
