@@ -11,10 +11,12 @@ import ipaddress
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from controlplane.kube.manifests import Obj, Refusal, describe, refuse
 from xds.model import IPAddress, IPNetwork, Locality
+
+T = TypeVar("T")
 
 # Label and annotation names istiod reads.
 NETWORK_LABEL = "topology.istio.io/network"
@@ -161,6 +163,33 @@ def ip_or_cidr(value: object, where: str) -> IPNetwork:
 def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
     """A label selector's `matchLabels` (or a Service's `selector`) against an object's labels."""
     return all(labels.get(k) == v for k, v in selector.items())
+
+
+class SelectorIndex(Generic[T]):
+    """Items that select objects by labels in a namespace, found from an object's labels without testing
+    every selector: each item is filed under one of its (label, value) pairs. An empty selector
+    selects every object of its namespace."""
+
+    def __init__(self, entries: Iterable[tuple[str, Mapping[str, str], T]]) -> None:
+        self._by_pair: dict[tuple[str, str, str], list[tuple[int, Mapping[str, str], T]]] = defaultdict(list)
+        self._everything: dict[str, list[tuple[int, Mapping[str, str], T]]] = defaultdict(list)
+        for n, (namespace, selector, item) in enumerate(entries):
+            if selector:
+                key, value = next(iter(selector.items()))
+                self._by_pair[(namespace, key, value)].append((n, selector, item))
+            else:
+                self._everything[namespace].append((n, selector, item))
+
+    def select(self, namespaces: Iterable[str], labels: Mapping[str, str]) -> list[T]:
+        """The items of `namespaces` whose selector selects `labels`, in the order they were given."""
+        found: list[tuple[int, Mapping[str, str], T]] = []
+        for namespace in namespaces:
+            found += self._everything.get(namespace, ())
+            for key, value in labels.items():
+                for entry in self._by_pair.get((namespace, key, value), ()):
+                    if selects(entry[1], labels):
+                        found.append(entry)
+        return [item for _, _, item in sorted(found, key=lambda e: e[0])]
 
 
 def first_label(labels: Mapping[str, str], names: Iterable[str]) -> str | None:

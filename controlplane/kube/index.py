@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from controlplane.kube.cluster import Cluster, Options, selects
+from controlplane.kube.cluster import Cluster, Options, SelectorIndex
 from controlplane.kube.endpointslices import slice_workloads
 from controlplane.kube.manifests import Obj, Refusal, Refused
 from controlplane.kube.policies import (
@@ -31,6 +31,7 @@ from controlplane.kube.workloads import (
     Context,
     pod_workload,
     service_entry_workloads,
+    service_index,
     workload_entry_workload,
 )
 from policy.model import Authorization
@@ -125,12 +126,10 @@ def _policy_lookup(
     root = cluster.options.root_namespace
     peer = cluster.of("PeerAuthentication")
 
+    by_selector = SelectorIndex((p.namespace, selector, p) for p, selector in selecting)
+
     def policies_for(namespace: str, labels: Mapping[str, str]) -> tuple[str, ...]:
-        keys = sorted(
-            p.key
-            for p, selector in selecting
-            if p.namespace in (root, namespace) and selects(selector, labels)
-        )
+        keys = sorted({p.key for p in by_selector.select({root, namespace}, labels)})
         applicable = [
             pa
             for pa in peer
@@ -209,7 +208,7 @@ def build(objects: Iterable[Obj], options: Options | None = None) -> Index:
     waypoints = Waypoints(cluster, gateways)
     services = _services(b, waypoints)
     policies, selecting = _policies(b)
-    ctx = Context(cluster, services, waypoints, _policy_lookup(cluster, selecting))
+    ctx = Context(cluster, services, waypoints, service_index(services), _policy_lookup(cluster, selecting))
     workloads = _workloads(b, ctx)
     b.result.warnings.extend(waypoints.warnings)
     b.result.config = LocalConfig(

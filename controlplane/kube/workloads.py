@@ -34,12 +34,12 @@ from controlplane.kube.cluster import (
     TUNNEL_LABEL,
     WORKLOAD_NAME_LABEL,
     Cluster,
+    SelectorIndex,
     canonical,
     integer,
     ip,
     items,
     mapping,
-    selects,
     string_map,
     text,
 )
@@ -68,6 +68,7 @@ class Context:
     cluster: Cluster
     services: Sequence[ServiceInfo]
     waypoints: Waypoints
+    selecting: SelectorIndex[ServiceInfo]  # the services with a (non-empty) selector
     # (namespace, labels) -> the keys of the policies a workload there lists (selector and peer ones).
     policies_for: Callable[[str, Mapping[str, str]], tuple[str, ...]]
 
@@ -170,17 +171,13 @@ def entry_memberships(
     return tuple(sorted(out))
 
 
-def _selecting(
-    ctx: Context, namespace: str, labels: Mapping[str, str], kinds: tuple[str, ...]
-) -> list[ServiceInfo]:
-    return [
-        s
-        for s in ctx.services
-        if s.service.namespace == namespace
-        and s.selector
-        and s.source.kind in kinds
-        and selects(s.selector, labels)
-    ]
+def _selecting(ctx: Context, namespace: str, labels: Mapping[str, str]) -> list[ServiceInfo]:
+    return ctx.selecting.select((namespace,), labels)
+
+
+def service_index(services: Sequence[ServiceInfo]) -> SelectorIndex[ServiceInfo]:
+    """Services and ServiceEntries that select endpoints (an empty selector selects nothing)."""
+    return SelectorIndex((s.service.namespace, s.selector, s) for s in services if s.selector)
 
 
 def _waypoint_and_tunnel(
@@ -215,7 +212,7 @@ def pod_workload(pod: Obj, ctx: Context) -> Workload | None:
     if not addresses:
         return None
     cluster = ctx.cluster
-    services = _selecting(ctx, pod.namespace, pod.labels, ("Service", "ServiceEntry"))
+    services = _selecting(ctx, pod.namespace, pod.labels)
     services += pod_slice_services(pod, cluster.of("EndpointSlice"), ctx.services, services, cluster)
     waypoint, app_tunnel = _waypoint_and_tunnel(ctx, pod, pod.labels)
     protocol, native = tunnel_protocol(pod.labels, pod.annotations, pod_enrolled(pod, cluster))
@@ -301,7 +298,7 @@ def _entry_workload(
 def workload_entry_workload(entry: Obj, ctx: Context) -> Workload:
     spec = entry.spec
     labels = {**entry.labels, **string_map(spec.get("labels"), "spec.labels")}
-    services = _selecting(ctx, entry.namespace, labels, ("Service", "ServiceEntry"))
+    services = _selecting(ctx, entry.namespace, labels)
     waypoint, app_tunnel = _waypoint_and_tunnel(ctx, entry, labels)
     protocol, native = tunnel_protocol(labels, entry.annotations, False)
     name = entry.annotations.get(AUTO_REGISTRATION_GROUP_ANNOTATION) or labels.get(

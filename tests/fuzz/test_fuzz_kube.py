@@ -28,11 +28,12 @@ FIELDS = [
     "allowedRoutes", "containers", "containerPort", "securityContext", "runAsUser", "conditions", "type",
     "serviceAccountName", "nodeName", "hostNetwork", "ownerReferences", "generateName", "resolution",
     "trafficDistribution", "internalTrafficPolicy", "action", "targetRefs", "gatewayClassName", "weight",
+    "targetRef", "kind", "ready", "uid",
 ]  # fmt: skip
 LABELS = [
     "app", "version", "istio.io/dataplane-mode", "istio.io/use-waypoint", "istio.io/use-waypoint-namespace",
     "istio.io/waypoint-for", "gateway.networking.k8s.io/gateway-name", "networking.istio.io/tunnel",
-    "topology.istio.io/network", "pod-template-hash",
+    "topology.istio.io/network", "pod-template-hash", "kubernetes.io/service-name",
 ]  # fmt: skip
 SCALAR = st.one_of(
     st.sampled_from(
@@ -67,6 +68,8 @@ def objects(draw: st.DrawFn) -> dict[str, object]:
         },
         "spec": draw(st.dictionaries(st.sampled_from(FIELDS), VALUE, max_size=5)),
         "status": draw(st.dictionaries(st.sampled_from(FIELDS), VALUE, max_size=3)),
+        # An EndpointSlice's fields are at the top level.
+        **draw(st.dictionaries(st.sampled_from(["endpoints", "ports", "addressType"]), VALUE, max_size=2)),
     }
 
 
