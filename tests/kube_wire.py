@@ -1,4 +1,5 @@
-"""Manifests to what the control plane sends, decoded from the wire: the helper of the kube tests.
+"""Manifests to what the control plane sends, decoded from the wire: the helper of the kube tests, and
+the manifest snippets they share.
 
 `serve` reads manifests as `--kube` does, builds the snapshot the control plane serves, and decodes
 every resource back from its `Any` into the wire protos, rendered as dicts with proto field names,
@@ -69,3 +70,88 @@ def serve(text: str, options: Options | None = None) -> Served:
         assert resource.resource.Unpack(policy)
         out.policies[name] = _ips(json_format.MessageToDict(policy, preserving_proto_field_name=True))
     return out
+
+
+# --- manifest snippets the kube tests share ---------------------------------------------------
+
+NS = """
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: demo
+  labels: {istio.io/dataplane-mode: ambient}
+"""
+
+
+def pod(
+    name: str,
+    ip: str = "10.0.0.1",
+    *,
+    ns: str = "demo",
+    labels: str = "{app: a, version: v1}",
+    extra: str = "",
+    spec: str = "",
+    status: str = "",
+) -> str:
+    return f"""
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}
+  namespace: {ns}
+  labels: {labels}{extra}
+spec:
+  serviceAccountName: sa-{name}{spec}
+status:
+  podIP: {ip}
+  conditions: [{{type: Ready, status: "True"}}]{status}
+"""
+
+
+def subset(expected: dict[str, Any], actual: dict[str, Any]) -> None:
+    """Every expected field has the expected value; None: the field is absent (the proto default)."""
+    for key, value in expected.items():
+        if value is None:
+            assert key not in actual, f"{key} = {actual[key]!r}, expected absent"
+        else:
+            assert actual.get(key) == value, f"{key}: {actual.get(key)!r} != {value!r}"
+
+
+def policy(name: str, body: str, ns: str = "demo", meta: str = "") -> str:
+    return f"""
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {{name: {name}, namespace: {ns}{meta}}}
+spec:
+{body}
+"""
+
+
+def peer(name: str, ns: str, mode: str, selector: str = "", ports: str = "") -> str:
+    return f"""
+---
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  mtls: {{mode: {mode}}}{selector}{ports}
+"""
+
+
+SERVICE = """
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, "fd00:96::10"]
+  ipFamilies: [IPv4, IPv6]
+  selector: {app: web}
+  ports:
+    - {name: http, port: 80, targetPort: http-web}
+    - {name: grpc, port: 9090, targetPort: 9091}
+    - {name: metrics, port: 9100}
+"""
