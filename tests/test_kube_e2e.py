@@ -34,6 +34,8 @@ pytestmark = pytest.mark.timeout(180)
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
 SERVER, CLIENT, INTRUDER, CP_HOST = f"{NET}.3", f"{NET}.2", f"{NET}.4", f"{NET}.10"
 APP_PORT = 8080
+# A cluster IP of the Service in front of the server pod (a range no host uses: only the mesh knows it).
+VIP = f"240.{random.randint(0, 250)}.{random.randint(0, 250)}.80"
 
 NAMESPACE = """\
 apiVersion: v1
@@ -62,7 +64,8 @@ status:
 """
 
 
-# A `kind: List` as `kubectl get -o yaml` prints it, with a pod that cannot be converted.
+# A `kind: List` as `kubectl get -o yaml` prints it, with a pod that cannot be converted; a Service
+# whose named target port resolves to the server pod's container port.
 PODS = (
     pod("server", SERVER)
     + pod("client", CLIENT)
@@ -76,6 +79,22 @@ items:
     kind: Pod
     metadata: {name: broken, namespace: demo, labels: {app: broken, version: v1}}
     status: {podIP: 10.0.0.999}
+"""
+    + f"""\
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: echo
+  namespace: demo
+spec:
+  clusterIP: {VIP}
+  selector:
+    app: server
+  ports:
+    - name: tcp-echo
+      port: 80
+      targetPort: echo
 """
 )
 
@@ -258,10 +277,12 @@ def mesh(echo: None, tmp_path: Path) -> Iterator[Mesh]:
         sys.stdout.write(f"--- control plane output ---\n{cp_output.text()}\n")
 
 
-def connect(proxy_ip: str) -> tuple[socket.socket, int]:
+def connect(proxy_ip: str, target: tuple[str, int] = (SERVER, APP_PORT)) -> tuple[socket.socket, int]:
     """A SOCKS5 CONNECT through a proxy to the server pod's app; the reply code (0: connected)."""
     s = socket.create_connection((proxy_ip, 15080), timeout=10)
-    s.sendall(b"\x05\x01\x00" + b"\x05\x01\x00\x01" + socket.inet_aton(SERVER) + APP_PORT.to_bytes(2, "big"))
+    s.sendall(
+        b"\x05\x01\x00" + b"\x05\x01\x00\x01" + socket.inet_aton(target[0]) + target[1].to_bytes(2, "big")
+    )
     reply = b""
     while len(reply) < 12:
         chunk = s.recv(12 - len(reply))
@@ -271,9 +292,9 @@ def connect(proxy_ip: str) -> tuple[socket.socket, int]:
     return s, reply[3]
 
 
-def echoed(proxy_ip: str, payload: bytes) -> bool:
+def echoed(proxy_ip: str, payload: bytes, target: tuple[str, int] = (SERVER, APP_PORT)) -> bool:
     """Whether a new connection through `proxy_ip` carries `payload` to the server's app and back."""
-    s, code = connect(proxy_ip)
+    s, code = connect(proxy_ip, target)
     with s:
         if code != 0:
             return False
@@ -306,7 +327,7 @@ def test_manifests_drive_identity_policy_and_live_edits(mesh: Mesh) -> None:
     out = mesh.cp_output.text
     # What could not be converted is named, and the rest applies.
     assert re.search(r"Pod demo/broken refused: status.podIPs: invalid IP address '10.0.0.999'", out()), out()
-    assert "4 workload(s)" not in out() and "3 workload(s), 0 service(s), 1 polic(ies)" in out(), out()
+    assert "3 workload(s), 1 service(s), 1 polic(ies)" in out(), out()
     # Certificates from the control plane's CA, for the identities the pods' service accounts give.
     for name in ("server", "client", "intruder"):
         eventually(
@@ -316,6 +337,8 @@ def test_manifests_drive_identity_policy_and_live_edits(mesh: Mesh) -> None:
     payload = os.urandom(200_000)
     assert echoed(CLIENT, payload)
     assert denied(INTRUDER)
+    # The Service's VIP port 80 reaches the pod's port named `echo` (8080), the policy's port.
+    assert echoed(CLIENT, b"by the service", (VIP, 80))
 
     held, code = connect(CLIENT)
     assert code == 0 and held_open(held)
