@@ -13,10 +13,10 @@ import pytest
 
 from ztunnel import logs
 from ztunnel.admin import (
+    HttpEndpoint,
     HttpServer,
     Readiness,
     Response,
-    Route,
     admin_server,
     readiness_server,
     stats_server,
@@ -124,7 +124,11 @@ async def test_logging_endpoint(serve: Any) -> None:
     assert r.text.startswith("Invalid level provided: loud")
     assert "error|warn|info|debug|trace|off" in r.text
     assert logs.current_filter() == "debug"
-    assert (await request(port, "POST", "/logging?level=")).status == 400
+    # What `istioctl ztunnel-config log` posts with no flags: the current level, unchanged.
+    r = await request(port, "POST", "/logging?level=")
+    assert (r.status, r.text) == (200, "current log level is debug\n")
+    assert (await request(port, "POST", "/logging?level=,")).status == 400
+    assert logs.current_filter() == "debug"
     r = await request(port, "GET", "/logging")
     assert r.status == 405
     assert r.headers["allow"] == "POST"
@@ -247,7 +251,7 @@ async def test_header_timeout_closes_the_connection(serve: Any) -> None:
 
 
 async def test_oversized_headers_are_refused(serve: Any) -> None:
-    port = await serve(HttpServer("t", {"/": Route(lambda _: Response(200))}))
+    port = await serve(HttpServer("t", {"/": HttpEndpoint(lambda _: Response(200))}))
     r = await send(port, b"GET / HTTP/1.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n")
     assert r.status == 431
     ok = await send(port, b"GET / HTTP/1.1\r\nX-Fits: " + b"a" * 7000 + b"\r\n\r\n")
@@ -266,7 +270,7 @@ async def test_post_body_is_read_and_connection_closes(serve: Any) -> None:
         seen.append(req.body)
         return Response(200, b"ok")
 
-    port = await serve(HttpServer("t", {"/x": Route(handler, frozenset({"POST"}))}))
+    port = await serve(HttpServer("t", {"/x": HttpEndpoint(handler, frozenset({"POST"}))}))
     r = await send(port, b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello")
     assert (r.status, r.text, r.headers["connection"]) == (200, "ok", "close")
     assert seen == [b"hello"]

@@ -31,10 +31,10 @@ from ztunnel.admission import (
     admit,
     is_self_call,
 )
-from ztunnel.proxy.outbound import NETWORK_POLICY_HINT, Outcome, classify_upstream_error
-from ztunnel.proxy.socks5 import reply_for
+from ztunnel.proxy.socks5_listener import reply_for
+from ztunnel.proxy.upstream import NETWORK_POLICY_HINT, FailureKind, classify_upstream_error
 from ztunnel.route import Protocol
-from ztunnel.socks5 import Reply
+from ztunnel.socks5_codec import Reply
 from ztunnel.state import ProxyState
 
 CONFIG = """
@@ -280,52 +280,64 @@ def test_self_call_guard(dst: str, port: int, ours: bool, expected: bool) -> Non
 
 
 @pytest.mark.parametrize(
-    ("error", "protocol", "flags", "outcome", "reply"),
+    ("error", "protocol", "flags", "kind", "reply"),
     [
-        (HttpStatusError(401), Protocol.HBONE, "CONNECT", Outcome.DENIED, Reply.NOT_ALLOWED),
-        (HttpStatusError(503), Protocol.HBONE, "CONNECT", Outcome.REFUSED, Reply.CONNECTION_REFUSED),
-        (HttpStatusError(400), Protocol.HBONE, "CONNECT", Outcome.FAILED, Reply.GENERAL_FAILURE),
+        (HttpStatusError(401), Protocol.HBONE, "CONNECT", FailureKind.DENIED, Reply.NOT_ALLOWED),
+        (HttpStatusError(503), Protocol.HBONE, "CONNECT", FailureKind.REFUSED, Reply.CONNECTION_REFUSED),
+        (HttpStatusError(400), Protocol.HBONE, "CONNECT", FailureKind.FAILED, Reply.GENERAL_FAILURE),
         (
             ConnectionRefusedError(111, "refused"),
             Protocol.TCP,
             "CONNECT",
-            Outcome.REFUSED,
+            FailureKind.REFUSED,
             Reply.CONNECTION_REFUSED,
         ),
-        (TimeoutError(), Protocol.HBONE, "NETWORK_POLICY", Outcome.UNREACHABLE, Reply.HOST_UNREACHABLE),
-        (TimeoutError(), Protocol.TCP, "CONNECT", Outcome.UNREACHABLE, Reply.HOST_UNREACHABLE),
+        (TimeoutError(), Protocol.HBONE, "NETWORK_POLICY", FailureKind.UNREACHABLE, Reply.HOST_UNREACHABLE),
+        (TimeoutError(), Protocol.TCP, "CONNECT", FailureKind.UNREACHABLE, Reply.HOST_UNREACHABLE),
         (
             TlsHandshakeError("tls handshake error: x"),
             Protocol.HBONE,
             "TLS_FAILURE",
-            Outcome.FAILED,
+            FailureKind.FAILED,
             Reply.GENERAL_FAILURE,
         ),
         (
             IdentityMismatch([CLIENT], []),
             Protocol.HBONE,
             "TLS_FAILURE",
-            Outcome.FAILED,
+            FailureKind.FAILED,
             Reply.GENERAL_FAILURE,
         ),
-        (H2HandshakeError("no settings"), Protocol.HBONE, "CONNECT", Outcome.FAILED, Reply.GENERAL_FAILURE),
-        (StreamReset(2), Protocol.HBONE, "CONNECT", Outcome.UNREACHABLE, Reply.HOST_UNREACHABLE),
-        (ConnectionClosed("goaway"), Protocol.HBONE, "CONNECT", Outcome.UNREACHABLE, Reply.HOST_UNREACHABLE),
+        (
+            H2HandshakeError("no settings"),
+            Protocol.HBONE,
+            "CONNECT",
+            FailureKind.FAILED,
+            Reply.GENERAL_FAILURE,
+        ),
+        (StreamReset(2), Protocol.HBONE, "CONNECT", FailureKind.UNREACHABLE, Reply.HOST_UNREACHABLE),
+        (
+            ConnectionClosed("goaway"),
+            Protocol.HBONE,
+            "CONNECT",
+            FailureKind.UNREACHABLE,
+            Reply.HOST_UNREACHABLE,
+        ),
         (
             OSError(113, "No route to host"),
             Protocol.TCP,
             "CONNECT",
-            Outcome.UNREACHABLE,
+            FailureKind.UNREACHABLE,
             Reply.HOST_UNREACHABLE,
         ),
-        (ValueError("bug"), Protocol.TCP, "CONNECT", Outcome.FAILED, Reply.GENERAL_FAILURE),
+        (ValueError("bug"), Protocol.TCP, "CONNECT", FailureKind.FAILED, Reply.GENERAL_FAILURE),
     ],
 )
 def test_upstream_errors_are_classified_by_type(
-    error: BaseException, protocol: Protocol, flags: str, outcome: Outcome, reply: Reply
+    error: BaseException, protocol: Protocol, flags: str, kind: FailureKind, reply: Reply
 ) -> None:
     failure = classify_upstream_error(error, protocol)
-    assert (failure.flags, failure.outcome) == (flags, outcome)
+    assert (failure.flags, failure.kind) == (flags, kind)
     assert reply_for(failure) is reply
     if flags == "NETWORK_POLICY":
         assert failure.error == NETWORK_POLICY_HINT

@@ -25,7 +25,7 @@ from tests.certs import CA, issue, make_ca
 from xds.client import AuthToken
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
 from ztunnel.caclient import GrpcCaClient
-from ztunnel.identity import CaError, CertificateUnavailable, SecretManager
+from ztunnel.certificates import CaError, CertificateUnavailable, SecretManager
 
 IDENTITY = Identity("cluster.local", "demo", "client")
 

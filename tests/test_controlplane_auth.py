@@ -17,7 +17,7 @@ from hbone.identity import Identity
 from xds.client import AuthToken
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
 from ztunnel.caclient import GrpcCaClient
-from ztunnel.identity import CaError
+from ztunnel.certificates import CaError
 
 TOKEN = "header.payload.signature"
 CLUSTER = "cluster-east"

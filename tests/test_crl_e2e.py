@@ -25,7 +25,7 @@ from tests.mesh import Echo, proxy_env, socks5_connect, start_echo, start_proxy
 from tests.test_e2e import metric
 from tests.waiting import eventually_async
 from ztunnel.app import App
-from ztunnel.identity import FakeCA
+from ztunnel.certificates import FakeCA
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -120,7 +120,9 @@ class Running:
         return self.server.address[1]
 
 
-async def start(upstream: tuple[str, int] | None, uid: str | None = "c//Pod/ns1/client") -> Running:
+async def start(
+    upstream: tuple[str, int] | None, uid: str | None = "c//Pod/ns1/client", *, loopback_v6: bool = False
+) -> Running:
     state = ProxyState()
     state.apply_local_config(parse_local_config(MESH))
     metrics = Metrics(process_metrics=False)
@@ -128,7 +130,9 @@ async def start(upstream: tuple[str, int] | None, uid: str | None = "c//Pod/ns1/
     sockets = SocketFactory()
     nameservers = (upstream,) if upstream else ((("127.0.0.1", _free_port())),)
     forwarder = Forwarder(UpstreamConfig(nameservers=nameservers, timeout=1.0, attempts=1), sockets)
-    server = DnsServer(("127.0.0.1", 0), state, client, sockets, metrics.dns(), forwarder, SETTINGS)
+    server = DnsServer(
+        ("127.0.0.1", 0), state, client, sockets, metrics.dns(), forwarder, SETTINGS, loopback_v6=loopback_v6
+    )
     await server.start()
     return Running(server, metrics, client, state)
 

@@ -16,7 +16,7 @@ from hbone.tls import TlsCredentials
 from tests.mesh import loopback_net, proxy_env, start_proxy, workload_yaml
 from tests.waiting import eventually_async
 from ztunnel.app import App
-from ztunnel.identity import FakeCA
+from ztunnel.certificates import FakeCA
 
 pytestmark = pytest.mark.timeout(60)
 

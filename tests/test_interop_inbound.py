@@ -30,7 +30,7 @@ from tests.mesh import (
 from tests.netns import require_tools
 from tests.waiting import eventually_async
 from ztunnel.app import App
-from ztunnel.identity import FakeCA
+from ztunnel.certificates import FakeCA
 
 pytestmark = pytest.mark.interop
 

@@ -4,8 +4,8 @@ import ipaddress
 
 import pytest
 
-from ztunnel.socks5 import (
-    ConnectRequest,
+from ztunnel.socks5_codec import (
+    ConnectRequested,
     HandshakeFailed,
     Reply,
     Socks5Handshake,
@@ -16,7 +16,7 @@ from ztunnel.socks5 import (
 def test_ipv4_connect_in_one_write() -> None:
     hs = Socks5Handshake()
     events = hs.receive(bytes([5, 1, 0]) + bytes([5, 1, 0, 1, 127, 0, 0, 2, 0x1F, 0x90]))
-    assert events == [ConnectRequest(ipaddress.IPv4Address("127.0.0.2"), 8080)]
+    assert events == [ConnectRequested(ipaddress.IPv4Address("127.0.0.2"), 8080)]
     assert hs.data_to_send() == bytes([5, 0])
 
 
@@ -26,14 +26,14 @@ def test_ipv6_connect_byte_by_byte() -> None:
     events = []
     for i in range(len(wire)):
         events += hs.receive(wire[i : i + 1])
-    assert events == [ConnectRequest(ipaddress.IPv6Address("::1"), 80)]
+    assert events == [ConnectRequested(ipaddress.IPv6Address("::1"), 80)]
 
 
 def test_domain_connect_and_payload_after_request() -> None:
     hs = Socks5Handshake()
     name = b"echo.demo.svc.cluster.local"
     events = hs.receive(bytes([5, 1, 0, 5, 1, 0, 3, len(name)]) + name + b"\x01\xbb" + b"GET /")
-    assert events == [ConnectRequest("echo.demo.svc.cluster.local", 443)]
+    assert events == [ConnectRequested("echo.demo.svc.cluster.local", 443)]
     assert hs.leftover == b"GET /"
 
 

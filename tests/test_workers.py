@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_pprof import functions_in
+from tests.profiles import functions_in
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -378,6 +378,15 @@ def spread(m: Mesh, proxy: Proxy, n: int = 16) -> list[socket.socket]:
 
 
 def test_one_xds_stream_and_one_certificate_request_per_identity(mesh: Mesh) -> None:
+    # The workload's certificate is asked for at start-up, before any connection needs it.
+    for proxy, name in ((mesh.client, "client"), (mesh.server, "server")):
+        eventually(
+            lambda p=proxy, n=name: (
+                [(c["identity"], c["state"]) for c in p.dump()["certificates"]]  # type: ignore[misc]
+                == [(f"spiffe://{TD}/ns/demo/sa/{n}", "Available")]
+            ),
+            f"{name}'s certificate prefetched",
+        )
     for proxy in (mesh.client, mesh.server):
         pids = {w["pid"] for w in proxy.workers()}
         assert len(pids) == 2 and proxy.process.pid not in pids
@@ -675,3 +684,39 @@ def test_a_cpu_profile_samples_the_parent_and_every_worker(echo: None, profile_p
         assert any(fn.startswith(("hbone.", "ztunnel.proxy.")) for fn in functions_in(profile))
     finally:
         stop(proxy)
+
+
+def test_on_demand_xds_is_asked_by_the_workers_through_the_parents_stream(
+    echo: None, control_plane: ControlPlane
+) -> None:
+    """XDS_ON_DEMAND=true: the client knows only itself; the worker that takes a connection to the
+    server asks the parent, whose one stream asks the control plane, and reaches it over HBONE."""
+    xds = {"XDS_ADDRESS": f"http://{control_plane.address}", "CA_ADDRESS": f"http://{control_plane.address}"}
+    server = launch(proxy_env("server", SERVER, INSTANCE_IP=SERVER, **xds), SERVER)
+    client = launch(
+        proxy_env(
+            "client",
+            CLIENT,
+            INSTANCE_IP=CLIENT,
+            XDS_ON_DEMAND="true",
+            LOCAL_XDS=CLIENT_ONLY,
+            ISTIO_META_DNS_CAPTURE="false",
+            **xds,
+        ),
+        CLIENT,
+    )
+    try:
+        for proxy in (server, client):
+            wait_ready(proxy)
+        known = {ip for w in client.dump()["workloads"] for ip in w.get("workloadIps", [])}
+        assert SERVER not in known
+        for i in range(6):  # whichever worker takes it
+            assert exchange(CLIENT, f"on demand {i}".encode()) == f"on demand {i}".encode()
+        # Over HBONE: the server's proxy took every one of them.
+        assert server.metric_total("istio_tcp_connections_opened_total", reporter="destination") == 6
+        known = {ip for w in client.dump()["workloads"] for ip in w.get("workloadIps", [])}
+        assert SERVER in known
+        assert control_plane.streams_opened(CLIENT) == 1, control_plane.output.text()
+    finally:
+        for proxy in (client, server):
+            stop(proxy)

@@ -8,7 +8,8 @@ import pickle
 
 from xds.localconfig import parse_local_config
 from ztunnel.state import ProxyState
-from ztunnel.workers import ReplicatedState, StateChanges, apply_changes
+from ztunnel.workers.messages import StateChanges
+from ztunnel.workers.replication import ReplicatedState, apply_changes, demand_arrived
 
 FILE = """
 workloads:
@@ -41,9 +42,8 @@ policies:
 
 
 def test_a_worker_store_follows_the_parent_change_by_change() -> None:
-    parent = ReplicatedState()
     sent: list[StateChanges] = []
-    parent.publish = lambda changes: sent.append(pickle.loads(pickle.dumps(changes)))
+    parent = ReplicatedState(lambda changes: sent.append(pickle.loads(pickle.dumps(changes))))
     worker = ProxyState()
     notified: list[int] = []
     worker.subscribe(lambda: notified.append(len(sent)))
@@ -81,3 +81,14 @@ def test_a_worker_store_follows_the_parent_change_by_change() -> None:
     assert late.dump() == parent.dump()
     replay()
     assert worker.dump() == late.dump()
+
+
+def test_the_parent_tells_when_an_on_demand_key_has_arrived() -> None:
+    state = ProxyState()
+    by_ip, by_vip = demand_arrived(state, "/10.0.0.2"), demand_arrived(state, "/10.96.0.1")
+    by_name = demand_arrived(state, "ns/svc.ns.svc.cluster.local")
+    assert not (by_ip() or by_vip() or by_name())
+    state.apply_local_config(parse_local_config(FILE))
+    assert by_ip() and by_vip() and by_name()
+    assert not demand_arrived(state, "/10.0.0.9")()
+    assert not demand_arrived(state, "other/10.0.0.2")()  # another network

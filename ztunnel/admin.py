@@ -52,7 +52,7 @@ Handler = Callable[[Request], Response | Awaitable[Response]]
 
 
 @dataclass(frozen=True)
-class Route:
+class HttpEndpoint:
     handler: Handler
     methods: frozenset[str] | None = None  # None: any method
     description: str = ""
@@ -74,7 +74,7 @@ class HttpServer:
     def __init__(
         self,
         name: str,
-        routes: Mapping[str, Route],
+        routes: Mapping[str, HttpEndpoint],
         *,
         header_timeout: float = HEADER_TIMEOUT,
         max_header_bytes: int = MAX_HEADER_BYTES,
@@ -220,9 +220,11 @@ hint: mod_name:\tthe module name, i.e. ztunnel::proxy or access
 def _logging(request: Request, on_change: Callable[[str], object] | None = None) -> Response:
     level = request.query.get("level")
     reset = "reset" in request.query
-    if level is None and not reset:
-        return Response(200, f"current log level is {logs.current_filter()}\n".encode())
     spec = level[-1] if level else ""
+    # An empty level without `reset` lists, as no level does (`istioctl ztunnel-config log` with no
+    # flags posts `?level=`).
+    if not spec and not reset:
+        return Response(200, f"current log level is {logs.current_filter()}\n".encode())
     try:
         new = logs.set_filter(spec, reset)
     except ValueError as e:
@@ -255,7 +257,7 @@ def _pprof_reply(profile: profiling.Profile, name: str) -> Response:
 def pprof_routes(
     cpu_profile: CpuProfiler = profiling.collect_cpu_profile,
     heap_profile: HeapProfiler = profiling.collect_heap_profile,
-) -> dict[str, Route]:
+) -> dict[str, HttpEndpoint]:
     """`/debug/pprof/*`. With worker processes the parent passes profilers that ask every worker
     (each runs `profiling.collect_cpu_profile`) and return `profiling.merge` of their answers."""
 
@@ -291,13 +293,13 @@ def pprof_routes(
         return Response(200, f"heap profiling is {'active' if active else 'inactive'}\n".encode())
 
     return {
-        "/debug/pprof/profile": Route(
+        "/debug/pprof/profile": HttpEndpoint(
             cpu, None, "CPU profile (pprof, gzip): ?seconds=1-300 (10), ?frequency=1-1000 Hz (100)"
         ),
-        "/debug/pprof/heap": Route(
+        "/debug/pprof/heap": HttpEndpoint(
             heap, None, "heap profile of live allocations (pprof, gzip); ?seconds=N of tracing if off"
         ),
-        "/debug/pprof/heap/profiling": Route(
+        "/debug/pprof/heap/profiling": HttpEndpoint(
             heap_toggle, None, "?activate=true|false: keep allocation tracing on or off"
         ),
     }
@@ -308,7 +310,7 @@ def admin_server(
     shutdown: Callable[[], object],
     on_log_filter: Callable[[str], object] | None = None,
     *,
-    extra_routes: Mapping[str, Route] | None = None,
+    extra_routes: Mapping[str, HttpEndpoint] | None = None,
     before_dump: Callable[[], Awaitable[None]] | None = None,
 ) -> HttpServer:
     """The admin server. `config_dump` builds the `/config_dump` document; `shutdown` is called once the
@@ -325,10 +327,10 @@ def admin_server(
     def quit_(_: Request) -> Response:
         return Response(200, b"shutdown now\n", after=shutdown)
 
-    routes: dict[str, Route] = {
-        "/config_dump": Route(dump, None, "dump the current ztunnel configuration"),
-        "/logging": Route(lambda r: _logging(r, on_log_filter), POST, "query/change logging levels"),
-        "/quitquitquit": Route(quit_, POST, "shut down the server"),
+    routes: dict[str, HttpEndpoint] = {
+        "/config_dump": HttpEndpoint(dump, None, "dump the current ztunnel configuration"),
+        "/logging": HttpEndpoint(lambda r: _logging(r, on_log_filter), POST, "query/change logging levels"),
+        "/quitquitquit": HttpEndpoint(quit_, POST, "shut down the server"),
         **pprof_routes(),
         **(extra_routes or {}),
     }
@@ -345,7 +347,7 @@ def admin_server(
         )
         return Response(200, page.encode(), "text/html; charset=utf-8")
 
-    return HttpServer("admin", {"/": Route(dashboard, None, "this page"), **routes})
+    return HttpServer("admin", {"/": HttpEndpoint(dashboard, None, "this page"), **routes})
 
 
 # --- stats -------------------------------------------------------------------------------------
@@ -381,7 +383,7 @@ def stats_server(metrics: Metrics, refresh: Callable[[], Awaitable[None]] | None
             return Response(200, gzip.compress(body, 6), content_type, (("Content-Encoding", "gzip"),))
         return Response(200, body, content_type)
 
-    route = Route(scrape, None, "Prometheus metrics")
+    route = HttpEndpoint(scrape, None, "Prometheus metrics")
     return HttpServer("stats", {"/metrics": route, "/stats/prometheus": route})
 
 
@@ -450,4 +452,4 @@ def readiness_server(readiness: Readiness) -> HttpServer:
             return Response(200, b"ready\n")
         return Response(500, f"not ready, pending: {', '.join(pending)}\n".encode())
 
-    return HttpServer("readiness", {"/healthz/ready": Route(ready, GET, "readiness")})
+    return HttpServer("readiness", {"/healthz/ready": HttpEndpoint(ready, GET, "readiness")})

@@ -33,7 +33,7 @@ from xds.client import (
     read_root_ca,
 )
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
-from ztunnel.identity import CaError
+from ztunnel.certificates import CaError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def certificate_request(identity: Identity, key: ec.EllipticCurvePrivateKey) -> 
 
 
 class GrpcCaClient:
-    """`ztunnel.identity.CaClient` over gRPC."""
+    """`ztunnel.certificates.CaClient` over gRPC."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The one front door: `ztunnel [proxy|version|demo|control-plane|cni-agent]`.
+"""The one front door: `ztunnel [proxy|version|demo|control-plane|cni-agent|config]`.
 
 Bad input ends with a single line naming what is wrong and a non-zero exit, never a traceback.
 """
@@ -12,10 +12,11 @@ import sys
 from cni import add_arguments as add_agent_arguments
 from controlplane import add_arguments as add_control_plane_arguments
 from ztunnel import __version__
+from ztunnel.configview import add_arguments as add_config_view_arguments
 
 
 def _version() -> int:
-    from ztunnel.app import build_info
+    from ztunnel.control import build_info
 
     info = build_info()
     fields = ", ".join(f"{k[0].upper()}{k[1:]}:{v!r}" for k, v in info.items())
@@ -26,7 +27,7 @@ def _version() -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ztunnel", description="Istio ambient-mesh node proxy, in Python")
-    sub = parser.add_subparsers(dest="command", metavar="{proxy,version,demo,control-plane,cni-agent}")
+    sub = parser.add_subparsers(dest="command", metavar="{proxy,version,demo,control-plane,cni-agent,config}")
     proxy = sub.add_parser("proxy", help="run the node proxy, configured by environment variables (default)")
     # Istio's chart runs `ztunnel proxy ztunnel`, as the reference names its one proxy kind.
     proxy.add_argument("kind", nargs="?", choices=["ztunnel"], default="ztunnel", help=argparse.SUPPRESS)
@@ -38,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_plane_arguments(control_plane)
     agent = sub.add_parser("cni-agent", help="the node agent of in-pod mode (ZDS server, pod redirection)")
     add_agent_arguments(agent)
+    config = sub.add_parser(
+        "config", help="a running proxy's configuration, as istioctl ztunnel-config shows it"
+    )
+    add_config_view_arguments(config)
     return parser
 
 
@@ -93,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         argv = ["proxy"]
     args = parser.parse_args(argv)
-    from ztunnel.app import StartupError
+    if args.command == "config":
+        from ztunnel.configview import run as run_config_view
+
+        return run_config_view(args)
+    from ztunnel.control import StartupError
 
     try:
         if args.command == "version":

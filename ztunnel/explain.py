@@ -23,8 +23,7 @@ from policy import Authorization, Connection
 from policy.model import Action
 from policy.rbac import rule_matches
 from xds.model import IPAddress, Service, Workload
-from ztunnel.admin import GET, Request, Response
-from ztunnel.admin import Route as AdminRoute
+from ztunnel.admin import GET, HttpEndpoint, Request, Response
 from ztunnel.admission import AdmissionRules, Admit, InboundRequest, admit, parse_authority
 from ztunnel.config import HBONE_PORT, Config, illegal_ports
 from ztunnel.route import NoRoute, Protocol, Route, apply_preferences, endpoint_candidates, route
@@ -179,7 +178,7 @@ def _policy(p: Authorization, conn: Connection) -> dict[str, Any]:
     }
 
 
-def explain_route(state: ProxyState, config: Config) -> AdminRoute:
+def explain_route(state: ProxyState, config: Config) -> HttpEndpoint:
     """The admin endpoint: 200 and the answer, or 400 and `{"error": ...}`."""
 
     def handle(request: Request) -> Response:
@@ -191,7 +190,7 @@ def explain_route(state: ProxyState, config: Config) -> AdminRoute:
             body, status = {"error": str(e)}, 400
         return Response(status, json.dumps(body, indent=2).encode() + b"\n", "application/json")
 
-    return AdminRoute(
+    return HttpEndpoint(
         handle, GET, "?src=IP&dst=IP:PORT: the route and authorization such a connection gets now"
     )
 

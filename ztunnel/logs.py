@@ -4,6 +4,10 @@ Logger names are the targets of the reference: `access` for access logs, `dns` f
 module path (`ztunnel.proxy`, `hbone.pool`, …) for the rest; the `ztunnel.` prefix is not printed, as the
 reference strips `ztunnel::`. Structured fields travel on the record as `extra={"fields": mapping}`.
 
+Lines reach stderr through `LogWriter`: bounded and lossy, written by a thread of its own, so a
+stderr nobody reads never blocks an event loop; what it had to drop is counted
+(`ztunnel_log_lines_dropped_total`) and reported in a line once it drains.
+
 Filter syntax, as `RUST_LOG`: comma-separated directives, each a level (the default) or
 `target=level`, where the target matches that logger and its children; `::` in a target is read as
 `.`. Levels: error, warn, info, debug, trace, off. Without a default directive the default is `info`.
@@ -15,10 +19,15 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
+import select
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Mapping
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, TextIO, cast
@@ -98,7 +107,8 @@ def parse_filter(spec: str) -> LogFilter:
 
 
 class _State:
-    handler: logging.StreamHandler[TextIO] | None = None
+    handler: LineHandler | None = None
+    writer: LogWriter | None = None
     startup = LogFilter("info")
     current = LogFilter("info")
     touched: set[str] = set()
@@ -122,8 +132,11 @@ def _apply(flt: LogFilter) -> None:
     _State.current = flt
 
 
-def setup_logging(log_format: str, level_filter: str, stream: TextIO | None = None) -> None:
-    """Install the formatter on the root logger (stderr unless `stream`) and apply the filter."""
+def setup_logging(
+    log_format: str, level_filter: str, stream: TextIO | None = None, *, fd: int | None = None
+) -> None:
+    """Install the formatter on the root logger and apply the filter. Lines go to stderr (or `fd`)
+    through a `LogWriter`; to `stream` directly when one is given (tests)."""
     # Neither format prints the caller's file and line, the thread or the process: the records need
     # not look them up (a frame walk and a getpid() per line, on every access log line).
     logging._srcfile = None
@@ -137,25 +150,42 @@ def setup_logging(log_format: str, level_filter: str, stream: TextIO | None = No
     else:
         raise ValueError(f"invalid log format {log_format!r} (expected plain or json)")
     flt = parse_filter(level_filter)
-    root = logging.getLogger()
-    if _State.handler is not None:
-        root.removeHandler(_State.handler)
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(formatter)
-    root.addHandler(handler)
+    _remove_handler()
+    if stream is None and fd is None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            fd = sys.stderr.fileno()
+    if stream is None and fd is not None:
+        writer = LogWriter(fd, report=lambda n: formatter.line(_dropped_line(n)) + "\n")
+        handler = LineHandler(formatter, writer.write, writer.flush, writer.close)
+        _State.writer = writer
+    else:
+        out = stream if stream is not None else sys.stderr
+        handler = LineHandler(formatter, out.write, out.flush)
+    logging.getLogger().addHandler(handler)
     _State.handler = handler
     _State.startup = flt
     _apply(flt)
 
 
-def reset_logging() -> None:
-    """Undo `setup_logging`: remove its handler and per-target levels (for tests and re-setup)."""
+def _remove_handler() -> None:
     if _State.handler is not None:
         logging.getLogger().removeHandler(_State.handler)
+        _State.handler.close()
         _State.handler = None
+    _State.writer = None
+
+
+def reset_logging() -> None:
+    """Undo `setup_logging`: remove its handler and per-target levels (for tests and re-setup)."""
+    _remove_handler()
     _State.startup = LogFilter("info")
     _apply(LogFilter("info"))
     logging.getLogger().setLevel(logging.WARNING)
+
+
+def dropped_lines() -> int:
+    """Log lines this process dropped because its log stream was not being read."""
+    return _State.writer.dropped if _State.writer is not None else 0
 
 
 def current_filter() -> str:
@@ -189,20 +219,19 @@ def access_log(level: int, message: str, fields: Mapping[str, object], spans: Sp
     handler = _State.handler
     if handler is not None and _direct(handler):
         # What `logging` would do with the record, minus the record: the same line, straight to
-        # the handler's stream (two lines per connection; the record machinery was most of it).
+        # the handler's sink (two lines per connection; the record machinery was most of it).
         formatter = cast(LineFormatter, handler.formatter)
         line = formatter.line(Line(time.time(), level, ACCESS.name, message, _present(fields), spans))
         with handler.lock or contextlib.nullcontext():
             try:
-                handler.stream.write(line + "\n")
-                handler.flush()
+                handler.write_line(line)
             except Exception:
                 handler.handleError(logging.makeLogRecord({"msg": message, "levelno": level}))
         return
     ACCESS.log(level, message, extra={"fields": fields, "spans": spans})
 
 
-def _direct(handler: logging.StreamHandler[TextIO]) -> bool:
+def _direct(handler: LineHandler) -> bool:
     """Whether our handler alone would see an access record, unfiltered (no test capture, no filter)."""
     root = logging.root
     return (
@@ -215,6 +244,183 @@ def _direct(handler: logging.StreamHandler[TextIO]) -> bool:
         and not handler.filters
         and handler.level <= logging.NOTSET
     )
+
+
+# --- the writer ----------------------------------------------------------------------------------
+
+# What may wait for stderr at most: about 2,500 access-log lines. Beyond it lines are dropped.
+BUFFER_BYTES = 1 << 20
+_BATCH_BYTES = 64 * 1024
+_CLOSE_TIMEOUT = 2.0
+
+
+class LineHandler(logging.Handler):
+    """A record in one of our formats, handed as one line to `sink` (a `LogWriter`, or a stream)."""
+
+    def __init__(
+        self,
+        formatter: LineFormatter,
+        sink: Callable[[str], object],
+        flush: Callable[[], object],
+        close: Callable[[], object] | None = None,
+    ) -> None:
+        super().__init__()
+        self.setFormatter(formatter)
+        self._sink = sink
+        self._flush = flush
+        self._close = close
+
+    def write_line(self, line: str) -> None:
+        self._sink(line + "\n")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.write_line(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+    def flush(self) -> None:
+        self._flush()
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+        super().close()
+
+
+class LogWriter:
+    """Text to a file descriptor, never blocking the caller: lines wait in a buffer of at most
+    `limit` bytes and one thread of this process writes them, blocking only itself when the reader
+    is slow or gone. A line that does not fit is dropped and counted (`dropped`); once the buffer has
+    drained, the thread writes `report(n)` for the `n` lines dropped since the last report.
+
+    A fork copies no thread: the child's writer starts empty and starts its own thread on its
+    first line (`os.register_at_fork` keeps the lock consistent across the fork)."""
+
+    def __init__(
+        self, fd: int, *, limit: int = BUFFER_BYTES, report: Callable[[int], str] | None = None
+    ) -> None:
+        self.fd = fd
+        self.limit = limit
+        self._report = report
+        self._fresh()
+        _WRITERS.add(self)
+
+    def _fresh(self) -> None:
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._queue: deque[bytes] = deque()
+        self._queued = 0
+        self._busy = False  # the thread holds taken lines not yet written
+        self._unreported = 0
+        self.dropped = 0
+        self._broken = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def write(self, text: str) -> None:
+        data = text.encode("utf-8", "backslashreplace")
+        with self._lock:
+            if self._broken or self._closed or self._queued + len(data) > self.limit:
+                self.dropped += 1
+                self._unreported += 1
+                return
+            self._queue.append(data)
+            self._queued += len(data)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def flush(self, timeout: float = _CLOSE_TIMEOUT) -> bool:
+        """Wait (at most `timeout`) until every buffered line is written; whether they were."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while (self._queue or self._busy) and not self._broken and self._thread is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._changed.wait(left)
+            return not self._queue
+
+    def close(self) -> None:
+        self.flush()
+        with self._lock:
+            self._closed = True
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._busy = False
+                self._changed.notify_all()
+                while not self._queue and not (self._unreported and self._report and not self._broken):
+                    if self._closed or self._broken:
+                        return
+                    self._changed.wait()
+                self._busy = True
+                if self._queue:
+                    batch, lines = self._take()
+                else:  # drained, with lines dropped since the last report
+                    assert self._report is not None
+                    batch, lines = self._report(self._unreported).encode("utf-8", "backslashreplace"), 0
+                    self._unreported = 0
+            if not self._write_all(batch):
+                with self._lock:
+                    self._broken = True
+                    self.dropped += lines + len(self._queue)
+                    self._queue.clear()
+                    self._queued = 0
+
+    def _take(self) -> tuple[bytes, int]:
+        """Lines from the front of the buffer, up to a batch: their bytes and their number."""
+        parts: list[bytes] = []
+        size = 0
+        while self._queue and (not parts or size + len(self._queue[0]) <= _BATCH_BYTES):
+            data = self._queue.popleft()
+            parts.append(data)
+            size += len(data)
+        self._queued -= size
+        return b"".join(parts), len(parts)
+
+    def _write_all(self, data: bytes) -> bool:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.fd, view) :]
+            except BlockingIOError:  # someone made the shared descriptor non-blocking
+                select.select([], [self.fd], [])
+            except OSError:  # closed, or the reader is gone: nothing will be read again
+                return False
+        return True
+
+
+_WRITERS: weakref.WeakSet[LogWriter] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    for writer in list(_WRITERS):
+        writer._lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for writer in list(_WRITERS):
+        writer._lock.release()
+
+
+def _after_fork_in_child() -> None:
+    for writer in list(_WRITERS):
+        writer._fresh()  # the parent's thread writes what was buffered; the child starts empty
+
+
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+)
+
+
+def _dropped_line(n: int) -> Line:
+    message = "log lines dropped: the log stream was not read in time"
+    return Line(time.time(), logging.WARNING, "ztunnel.logs", message, [("dropped", n)], ())
 
 
 def _spans(record: logging.LogRecord) -> Spans:

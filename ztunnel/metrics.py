@@ -31,6 +31,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricF
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from ztunnel import logs
+
 TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text;charset=utf-8;version=1.0.0"
 
@@ -294,6 +296,21 @@ class _DnsCollector(Collector):
         return self._dns.collect()
 
 
+class _LogCollector(Collector):
+    """`ztunnel_log_lines_dropped_total`: log lines this process dropped because its stderr was not
+    being read (`ztunnel.logs.LogWriter`). Not in the reference, whose writer drops silently."""
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "ztunnel_log_lines_dropped",
+            "Log lines dropped because the log stream was not read in time",
+            value=logs.dropped_lines(),
+        )
+
+
 class CrlCounters:
     """Certificate revocation (`CRL_PATH`): handshakes refused and sessions torn down because a CRL
     revoked the peer's chain, and sessions admitted that are not kept for re-checks on a reload."""
@@ -392,6 +409,7 @@ class Metrics:
             "istio_build", "Istio component build info", ["component", "tag"], registry=self.registry
         )
         build.labels(component="ztunnel", tag=istio_version or UNKNOWN).set(1)
+        self.registry.register(_LogCollector())
         if process_metrics:
             ProcessCollector(registry=self.registry)
 

@@ -125,6 +125,24 @@ def user_timeout_ms(cfg: Config) -> int | None:
     return int((cfg.keepalive_time + cfg.keepalive_retries * cfg.keepalive_interval) * 1000)
 
 
+def socket_options(cfg: Config, *, workers: bool = False) -> SocketOptions:
+    """The proxy sockets' options. `workers`: the listeners are shared by several data-plane worker
+    processes, so they join with SO_REUSEPORT whatever `INPOD_PORT_REUSE` says (only ours join in
+    dedicated mode: the supervisor holds each address exclusively first, see ztunnel/workers/)."""
+    shared = cfg.proxy_mode == "shared"
+    return SocketOptions(
+        keepalive=cfg.keepalive_enabled,
+        keepalive_time=int(cfg.keepalive_time),
+        keepalive_interval=int(cfg.keepalive_interval),
+        keepalive_retries=cfg.keepalive_retries,
+        mark=cfg.packet_mark,
+        reuseport=workers or (cfg.inpod_port_reuse if shared else False),
+        backlog=128 if shared else SocketOptions.backlog,
+        user_timeout_ms=user_timeout_ms(cfg),
+        ipv6=cfg.ipv6_enabled,
+    )
+
+
 def _transparent_option(family: int) -> tuple[int, int]:
     return (SOL_IPV6, IPV6_TRANSPARENT) if family == socket.AF_INET6 else (SOL_IP, IP_TRANSPARENT)
 

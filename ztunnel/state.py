@@ -45,7 +45,7 @@ Demander = Callable[[str, Callable[[], bool]], Awaitable[bool]]
 
 
 class ProxyState:
-    def __init__(self) -> None:
+    def __init__(self, demander: Demander | None = None) -> None:
         self._workloads: dict[str, Workload] = {}  # by uid, in first-seen order
         self._workloads_by_addr: dict[NetworkAddress, list[str]] = {}
         self._workloads_by_hostname: dict[NamespacedHostname, list[str]] = {}
@@ -65,7 +65,7 @@ class ProxyState:
         self._batch_depth = 0
         self._changed = False
         self._policies_changed = False
-        self.demander: Demander | None = None  # set when XDS_ON_DEMAND=true
+        self.demander = demander  # with XDS_ON_DEMAND=true: asks the control plane for a key
 
     # --- on demand ---------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The SOCKS5 handshake codec fed random greetings and requests, whole or split at every point.
 
-Whatever arrives, the codec returns only `ConnectRequest` or `HandshakeFailed`, stops after either,
+Whatever arrives, the codec returns only `ConnectRequested` or `HandshakeFailed`, stops after either,
 writes only well-formed replies, and gives the same events and bytes however the input is split.
 A requested domain is one name resolution can take. Then the findings of the first round: names
 IDNA refuses and names with NULs get a reply (0x04) before the close, also from a real listener.
@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.mesh import proxy_env, start_proxy
-from ztunnel.socks5 import ConnectRequest, HandshakeFailed, Reply, Socks5Handshake
+from ztunnel.socks5_codec import ConnectRequested, HandshakeFailed, Reply, Socks5Handshake
 
 REPLY_CODES = {int(code) for code in Reply}
 DOMAINS = st.one_of(
@@ -81,10 +81,10 @@ def test_any_input_gives_typed_events_the_same_at_every_split(data: bytes, rnd: 
     assert _run(pieces) == whole
     assert _run([data[i : i + 1] for i in range(len(data))]) == whole
     events, out, _ = whole
-    assert len(events) <= 1 and all(isinstance(e, ConnectRequest | HandshakeFailed) for e in events)
+    assert len(events) <= 1 and all(isinstance(e, ConnectRequested | HandshakeFailed) for e in events)
     _check_output(out, events)
     for event in events:
-        if isinstance(event, ConnectRequest):
+        if isinstance(event, ConnectRequested):
             assert 0 <= event.port <= 65535
             if isinstance(event.host, str):
                 event.host.encode("idna")  # what resolution does with it: never a UnicodeError
@@ -114,7 +114,7 @@ def test_unresolvable_domains_get_host_unreachable_before_the_close(domain: byte
 def test_internationalized_domains_still_connect() -> None:
     for domain, host in [("ñ.example".encode(), "ñ.example"), (b"xn--ida.example", "ñ.example")]:
         events, out, _ = _run([request(domain)])
-        assert events == [ConnectRequest(host, 80)] and out == b"\x05\x00"
+        assert events == [ConnectRequested(host, 80)] and out == b"\x05\x00"
 
 
 LISTENER_CASES = [b".", "\u05d0a".encode(), NUL_DOMAIN]

@@ -13,7 +13,7 @@ from ztunnel.metrics import Metrics
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState
 
-__all__ = ["DnsServer", "dns_address", "dns_server", "resolver_settings"]
+__all__ = ["DnsServer", "dns_address", "dns_on_ipv6_loopback", "dns_server", "resolver_settings"]
 
 
 def dns_address(config: Config) -> tuple[str, int]:
@@ -24,6 +24,15 @@ def dns_address(config: Config) -> tuple[str, int]:
     if not explicit and config.proxy_mode == "dedicated" and bind and bind not in ("0.0.0.0", "::"):
         return bind, config.dns_proxy_addr[1]
     return config.dns_proxy_addr
+
+
+def dns_on_ipv6_loopback(config: Config) -> bool:
+    """Whether the DNS proxy also listens on `[::1]`: as the reference's `localhost:15053` (the
+    default, or `DNS_PROXY_ADDR=localhost:<port>`) with IPv6 enabled; never beside an explicit
+    address or a dedicated proxy's own bind address."""
+    explicit = config.istio_meta.get("DNS_PROXY_ADDR")
+    localhost = explicit is None or explicit.strip().lower().startswith("localhost:")
+    return config.ipv6_enabled and localhost and dns_address(config)[0] == "127.0.0.1"
 
 
 def resolver_settings(config: Config, search: tuple[str, ...]) -> ResolverSettings:
@@ -55,4 +64,5 @@ def dns_server(
         metrics.dns(),
         Forwarder(upstream, sockets),
         resolver_settings(config, upstream.search),
+        loopback_v6=dns_on_ipv6_loopback(config),
     )

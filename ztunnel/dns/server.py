@@ -85,8 +85,12 @@ class DnsServer:
         settings: ResolverSettings,
         *,
         cache: bool = True,
+        loopback_v6: bool = False,
     ) -> None:
         self.address = address
+        # Also `[::1]` on the same port, when this network namespace's loopback has it (the
+        # reference's `localhost:15053` with IPv6 enabled).
+        self.loopback_v6 = loopback_v6
         self.cache = cache  # off only to measure what it saves (benches/dns.py)
         self.state = state
         self.client = client
@@ -101,9 +105,10 @@ class DnsServer:
         self._cells: dict[tuple[str, str, str, str], CounterCell] = {}
         self._pending = 0
         self._tcp_connections = 0
-        self._udp: asyncio.DatagramTransport | None = None
-        self._tcp: asyncio.AbstractServer | None = None
-        self._socks: tuple[socket.socket, socket.socket] | None = None
+        self._udp: list[asyncio.DatagramTransport] = []
+        self._tcp: list[asyncio.AbstractServer] = []
+        self._socks: list[tuple[socket.socket, socket.socket]] | None = None
+        self.addresses: list[tuple[str, int]] = []  # every address bound, `address` first
         self._tasks: set[asyncio.Task[Any]] = set()
         self._unsubscribe = state.subscribe(self._state_changed)
 
@@ -126,6 +131,26 @@ class DnsServer:
 
     def _bind(self) -> None:
         host, port = self.address
+        bound = [self._bind_pair(host, port)]
+        port = bound[0][0].getsockname()[1]
+        try:
+            if self.loopback_v6:
+                try:
+                    bound.append(self._bind_pair("::1", port))
+                except OSError as e:
+                    if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                        raise
+                    log.debug("DNS proxy: no IPv6 loopback here (%s): 127.0.0.1 only", e.strerror)
+        except BaseException:
+            for pair in bound:
+                for sock in pair:
+                    sock.close()
+            raise
+        self._socks = bound
+        self.address = (host, port)
+        self.addresses = [(sock.getsockname()[0], port) for sock, _ in bound]
+
+    def _bind_pair(self, host: str, port: int) -> tuple[socket.socket, socket.socket]:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         udp = self.sockets.datagram(family)
         try:
@@ -137,34 +162,35 @@ class DnsServer:
         except BaseException:
             udp.close()
             raise
-        self._socks = (udp, tcp)
-        self.address = (host, udp.getsockname()[1])
+        return udp, tcp
 
     async def start(self) -> None:
         if self._socks is None:
             self.bind()
         assert self._socks is not None
-        udp, tcp = self._socks
         loop = asyncio.get_running_loop()
-        self._udp, _ = await loop.create_datagram_endpoint(lambda: _UdpProtocol(self), sock=udp)
-        self._tcp = await asyncio.start_server(self._serve_tcp, sock=tcp, limit=MAX_MESSAGE_LIMIT)
+        for udp, tcp in self._socks:
+            transport, _ = await loop.create_datagram_endpoint(lambda: _UdpProtocol(self), sock=udp)
+            self._udp.append(transport)
+            self._tcp.append(await asyncio.start_server(self._serve_tcp, sock=tcp, limit=MAX_MESSAGE_LIMIT))
 
     async def close(self) -> None:
         self._unsubscribe()
-        if self._udp is not None:
-            self._udp.close()
-        if self._tcp is not None:
-            self._tcp.close()
-        elif self._socks is not None:
-            for sock in self._socks:
-                sock.close()
+        for transport in self._udp:
+            transport.close()
+        for server in self._tcp:
+            server.close()
+        if not self._tcp and self._socks is not None:
+            for pair in self._socks:
+                for sock in pair:
+                    sock.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._tcp is not None:
+        for server in self._tcp:
             with contextlib.suppress(Exception):
-                await self._tcp.wait_closed()
+                await server.wait_closed()
 
     # -- one message ---------------------------------------------------------------------------
 

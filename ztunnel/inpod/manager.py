@@ -4,8 +4,8 @@ It connects to the node agent on `INPOD_UDS` (AF_UNIX, SOCK_SEQPACKET), says hel
 each request of the agent, one at a time, driving `ZdsStateMachine`: for an `AddWorkload` it has the
 pod's proxy started (its listeners bound inside the pod's namespace and accepting) before
 acknowledging; for a delete (or a pod missing from a snapshot) it drains that proxy at once. Where the
-proxies run is a `PodRuntime`: `LocalPods` builds `ProxyInstance`s in this process; with data-plane
-workers (`ztunnel/workers.py`) every worker runs one per pod and the ACK waits for all of them. A
+proxies run is the `PodRuntime` given at construction: the supervisor's (`ztunnel/workers/`), with
+which every data-plane worker runs one proxy per pod and the ACK waits for all of them. A
 pod whose proxy fails to start is NACKed and retried every 5 s. The connection is made again with
 backoff (10 ms doubling to 15 s) whenever it drops; running proxies survive that. Readiness
 `workload proxy manager` is held until a snapshot is applied with nothing pending.
@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,7 +25,6 @@ from ztunnel.admin import Readiness, ReadinessHandle
 from ztunnel.inpod.netns import Netns
 from ztunnel.inpod.protocol import Outcome, PodInfo, StartProxy, StopProxy, ZdsStateMachine
 from ztunnel.metrics import WorkloadManagerMetrics
-from ztunnel.proxy.instance import ProxyInstance
 
 log = logging.getLogger("ztunnel.inpod")
 
@@ -34,8 +32,6 @@ READINESS_TASK = "workload proxy manager"
 RETRY_INTERVAL = 5.0
 RECONNECT_INITIAL = 0.01
 RECONNECT_MAX = 15.0
-
-BuildProxy = Callable[[PodInfo, Netns], ProxyInstance]
 
 
 class PodRuntime(Protocol):
@@ -52,52 +48,6 @@ class PodRuntime(Protocol):
     def describe(self, uid: str) -> dict[str, Any]:
         """What `/config_dump` shows of a running pod's proxy (listeners, connections)."""
         ...
-
-
-class LocalPods:
-    """The pods' proxies as `ProxyInstance`s of this process."""
-
-    def __init__(self, build: BuildProxy) -> None:
-        self._build = build
-        self.instances: dict[str, ProxyInstance] = {}
-
-    async def start(self, pod: PodInfo, netns: Netns) -> str | None:
-        try:
-            instance = self._build(pod, netns)
-            socks = instance.bind_listeners()
-        except OSError as e:
-            return e.strerror or str(e)
-        try:
-            await instance.serve(socks)
-        except Exception as e:
-            await instance.drain(0, graceful=False)
-            return str(e)
-        self.instances[pod.uid] = instance
-        return None
-
-    async def stop(self, uid: str, deadline: float) -> None:
-        instance = self.instances.pop(uid, None)
-        if instance is None:
-            return
-        await instance.drain(deadline, graceful=deadline > 0)
-        self._release_identity(instance)
-
-    def _release_identity(self, stopped: ProxyInstance) -> None:
-        """Stop renewing the certificate of a stopped pod's identity, unless another pod shares it."""
-        identity = stopped.own_identity()
-        for other in self.instances.values():
-            if other.own_identity() == identity:
-                return
-        stopped.secrets.forget(identity)
-
-    def describe(self, uid: str) -> dict[str, Any]:
-        instance = self.instances.get(uid)
-        if instance is None:
-            return {}
-        return {
-            "listeners": {k: f"{h}:{p}" for k, (h, p) in sorted(instance.addresses.items())},
-            "connections": instance.connections_dump(),
-        }
 
 
 class ProtocolError(Exception):

@@ -11,8 +11,6 @@ tunnel, and the relay, under re-authorization while it is open.
 from __future__ import annotations
 
 import asyncio
-import logging
-from typing import TYPE_CHECKING
 
 from hbone.address import format_addr
 from hbone.h2conn import H2Session
@@ -20,32 +18,34 @@ from hbone.identity import Identity
 from hbone.server import ConnectRequest, HboneServer
 from xds.model import Workload
 from ztunnel import baggage
-from ztunnel.admission import Admit, InboundRequest, Reject, parse_ip, uri_of
+from ztunnel.admission import InboundRequest, Reject, parse_ip, uri_of
 from ztunnel.logs import Bare
 from ztunnel.proxy.connections import carry
-from ztunnel.proxy.outbound import describe
-from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, trace_id
+from ztunnel.proxy.context import ProxyContext
+from ztunnel.proxy.telemetry import (
+    ConnectionRecord,
+    Peer,
+    connection_failed,
+    log_policy_decision,
+    record_denial,
+    trace_id,
+)
+from ztunnel.proxy.upstream import describe
 from ztunnel.proxyprotocol import encode_tunnel_header
-
-if TYPE_CHECKING:
-    from ztunnel.proxy.instance import ProxyInstance
-
-log = logging.getLogger("ztunnel.proxy")
-rbac_log = logging.getLogger("ztunnel.rbac")
 
 
 class Inbound:
-    def __init__(self, proxy: ProxyInstance) -> None:
-        self.proxy = proxy
+    def __init__(self, ctx: ProxyContext) -> None:
+        self.ctx = ctx
         self.server = HboneServer(
-            credentials=proxy.credentials,
+            credentials=ctx.credentials,
             handler=self.handle,
-            settings=proxy.settings,
-            own_trust_domain=proxy.trust_domain,
+            settings=ctx.settings,
+            own_trust_domain=ctx.local.trust_domain,
             on_tls_error=self._tls_error,
             on_session=self._session_opened,
         )
-        self._sockets_open = proxy.metrics.sockets_open("destination")
+        self._sockets_open = ctx.metrics.sockets_open("destination")
 
     def _session_opened(self, session: H2Session) -> None:
         self._sockets_open.inc()
@@ -55,7 +55,7 @@ class Inbound:
         connection_failed(format_addr(*peer), format_addr(*local), "inbound", f"tls: {error}")
 
     async def handle(self, req: ConnectRequest) -> None:
-        proxy = self.proxy
+        ctx = self.ctx
         src_s, local_s = format_addr(*req.peer_addr), format_addr(*req.local_addr)
         identity = req.peer_identity
         request = InboundRequest(
@@ -66,7 +66,7 @@ class Inbound:
             identity=identity,
             headers=req.headers,
         )
-        decision = await proxy.admit(request)
+        decision = await ctx.admit(request)
         if isinstance(decision, Reject) and decision.plan is None:
             connection_failed(src_s, local_s, "inbound", decision.reason)
             req.respond(decision.status)
@@ -77,27 +77,27 @@ class Inbound:
         # The client's trace (its `traceparent`) names this connection in our logs too.
         span = ("inbound", {"id": trace_id(req.headers.get("traceparent")), "peer": Bare(src_s)})
         record = ConnectionRecord(
-            proxy.metrics,
+            ctx.metrics,
             direction="inbound",
             src_addr=src_s,
             dst_addr=local_s,
             src=self._peer_from_baggage(plan.src_workload, identity, req.headers.get("baggage")),
-            dst=Peer(local, uri_of(proxy.identity(local))),
+            dst=Peer(local, uri_of(ctx.local.identity(local))),
             service=plan.service,
             hbone_addr=req.authority,
             mtls=True,
             spans=(span,),
-            registry=proxy.open_connections,
+            registry=ctx.connections,
             dump_as=(req.authority, format_addr(*plan.app), "HBONE"),
         )
         req.headers.clear()  # read by now; a held connection need not keep them
-        log_policy_decision(decision, src_s, local_s, info=proxy.config.authz_policy_info_logging)
+        log_policy_decision(decision, src_s, local_s, info=ctx.config.authz_policy_info_logging)
         if isinstance(decision, Reject):
             req.respond(decision.status)
             record_denial(record, decision)
             return
         try:
-            app, app_inbox = await proxy.connect_tcp(
+            app, app_inbox = await ctx.connect_tcp(
                 plan.app, source_ip=plan.source_ip, transparent=plan.transparent
             )
         except asyncio.CancelledError:
@@ -109,7 +109,7 @@ class Inbound:
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
             return
         headers = []
-        if proxy.config.enable_response_baggage:
+        if ctx.config.enable_response_baggage:
             bag = baggage.encode(local)
             if bag:
                 headers.append(("baggage", bag))
@@ -118,20 +118,20 @@ class Inbound:
             # The app learns who connected, to what, and the client's identity.
             client, target = plan.proxy_header
             app.write(encode_tunnel_header(client, target, str(identity) if identity else None))
-        proxy.hold(
+        ctx.hold(
             carry(
                 req.stream,
                 app,
                 record,
                 up_inbox=app_inbox,
-                tracker=proxy.tracker,
+                tracker=ctx.tracker,
                 authorized=(plan.connection, local.uid),
             )
         )
 
     def _peer_from_baggage(self, w: Workload | None, identity: Identity | None, header: str | None) -> Peer:
         ident = uri_of(identity) if identity else None
-        if w is not None or not self.proxy.config.enable_response_baggage:
+        if w is not None or not self.ctx.config.enable_response_baggage:
             return Peer(w, ident)
         b = baggage.parse(header)
         return Peer(
@@ -143,25 +143,3 @@ class Inbound:
             canonical_service=b.service_name,
             canonical_revision=b.service_version,
         )
-
-
-def record_denial(record: ConnectionRecord, decision: Reject) -> None:
-    """The one deny path of both inbound listeners: the connection recorded as denied by policy."""
-    record.finish(received=0, sent=0, error=decision.reason, flags="DENY")
-
-
-def log_policy_decision(decision: Admit | Reject, src: str, dst: str, *, info: bool) -> None:
-    """Authorization's verdict and its dry-run notes: at debug, or at info with
-    AUTHZ_POLICY_INFO_LOGGING=true."""
-    level = logging.INFO if info else logging.DEBUG
-    if not rbac_log.isEnabledFor(level):
-        return
-    where = {"src.addr": Bare(src), "dst.addr": Bare(dst)}
-    for note in decision.notes:
-        rbac_log.log(level, "%s", note, extra={"fields": where})
-    if isinstance(decision, Reject):
-        rbac_log.log(
-            level, "connection denied by policy", extra={"fields": {**where, "reason": decision.reason}}
-        )
-    else:
-        rbac_log.log(level, "connection allowed by policy", extra={"fields": where})

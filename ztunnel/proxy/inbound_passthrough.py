@@ -10,33 +10,36 @@ where the listener is transparent, and stays under re-authorization while it is 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from hbone.address import canonical_addr, format_addr
 from hbone.relay import Inbox, RelayResult
 from ztunnel.admission import InboundRequest, Reject, parse_ip
 from ztunnel.logs import Bare
 from ztunnel.proxy.connections import carry
-from ztunnel.proxy.inbound import log_policy_decision, record_denial
-from ztunnel.proxy.outbound import describe
-from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, trace_id
+from ztunnel.proxy.context import ProxyContext
+from ztunnel.proxy.telemetry import (
+    ConnectionRecord,
+    Peer,
+    connection_failed,
+    log_policy_decision,
+    record_denial,
+    trace_id,
+)
+from ztunnel.proxy.upstream import describe
 from ztunnel.sockets import original_dst
-
-if TYPE_CHECKING:
-    from ztunnel.proxy.instance import ProxyInstance
 
 
 class InboundPassthrough:
-    def __init__(self, proxy: ProxyInstance) -> None:
-        self.proxy = proxy
+    def __init__(self, ctx: ProxyContext) -> None:
+        self.ctx = ctx
 
     async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> asyncio.Future[RelayResult] | None:
-        proxy = self.proxy
+        ctx = self.ctx
         src = canonical_addr(transport.get_extra_info("peername"))
         dst = original_dst(transport.get_extra_info("socket"))
         src_s, dst_s = format_addr(*src), format_addr(*dst)
         request = InboundRequest(peer=(parse_ip(src[0]), src[1]), local=(parse_ip(dst[0]), dst[1]))
-        decision = await proxy.admit(request)
+        decision = await ctx.admit(request)
         if isinstance(decision, Reject) and decision.plan is None:
             connection_failed(src_s, dst_s, "inbound", decision.reason)
             transport.close()
@@ -44,7 +47,7 @@ class InboundPassthrough:
         plan = decision.plan
         assert plan is not None
         record = ConnectionRecord(
-            proxy.metrics,
+            ctx.metrics,
             direction="inbound",
             src_addr=src_s,
             dst_addr=dst_s,
@@ -52,30 +55,30 @@ class InboundPassthrough:
             dst=Peer(plan.local),
             service=plan.service,
             spans=(("inbound", {"id": trace_id(None), "peer": Bare(src_s)}),),
-            registry=proxy.open_connections,
+            registry=ctx.connections,
             dump_as=(dst_s, format_addr(*plan.app), "TCP"),
         )
-        log_policy_decision(decision, src_s, dst_s, info=proxy.config.authz_policy_info_logging)
+        log_policy_decision(decision, src_s, dst_s, info=ctx.config.authz_policy_info_logging)
         if isinstance(decision, Reject):
             transport.close()
             record_denial(record, decision)
             return None
         try:
-            app, app_inbox = await proxy.connect_tcp(
+            app, app_inbox = await ctx.connect_tcp(
                 plan.app, source_ip=plan.source_ip, transparent=plan.transparent
             )
         except Exception as e:
             transport.close()
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
             return None
-        return proxy.hold(
+        return ctx.hold(
             carry(
                 transport,
                 app,
                 record,
                 down_inbox=inbox,
                 up_inbox=app_inbox,
-                tracker=proxy.tracker,
+                tracker=ctx.tracker,
                 authorized=(plan.connection, plan.local.uid),
             )
         )

@@ -1,5 +1,5 @@
-"""One connection's telemetry: its metric labels, live byte counts and the access log
-line written when it completes."""
+"""One connection's telemetry: its metric labels, live byte counts, the access log line written
+when it completes, and the log of the policy decision on it (both inbound listeners')."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import time
 from dataclasses import dataclass
 
 from xds.model import Service, Workload
+from ztunnel.admission import Admit, Reject
 from ztunnel.logs import ACCESS, Bare, Spans, access_log
 from ztunnel.metrics import UNKNOWN, ConnectionMetrics, Metrics, TrafficLabels
+
+rbac_log = logging.getLogger("ztunnel.rbac")
 
 _HEX = frozenset("0123456789abcdef")
 
@@ -273,3 +276,25 @@ def connection_failed(src_addr: str, dst_addr: str, direction: str, error: str) 
         "connection failed",
         {"src.addr": Bare(src_addr), "dst.addr": Bare(dst_addr), "direction": direction, "error": error},
     )
+
+
+def record_denial(record: ConnectionRecord, decision: Reject) -> None:
+    """The one deny path of both inbound listeners: the connection recorded as denied by policy."""
+    record.finish(received=0, sent=0, error=decision.reason, flags="DENY")
+
+
+def log_policy_decision(decision: Admit | Reject, src: str, dst: str, *, info: bool) -> None:
+    """Authorization's verdict and its dry-run notes: at debug, or at info with
+    AUTHZ_POLICY_INFO_LOGGING=true."""
+    level = logging.INFO if info else logging.DEBUG
+    if not rbac_log.isEnabledFor(level):
+        return
+    where = {"src.addr": Bare(src), "dst.addr": Bare(dst)}
+    for note in decision.notes:
+        rbac_log.log(level, "%s", note, extra={"fields": where})
+    if isinstance(decision, Reject):
+        rbac_log.log(
+            level, "connection denied by policy", extra={"fields": {**where, "reason": decision.reason}}
+        )
+    else:
+        rbac_log.log(level, "connection allowed by policy", extra={"fields": where})

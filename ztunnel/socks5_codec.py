@@ -1,9 +1,9 @@
-"""The SOCKS5 handshake (RFC 1928, no authentication, CONNECT only) as a sans-I/O state machine.
+"""The SOCKS5 codec: the handshake (RFC 1928, no authentication, CONNECT only) as a sans-I/O state
+machine, and the replies.
 
 `Socks5Handshake.receive(data)` consumes bytes and returns the events they complete; what must be
-written back is collected in `data_to_send()`. The listener in `ztunnel.proxy.socks5` only moves
-bytes. Reply codes are RFC 1928's; success is replied only
-once the upstream is established.
+written back is collected in `data_to_send()`. The listener (`ztunnel.proxy.socks5_listener`) only
+moves bytes. Reply codes are RFC 1928's; success is replied only once the upstream is established.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Reply(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class ConnectRequest:
+class ConnectRequested:
     """The client asked to CONNECT to `host:port`; host is an IP address or a domain name."""
 
     host: ipaddress.IPv4Address | ipaddress.IPv6Address | str
@@ -49,7 +49,7 @@ class HandshakeFailed:
     reason: str
 
 
-Event = ConnectRequest | HandshakeFailed
+Event = ConnectRequested | HandshakeFailed
 
 
 class InvalidDomain(ValueError):
@@ -169,7 +169,7 @@ class Socks5Handshake:
                 # The name can never resolve: the client hears "host unreachable" before the close.
                 return self._fail(str(e), Reply.HOST_UNREACHABLE)
         self._state = _State.DONE
-        return ConnectRequest(host, port)
+        return ConnectRequested(host, port)
 
     @property
     def leftover(self) -> bytes:

@@ -1,10 +1,11 @@
-"""The SOCKS5 listener (15080): the sans-I/O handshake of `ztunnel.socks5`, then the outbound path.
+"""The SOCKS5 listener (15080): the sans-I/O handshake of `ztunnel.socks5_codec`, then the upstream
+of an outbound connection.
 
 The client's CONNECT target (an address, or a name: a mesh name as the DNS proxy would answer it, so
 it reaches the service's VIP, any other by the system resolver) goes through the same upstream
 logic as a redirected connection on 15001. Success is replied only once the upstream is established,
 so a client learns of a refused or denied destination from the reply code, which this module maps
-from the upstream's outcome.
+from the kind of the upstream's failure.
 """
 
 from __future__ import annotations
@@ -13,40 +14,37 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from typing import TYPE_CHECKING
 
 from hbone.address import canonical_addr, canonical_host, format_addr
 from hbone.relay import Inbox, RelayResult
 from xds.model import IPAddress
-from ztunnel import dns
 from ztunnel.dns.resolver import Authoritative, resolve
 from ztunnel.proxy.connections import carry
-from ztunnel.proxy.outbound import Outcome, UpstreamFailure
+from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.telemetry import connection_failed
-from ztunnel.socks5 import ConnectRequest, HandshakeFailed, Reply, Socks5Handshake, encode_reply
-
-if TYPE_CHECKING:
-    from ztunnel.proxy.instance import ProxyInstance
+from ztunnel.proxy.upstream import FailureKind, UpstreamFailure, Upstreams
+from ztunnel.socks5_codec import ConnectRequested, HandshakeFailed, Reply, Socks5Handshake, encode_reply
 
 log = logging.getLogger("ztunnel.proxy")
 
 HANDSHAKE_TIMEOUT = 10.0
 
 REPLIES = {
-    Outcome.DENIED: Reply.NOT_ALLOWED,
-    Outcome.REFUSED: Reply.CONNECTION_REFUSED,
-    Outcome.UNREACHABLE: Reply.HOST_UNREACHABLE,
-    Outcome.FAILED: Reply.GENERAL_FAILURE,
+    FailureKind.DENIED: Reply.NOT_ALLOWED,
+    FailureKind.REFUSED: Reply.CONNECTION_REFUSED,
+    FailureKind.UNREACHABLE: Reply.HOST_UNREACHABLE,
+    FailureKind.FAILED: Reply.GENERAL_FAILURE,
 }
 
 
 def reply_for(failure: UpstreamFailure) -> Reply:
-    return REPLIES[failure.outcome]
+    return REPLIES[failure.kind]
 
 
-class Socks5:
-    def __init__(self, proxy: ProxyInstance) -> None:
-        self.proxy = proxy
+class Socks5Listener:
+    def __init__(self, ctx: ProxyContext, upstreams: Upstreams) -> None:
+        self.ctx = ctx
+        self.upstreams = upstreams
 
     async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> asyncio.Future[RelayResult] | None:
         src = canonical_addr(transport.get_extra_info("peername"))
@@ -63,17 +61,17 @@ class Socks5:
             transport.write(encode_reply(Reply.HOST_UNREACHABLE))
             transport.close()
             return None
-        up = await self.proxy.outbound.open_upstream(src, (dst_ip, request.port))
+        up = await self.upstreams.open(src, (dst_ip, request.port))
         if isinstance(up, UpstreamFailure):
             transport.write(encode_reply(reply_for(up)))
             transport.close()
             return None
         transport.write(encode_reply(Reply.SUCCEEDED))
-        return self.proxy.hold(carry(transport, up.transport, up.record, down_inbox=inbox, up_inbox=up.inbox))
+        return self.ctx.hold(carry(transport, up.transport, up.record, down_inbox=inbox, up_inbox=up.inbox))
 
     async def _handshake(
         self, transport: asyncio.Transport, inbox: Inbox, src: tuple[str, int]
-    ) -> ConnectRequest | None:
+    ) -> ConnectRequested | None:
         """The client's CONNECT, or None when the handshake failed, timed out or was abandoned.
         Bytes the client sent after its request are put back in `inbox` for the relay."""
         hs = Socks5Handshake()
@@ -98,12 +96,10 @@ class Socks5:
     async def _resolve(self, host: IPAddress | str, family: int) -> str:
         if not isinstance(host, str):
             return canonical_host(str(host))
-        local = await self.proxy.local_workload()
+        local = await self.ctx.local.local_workload()
         if local is not None:
-            server = self.proxy.dns
-            settings = server.settings if server is not None else dns.resolver_settings(self.proxy.config, ())
             rdtype = 28 if family == 6 else 1  # AAAA for IPv6 clients, else A
-            mesh = resolve(self.proxy.state, local, host.lower().rstrip("."), rdtype, settings)
+            mesh = resolve(self.ctx.state, local, host.lower().rstrip("."), rdtype, self.ctx.resolver)
             if isinstance(mesh, Authoritative):
                 if not mesh.addresses:
                     raise OSError(f"no IPv{family} address for {host}")

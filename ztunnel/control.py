@@ -1,0 +1,293 @@
+"""The control runtime of `ztunnel proxy`: everything the supervisor process does besides its workers.
+
+It runs the local config file, the one xDS stream, the CA client and the certificates, the CRL
+watcher, the operator endpoints (readiness :15021, admin :15000, metrics :15020) and, in in-pod
+mode, the workload proxy manager (ZDS). It carries no proxied connection: the data plane is the
+workers'. What the supervisor adds is given at construction (`ControlHooks`): the store it
+replicates, the metrics that sum the workers', the hooks the endpoints call (a scrape first asks
+the workers, a log filter is passed on to them, profilers sample every process, `/config_dump`
+adds the workers, `/quitquitquit` stops the supervisor) and where the pods' proxies run.
+
+Start-up order follows the reference: state first (the local file is applied synchronously), then
+readiness, admin and metrics servers; `/healthz/ready` turns 200 when nothing is pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hbone.tls import TlsPolicy
+from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
+from ztunnel import __version__
+from ztunnel.admin import (
+    CpuProfiler,
+    HeapProfiler,
+    HttpServer,
+    Readiness,
+    admin_server,
+    pprof_routes,
+    readiness_server,
+    stats_server,
+)
+from ztunnel.certificates import FakeCA, SecretManager
+from ztunnel.config import Config
+from ztunnel.crl import CrlError, CrlWatcher
+from ztunnel.explain import explain_route
+from ztunnel.metrics import Metrics
+from ztunnel.state import ProxyState
+
+if TYPE_CHECKING:
+    from xds.client import AuthToken, XdsClient
+    from ztunnel.caclient import GrpcCaClient
+    from ztunnel.inpod.manager import PodRuntime, WorkloadProxyManager
+
+log = logging.getLogger("ztunnel.control")
+
+
+class StartupError(Exception):
+    """A start-up failure to report in one line (no traceback)."""
+
+
+def build_info() -> dict[str, str]:
+    return {
+        "version": __version__,
+        "gitRevision": "unknown",
+        "rustVersion": "n/a (CPython)",
+        "buildProfile": "release",
+        "buildStatus": "Modified",
+        "istioVersion": os.environ.get("ISTIO_META_ISTIO_VERSION", "unknown"),
+        "cryptoProvider": "openssl",
+    }
+
+
+def load_static_config(config: Config) -> LocalConfig | None:
+    try:
+        if config.local_xds_path:
+            return load_local_config(config.local_xds_path)
+        if config.local_xds:
+            return parse_local_config(config.local_xds, "LOCAL_XDS")
+    except LocalConfigError as e:
+        raise StartupError(str(e)) from None
+    except OSError as e:
+        raise StartupError(f"LOCAL_XDS_PATH={config.local_xds_path}: {e.strerror or e}") from None
+    return None
+
+
+@dataclass(frozen=True)
+class ControlHooks:
+    """What the process running the control runtime supplies."""
+
+    state: ProxyState
+    metrics: Metrics
+    readiness: Readiness
+    shutdown: Callable[[], None]  # /quitquitquit, or a ZDS protocol error
+    extra_dump: Callable[[], Mapping[str, Any]]  # /config_dump's sections beside ours
+    before_scrape: Callable[[], Awaitable[None]] | None = None  # before /metrics and /config_dump
+    on_log_filter: Callable[[str], object] | None = None  # a filter set over /logging
+    profilers: tuple[CpuProfiler, HeapProfiler] | None = None  # else this process only
+    pod_runtime: PodRuntime | None = None  # in-pod mode: where the pods' proxies run
+
+
+class ControlRuntime:
+    def __init__(self, config: Config, hooks: ControlHooks) -> None:
+        self.config = config
+        self.hooks = hooks
+        self.state = hooks.state
+        self.metrics = hooks.metrics
+        self.readiness = hooks.readiness
+        try:
+            self.crl = CrlWatcher.load(config.crl_path, self.metrics) if config.crl_path else None
+        except CrlError as e:
+            raise StartupError(str(e)) from None
+        # Every TLS context of the process is built under this policy (by the secret manager).
+        self.tls = TlsPolicy(tls12=config.tls12_enabled, revocation=self.crl.revocation if self.crl else None)
+        self.secrets = SecretManager(FakeCA(), tls=self.tls) if config.fake_ca else None
+        self.static: LocalConfig | None = None
+        self._servers: list[HttpServer] = []
+        self._ca: GrpcCaClient | None = None
+        self.xds: XdsClient | None = None
+        self._xds_task: asyncio.Task[None] | None = None
+        self.inpod: WorkloadProxyManager | None = None
+        self._inpod_task: asyncio.Task[None] | None = None
+        self.exit_code = 0
+
+    def config_dump(self) -> dict[str, Any]:
+        dump: dict[str, Any] = dict(self.state.dump())
+        dump["staticConfig"] = self.static.raw if self.static is not None else {}
+        dump["version"] = build_info()
+        dump["config"] = self.config.to_dump()
+        dump["certificates"] = self.secrets.dump() if self.secrets else []
+        if self.inpod is not None:
+            dump["workloadState"] = self.inpod.dump()
+        dump.update(self.hooks.extra_dump())
+        return dump
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.proxy_mode == "shared":
+            # In-pod mode's modules (and protobuf, for ZDS) are loaded only when it runs.
+            from ztunnel.inpod.netns import check_privileges
+
+            try:
+                check_privileges(cfg.packet_mark)
+            except OSError as e:
+                raise StartupError(f"PROXY_MODE=shared (in-pod mode): {e.strerror or e}") from None
+        token = self._auth_token()
+        if self.secrets is None:
+            self.secrets = self._ca_secrets(token)
+        self.static = load_static_config(cfg)
+        if self.crl is not None:
+            self.crl.start()
+        state_task = self.readiness.register("state manager")
+        # The listeners are the workers': the supervisor holds readiness `proxy` until they accept.
+        dns_task = self.readiness.register("dns proxy") if cfg.dns_capture else None
+        # The local file is applied first; xDS (if any) then builds on it.
+        if self.static is not None:
+            self.state.apply_local_config(self.static)
+        if cfg.xds_address:
+            self._start_xds(cfg.xds_address, token, state_task.release)
+        else:
+            state_task.release()
+        await self._start_operator_servers()
+        if dns_task is not None:
+            dns_task.release()
+        if cfg.proxy_mode == "shared" and self.hooks.pod_runtime is not None:
+            self._start_inpod(self.hooks.pod_runtime)
+
+    def _auth_token(self) -> AuthToken | None:
+        if not (self.config.xds_address or self.secrets is None):
+            return None
+        # gRPC and the protocol modules cost ~15 MB of RSS: loaded only when a control plane is used.
+        from xds.client import AuthToken
+
+        return AuthToken.from_setting(self.config.auth_token)
+
+    def _ca_secrets(self, token: AuthToken | None) -> SecretManager:
+        cfg = self.config
+        if not cfg.ca_address:
+            raise StartupError("CA_ADDRESS is empty and FAKE_CA is not set: no way to get certificates")
+        from ztunnel.caclient import GrpcCaClient
+
+        self._ca = GrpcCaClient(
+            cfg.ca_address,
+            root_ca=cfg.ca_root_ca,
+            alt_hostname=cfg.alt_ca_hostname,
+            token=token,
+            cluster_id=cfg.cluster_id,
+            headers=cfg.ca_headers,
+            secret_ttl=cfg.secret_ttl,
+            impersonate=cfg.proxy_mode == "shared",
+        )
+        return SecretManager(self._ca, tls=self.tls)
+
+    def _start_xds(self, address: str, token: AuthToken | None, on_synced: Callable[[], None]) -> None:
+        from xds.client import XdsClient, node_from
+
+        cfg = self.config
+        self.xds = xds = XdsClient(
+            address,
+            self.state,
+            node_from(
+                instance_ip=cfg.instance_ip,
+                pod_name=cfg.pod_name,
+                pod_namespace=cfg.pod_namespace,
+                node_name=cfg.node_name,
+                istio_meta=cfg.istio_meta,
+                istio_meta_json=cfg.istio_meta_json,
+                cluster_id=cfg.cluster_id,
+            ),
+            root_ca=cfg.xds_root_ca,
+            alt_hostname=cfg.alt_xds_hostname,
+            token=token,
+            cluster_id=cfg.cluster_id,
+            headers=cfg.xds_headers,
+            on_demand=cfg.xds_on_demand,
+            metrics=self.metrics.xds,
+            on_synced=on_synced,
+        )
+        self._xds_task = asyncio.get_running_loop().create_task(xds.run())
+
+    async def demand(self, key: str, arrived: Callable[[], bool]) -> bool:
+        """On-demand xDS (the store's demander, for every process): ask the control plane for `key`;
+        True once `arrived()` holds after a response, False without xDS or after the timeout."""
+        if self.xds is None:
+            return False
+        return await self.xds.demand(key, arrived=arrived)
+
+    async def wait_synced(self) -> None:
+        """Until the first state of every xDS type is in (at once without xDS)."""
+        if self.xds is not None:
+            await self.xds.wait_synced()
+
+    async def _start_operator_servers(self) -> None:
+        cfg, hooks = self.config, self.hooks
+        admin = admin_server(
+            self.config_dump,
+            hooks.shutdown,
+            hooks.on_log_filter,
+            extra_routes={
+                "/debug/explain": explain_route(self.state, cfg),
+                **(pprof_routes(*hooks.profilers) if hooks.profilers else {}),
+            },
+            before_dump=hooks.before_scrape,
+        )
+        operator_servers = (
+            (readiness_server(self.readiness), cfg.readiness_address),
+            (admin, cfg.admin_address),
+            (stats_server(self.metrics, hooks.before_scrape), cfg.stats_address),
+        )
+        for server, (host, port) in operator_servers:
+            try:
+                await server.start(host, port)
+            except OSError as e:
+                raise StartupError(
+                    f"failed to bind {server.name} server on {host}:{port}: {e.strerror or e}"
+                ) from None
+            self._servers.append(server)
+
+    def _start_inpod(self, pods: PodRuntime) -> None:
+        """In-pod mode: pods arrive over ZDS once the first xDS state is in."""
+        from ztunnel.inpod.manager import WorkloadProxyManager
+
+        self.inpod = WorkloadProxyManager(
+            self.config.inpod_uds, pods, self.readiness, self.metrics.workload_manager()
+        )
+        self._inpod_task = asyncio.get_running_loop().create_task(self._run_inpod(self.inpod))
+
+    async def _run_inpod(self, manager: WorkloadProxyManager) -> None:
+        from ztunnel.inpod.manager import ProtocolError
+
+        await self.wait_synced()
+        try:
+            await manager.run()
+        except ProtocolError:
+            self.exit_code = 1  # as the reference: a ZDS protocol error ends the process
+            self.hooks.shutdown()
+
+    async def drain(self) -> None:
+        deadline = self.config.connection_termination_deadline
+        if self.xds is not None:
+            await self.xds.close()
+        if self._xds_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self._xds_task, 2.0)
+        if self._inpod_task is not None:
+            self._inpod_task.cancel()
+        if self.inpod is not None:
+            with contextlib.suppress(Exception):
+                await self.inpod.close(deadline)
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await server.close()
+        if self.secrets is not None:
+            await self.secrets.close()
+        if self.crl is not None:
+            await self.crl.close()
+        if self._ca is not None:
+            await self._ca.close()

@@ -1,0 +1,139 @@
+"""What a worker reports of its traffic, and the supervisor's sum of every worker's reports.
+
+A worker takes a `traffic_snapshot` of its data-plane families (connections, DNS, CRL refusals:
+counters, histograms and gauges) and sends it as `Counters`. The supervisor keeps the latest report
+of each live worker in `TrafficSums`. When a worker is gone its counters and histograms stay in the
+totals for good (they count what happened), while its gauges leave with it (they say what is).
+`SummedMetrics` is the supervisor's `/metrics`: its own families (build info, process, xDS), with
+the sums in place of the data-plane families it has no traffic for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from ztunnel.metrics import (
+    OPENMETRICS_CONTENT_TYPE,
+    TEXT_CONTENT_TYPE,
+    Metrics,
+    render_openmetrics,
+    wants_openmetrics,
+)
+from ztunnel.workers.messages import Snapshot
+
+# The families the workers count (the supervisor shows their sums).
+DATA_PLANE_PREFIXES = ("istio_tcp_", "istio_dns_", "istio_on_demand_dns", "istio_crl_", "ztunnel_log_")
+KINDS = ("counter", "histogram", "gauge")
+
+LabelPairs = tuple[tuple[str, str], ...]
+SampleKey = tuple[str, str, LabelPairs]  # (family, sample name, labels in emission order)
+
+
+def traffic_snapshot(metrics: Metrics) -> Snapshot:
+    """The data-plane families of one process:
+    `{family: {"type": …, "help": …, "samples": [[sample name, labels, value]]}}`.
+
+    Labels travel as pairs, so the label order of the reference survives the trip.
+    """
+    out: Snapshot = {}
+    for family in metrics.registry.collect():
+        if family.type not in KINDS or not family.name.startswith(DATA_PLANE_PREFIXES):
+            continue
+        samples = [
+            [s.name, list(s.labels.items()), s.value]
+            for s in family.samples
+            if not s.name.endswith("_created")
+        ]
+        if samples:
+            out[family.name] = {"type": family.type, "help": family.documentation, "samples": samples}
+    return out
+
+
+class TrafficSums(Collector):
+    """The latest report per live worker, plus what workers that are gone counted."""
+
+    def __init__(self) -> None:
+        self.meta: dict[str, tuple[str, str]] = {}  # family -> (type, help)
+        self.live: dict[int, dict[SampleKey, float]] = {}
+        self.retired: dict[SampleKey, float] = {}
+
+    def report(self, worker: int, snapshot: Snapshot) -> None:
+        values: dict[SampleKey, float] = {}
+        for name, family in snapshot.items():
+            self.meta[name] = (str(family.get("type", "counter")), str(family.get("help", "")))
+            for sample, labels, value in family["samples"]:
+                values[(name, str(sample), tuple((str(k), str(v)) for k, v in labels))] = float(value)
+        self.live[worker] = values
+
+    def retire(self, worker: int) -> None:
+        """A worker is gone: its last counts become part of the totals for good; its gauges go."""
+        for key, value in self.live.pop(worker, {}).items():
+            if self.meta.get(key[0], ("counter", ""))[0] != "gauge":
+                self.retired[key] = self.retired.get(key, 0.0) + value
+
+    def totals(self) -> dict[SampleKey, float]:
+        out = dict(self.retired)
+        for values in self.live.values():
+            for key, value in values.items():
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def opened(self, worker: int, reporter: str | None = None) -> int:
+        """Connections the worker opened (by `reporter`: source = outbound, destination = inbound)."""
+        return int(
+            sum(
+                v
+                for (name, _, labels), v in self.live.get(worker, {}).items()
+                if name == "istio_tcp_connections_opened"
+                and (reporter is None or ("reporter", reporter) in labels)
+            )
+        )
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        # Samples in the order the workers report them (a histogram's buckets ascending).
+        for (name, sample, labels), value in self.totals().items():
+            family = families.get(name)
+            if family is None:
+                kind, documentation = self.meta.get(name, ("counter", ""))
+                family = families[name] = Metric(name, documentation, kind)
+            family.add_sample(sample, dict(labels), value)
+        yield from (families[name] for name in sorted(families))
+
+
+class _SummedView(Collector):
+    """The supervisor's own families, except those the workers' sums replace, then the sums."""
+
+    def __init__(self, own: CollectorRegistry, sums: TrafficSums) -> None:
+        self.own = own
+        self.sums = sums
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        summed = list(self.sums.collect())
+        names = {f.name for f in summed}
+        yield from (f for f in self.own.collect() if f.name not in names)
+        yield from summed
+
+
+class SummedMetrics(Metrics):
+    """The supervisor's metrics: its own registry (build info, process, xDS), then the workers' sums."""
+
+    def __init__(self, sums: TrafficSums, istio_version: str) -> None:
+        super().__init__(istio_version=istio_version)
+        self.sums = sums
+        self._view = CollectorRegistry(auto_describe=False)
+        self._view.register(_SummedView(self.registry, sums))
+
+    def render(self, accept_header: str | None) -> tuple[bytes, str]:
+        content_type = OPENMETRICS_CONTENT_TYPE if wants_openmetrics(accept_header) else TEXT_CONTENT_TYPE
+        return render_openmetrics(self._view), content_type

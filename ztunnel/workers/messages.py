@@ -1,0 +1,263 @@
+"""Every message that crosses a process boundary of `ztunnel proxy`, as typed values.
+
+They cross only socket pairs between a parent and the processes it forked (the same program), so
+pickle is the codec (`channel.py`): the model's frozen dataclasses travel as they are, with no second
+schema. Three conversations:
+
+* the supervisor and its fork server: `Spawn` -> `Spawned`, and `Exited` whenever a worker ends;
+* the supervisor and a worker: the store's changes (`StateChanges`), `Synced`, certificates
+  (`CertificateRequest` -> `CertificateReply`), pods with their namespace fd (`PodAdd`, `PodDel` ->
+  `PodResult`), counters (`Scrape` -> `Counters`), profiles, the log filter, `Ping` -> `Pong`, `Stop`;
+* a worker's start-up: `Ready` or `Failed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hbone.identity import Identity
+from hbone.tls import WorkloadCertificate
+from policy.model import Authorization
+from xds.model import Service, Workload
+
+# -- the fork server ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Supervisor -> fork server, with the worker's end of its channel: fork worker `index`."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """Fork server -> supervisor: worker `index` runs as `pid`."""
+
+    index: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Exited:
+    """Fork server -> supervisor: a worker ended (`code` as `os.waitstatus_to_exitcode`)."""
+
+    pid: int
+    code: int
+
+
+# -- the store, as changes ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Clear:
+    """Empty the store (a whole snapshot, or the local file applied again, starts with it)."""
+
+
+@dataclass(frozen=True)
+class UpsertWorkload:
+    workload: Workload
+
+
+@dataclass(frozen=True)
+class RemoveWorkload:
+    name: str
+
+
+@dataclass(frozen=True)
+class UpsertService:
+    service: Service
+
+
+@dataclass(frozen=True)
+class RemoveService:
+    key: str
+
+
+@dataclass(frozen=True)
+class UpsertPolicy:
+    policy: Authorization
+
+
+@dataclass(frozen=True)
+class RemovePolicy:
+    key: str
+
+
+StateOp = (
+    Clear | UpsertWorkload | RemoveWorkload | UpsertService | RemoveService | UpsertPolicy | RemovePolicy
+)
+
+
+@dataclass(frozen=True)
+class StateChanges:
+    """Supervisor -> worker: one committed change of the store (a whole snapshot starts with Clear)."""
+
+    ops: tuple[StateOp, ...]
+
+
+@dataclass(frozen=True)
+class Synced:
+    """Supervisor -> worker: the first state of every xDS type is in; the listeners may accept."""
+
+
+# -- certificates -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CertificateRequest:
+    """Worker -> supervisor: the identity's certificate; `known` is the leaf the worker already has."""
+
+    identity: Identity
+    known: bytes | None
+
+
+@dataclass(frozen=True)
+class CertificateReply:
+    identity: Identity
+    certificate: WorkloadCertificate | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Demand:
+    """Worker -> supervisor, with on-demand xDS: ask the control plane for `key` (`network/ip` or
+    `namespace/hostname`); answered once it is in the store (its changes reach the worker first)."""
+
+    seq: int
+    key: str
+
+
+@dataclass(frozen=True)
+class DemandReply:
+    seq: int
+    answered: bool  # False: the control plane did not answer in time
+
+
+# -- pods (in-pod mode) -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodAdd:
+    """Supervisor -> worker, with the pod's network namespace fd: run this pod's proxy."""
+
+    uid: str
+    name: str
+    namespace: str
+    service_account: str
+    netns_key: tuple[int, int]
+    seq: int = 0  # echoed in the PodResult; 0: nobody waits for it
+
+
+@dataclass(frozen=True)
+class PodDel:
+    uid: str
+    deadline: float = 0.0
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class PodResult:
+    """Worker -> supervisor: the outcome of a PodAdd ("" = listening) or a PodDel."""
+
+    uid: str
+    error: str = ""
+    seq: int = 0
+
+
+# -- observation --------------------------------------------------------------------------------
+
+# A traffic snapshot (`counters.traffic_snapshot`): {family: {"type", "help", "samples"}}.
+Snapshot = dict[str, Any]
+# Each pod's open connections in one worker, as `workloadState` lists them: uid -> direction -> list.
+PodConnections = dict[str, dict[str, list[dict[str, str]]]]
+
+
+@dataclass(frozen=True)
+class Scrape:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Worker -> supervisor: the worker's traffic counters (as asked by Scrape `seq`, or 0: pushed)."""
+
+    seq: int
+    families: Snapshot
+    # Only an answer to a scrape lists the pods' connections (None: a periodic push says nothing).
+    pods: PodConnections | None = None
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """Supervisor -> worker: sample this process (`kind` "cpu" or "heap") for `seconds`."""
+
+    seq: int
+    kind: str
+    seconds: float
+    frequency: int = 0
+
+
+@dataclass(frozen=True)
+class ProfileReply:
+    """Worker -> supervisor: the profile (`Profile.as_dict()`), or why there is none."""
+
+    seq: int
+    profile: dict[str, Any] | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class SetLogFilter:
+    """Supervisor -> worker: the log filter now in force (set over the admin `/logging`)."""
+
+    spec: str
+
+
+# -- life cycle ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Supervisor -> worker, every second: a worker whose loop does not answer for a while is down."""
+
+
+@dataclass(frozen=True)
+class Pong:
+    pass
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Worker -> supervisor: every listener of the worker accepts."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Worker -> supervisor: start-up failed (the worker exits)."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    deadline: float
+
+
+ToWorker = (
+    StateChanges
+    | Synced
+    | CertificateReply
+    | DemandReply
+    | PodAdd
+    | PodDel
+    | Scrape
+    | ProfileRequest
+    | SetLogFilter
+    | Ping
+    | Stop
+)
+FromWorker = CertificateRequest | Demand | PodResult | Counters | ProfileReply | Pong | Ready | Failed
+ToForkServer = Spawn
+FromForkServer = Spawned | Exited
