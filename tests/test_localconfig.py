@@ -23,9 +23,6 @@ from xds.localconfig import (
     LocalConfigError,
     load_local_config,
     parse_local_config,
-    policy_to_dict,
-    service_to_dict,
-    workload_to_dict,
 )
 from xds.model import (
     ApplicationTunnel,
@@ -48,6 +45,11 @@ from xds.model import (
     WeightedWaypoint,
     Workload,
     WorkloadStatus,
+)
+from xds.render import (
+    policy_to_dict,
+    service_to_dict,
+    workload_to_dict,
 )
 
 SPEC_EXAMPLE = """\
