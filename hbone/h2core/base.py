@@ -8,10 +8,8 @@ from typing import TYPE_CHECKING
 
 from hpack import Decoder
 from hyperframe.frame import (
-    ContinuationFrame,
     Frame,
     GoAwayFrame,
-    HeadersFrame,
     PingFrame,
     RstStreamFrame,
     SettingsFrame,
@@ -49,6 +47,7 @@ FLAG_END_STREAM = 0x1
 FLAG_ACK = 0x1
 FLAG_END_HEADERS = 0x4
 FLAG_PADDED = 0x8
+FLAG_PRIORITY = 0x20
 
 # How a closed stream ended, as remembered.
 CLOSED_BY_US = 1  # we sent RST_STREAM (or it was refused by GOAWAY): the peer's late frames are ignored
@@ -212,17 +211,23 @@ class CoreBase:
         return True
 
     def _send_block(self, sid: int, block: bytes, end_stream: bool) -> None:
+        """HEADERS, and CONTINUATIONs for what does not fit the peer's frame size."""
         size = self.peer_max_frame
-        flags = ("END_STREAM",) if end_stream else ()
-        if len(block) <= size:
-            self._frame(HeadersFrame(sid, data=block, flags=(*flags, "END_HEADERS")))
+        n = len(block)
+        flags = FLAG_END_STREAM if end_stream else 0
+        out = self._out
+        if n <= size:
+            out += FRAME_HEADER.pack(n >> 8, n & 0xFF, TYPE_HEADERS, flags | FLAG_END_HEADERS, sid)
+            out += block
             return
-        self._frame(HeadersFrame(sid, data=block[:size], flags=flags))
-        for at in range(size, len(block), size):
-            last = at + size >= len(block)
-            self._frame(
-                ContinuationFrame(sid, data=block[at : at + size], flags=("END_HEADERS",) if last else ())
-            )
+        out += FRAME_HEADER.pack(size >> 8, size & 0xFF, TYPE_HEADERS, flags, sid)
+        out += block[:size]
+        for at in range(size, n, size):
+            piece = block[at : at + size]
+            k = len(piece)
+            last = FLAG_END_HEADERS if at + size >= n else 0
+            out += FRAME_HEADER.pack(k >> 8, k & 0xFF, TYPE_CONTINUATION, last, sid)
+            out += piece
 
     def send_window_of(self, stream_id: int) -> int:
         stream = self.streams.get(stream_id)

@@ -13,9 +13,11 @@ are ignored; no server push. Every protocol error is the connection or stream er
 Frames are walked here by their 9-byte headers as the bytes arrive: a DATA payload goes to its
 stream piece by piece, as it arrives, without reassembly (it is checked and charged to both
 receive windows at its header); every other frame is buffered whole (bounded by our maximum frame
-size) and parsed with `hyperframe`; header blocks are decoded with `hpack`. DATA frames and
-WINDOW_UPDATEs are serialised by hand (their layout is fixed and they are most of the traffic);
-every other frame by `hyperframe`.
+size) and parsed with `hyperframe`, but for HEADERS; header blocks are decoded with `hpack`.
+DATA, HEADERS, CONTINUATION and WINDOW_UPDATE frames are serialised by hand, every other frame by
+`hyperframe`: those four are what every stream costs (a new stream is two HEADERS, and
+`hyperframe` spends more on building and parsing a frame object than the rest of its handling),
+and their layouts are fixed and short.
 
 Abuse limits (`hbone.settings.H2Settings`), as functions of the frames and of the time given:
 a frame larger than our maximum frame size, and a header block larger than `max_header_block` or
@@ -37,7 +39,6 @@ from hyperframe.frame import (
     DataFrame,
     Frame,
     GoAwayFrame,
-    HeadersFrame,
     PingFrame,
     RstStreamFrame,
     SettingsFrame,
@@ -53,6 +54,7 @@ from hbone.h2core.base import (
     FLAG_END_HEADERS,
     FLAG_END_STREAM,
     FLAG_PADDED,
+    FLAG_PRIORITY,
     FRAME_HEADER,
     MAX_WINDOW,
     PREFACE,
@@ -350,10 +352,11 @@ class H2Core(CoreBase):
             return  # priorities are not used
         if ftype == TYPE_PUSH_PROMISE:
             raise _conn_error(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE: push is not enabled")
-        frame = self._parse(ftype, flags, sid, body)
         if ftype == TYPE_HEADERS:
-            self._on_headers(frame)  # type: ignore[arg-type]
-        elif ftype == TYPE_DATA:
+            self._on_headers(sid, flags, body)
+            return
+        frame = self._parse(ftype, flags, sid, body)
+        if ftype == TYPE_DATA:
             self._on_padded_data(frame)  # type: ignore[arg-type]
         elif ftype == TYPE_WINDOW_UPDATE:
             self._on_window_update(frame)  # type: ignore[arg-type]
@@ -392,12 +395,28 @@ class H2Core(CoreBase):
 
     # -- header blocks -------------------------------------------------------------------------------
 
-    def _on_headers(self, frame: HeadersFrame) -> None:
-        sid = frame.stream_id
-        self._block_self_dependent = "PRIORITY" in frame.flags and frame.depends_on == sid
-        self._block_end_stream = "END_STREAM" in frame.flags
-        self._block = [bytes(frame.data)]
-        if "END_HEADERS" in frame.flags:
+    def _on_headers(self, sid: int, flags: int, body: memoryview) -> None:
+        """HEADERS (RFC 9113 §6.2), read here: one per stream each way, the cost of a new stream."""
+        if not sid:
+            raise _conn_error(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
+        start, end, pad = 0, len(body), 0
+        if flags & FLAG_PADDED:
+            if not end:
+                raise _conn_error(ErrorCode.FRAME_SIZE_ERROR, "padded HEADERS without its pad length")
+            pad = body[0]
+            start = 1
+        self._block_self_dependent = False
+        if flags & FLAG_PRIORITY:
+            if end - start < 5:
+                raise _conn_error(ErrorCode.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+            depends_on = int.from_bytes(body[start : start + 4], "big") & MAX_WINDOW
+            self._block_self_dependent = depends_on == sid
+            start += 5
+        if pad > end - start:
+            raise _conn_error(ErrorCode.PROTOCOL_ERROR, "HEADERS padding longer than its payload")
+        self._block_end_stream = bool(flags & FLAG_END_STREAM)
+        self._block = [bytes(body[start : end - pad])]
+        if flags & FLAG_END_HEADERS:
             self._block_done_for(sid)
         else:
             self._block_sid = sid
