@@ -223,7 +223,7 @@ class H2Session(asyncio.BufferedProtocol):
         if self._started or self._dead:
             return
         self._started = True
-        self._core.initiate(self.settings.local_settings(client_side=self.client_side))
+        self._core.initiate(self.settings.local_settings(client_side=self.client_side), self.loop.time())
         self.kick()
         self._schedule_ping()
         self._arm_core_timer()

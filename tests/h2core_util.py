@@ -46,7 +46,7 @@ class Server:
     def __init__(self, settings: H2Settings | None = None) -> None:
         self.settings = settings or H2Settings()
         self.core = H2Core(client_side=False, settings=self.settings, now=0.0)
-        self.core.initiate(self.settings.local_settings(client_side=False))
+        self.core.initiate(self.settings.local_settings(client_side=False), 0.0)
         self.encoder = hpack.Encoder()
         self.now = 0.0
         self.events: list[ev.Event] = []

@@ -120,7 +120,7 @@ class Ours(Endpoint):
     def __init__(self, client_side: bool) -> None:
         super().__init__(client_side)
         self.core = H2Core(client_side=client_side, settings=OURS, now=0.0)
-        self.core.initiate(OURS.local_settings(client_side=client_side))
+        self.core.initiate(OURS.local_settings(client_side=client_side), 0.0)
 
     def receive(self, data: bytes) -> None:
         for e in self.core.receive(data, 0.0):

@@ -162,7 +162,7 @@ def test_a_peer_that_never_completes_its_preface_is_cut(acked: bool) -> None:
 
     settings = H2Settings(handshake_timeout=5.0)
     core = H2Core(client_side=False, settings=settings, now=100.0)
-    core.initiate(settings.local_settings(client_side=False))
+    core.initiate(settings.local_settings(client_side=False), 100.0)
     if acked:
         core.receive(PREFACE + frame(SETTINGS, 0, 0), 101.0)  # never acknowledges ours
     assert core.deadline() == 105.0
@@ -341,7 +341,7 @@ def test_goaway_received_refuses_our_streams_above_its_last_id_only() -> None:
 
     settings = H2Settings()
     client = H2Core(client_side=True, settings=settings, now=0.0)
-    client.initiate(settings.local_settings(client_side=True))
+    client.initiate(settings.local_settings(client_side=True), 0.0)
     client.receive(frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0), 0.0)
     ids = [client.open_stream([(":method", "CONNECT"), (":authority", f"10.0.0.{n}:80")]) for n in range(3)]
     assert ids == [1, 3, 5]

@@ -130,7 +130,7 @@ class CoreBase:
         self._reset_window_start = now
         self._write_blocked = False
         self._blocked_output = 0  # bytes our replies queued while the peer does not read
-        self._preface_deadline: float | None = now + settings.handshake_timeout
+        self._preface_deadline: float | None = None  # set by `initiate`
 
     # -- output ----------------------------------------------------------------------------------
 
@@ -169,8 +169,11 @@ class CoreBase:
 
     # -- commands ----------------------------------------------------------------------------------
 
-    def initiate(self, local: dict[SettingCode, int]) -> None:
-        """Our preface: the magic (client), SETTINGS, and a WINDOW_UPDATE to the connection window."""
+    def initiate(self, local: dict[SettingCode, int], now: float) -> None:
+        """Our preface: the magic (client), SETTINGS, and a WINDOW_UPDATE to the connection window.
+        The peer's preface, and its ACK of our SETTINGS, are due within `handshake_timeout` of `now`."""
+        if not (self.peer_settings_received and self.settings_acked):
+            self._preface_deadline = now + self.settings.handshake_timeout
         if self.client_side:
             self._out += PREFACE
         self._frame(SettingsFrame(0, settings={int(k): v for k, v in local.items()}))

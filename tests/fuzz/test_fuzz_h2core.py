@@ -42,7 +42,7 @@ def test_arbitrary_bytes_never_escape_as_exceptions(
     client_side: bool, preface: bool, chunks: list[bytes], cuts: list[int]
 ) -> None:
     core = H2Core(client_side=client_side, settings=SETTINGS_, now=0.0)
-    core.initiate(SETTINGS_.local_settings(client_side=client_side))
+    core.initiate(SETTINGS_.local_settings(client_side=client_side), 0.0)
     core.take_output()
     start = b"" if client_side else PREFACE
     data = (start + frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0) if preface else b"") + b"".join(chunks)
