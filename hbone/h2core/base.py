@@ -130,6 +130,9 @@ class CoreBase:
         self._reset_window_start = now
         self._write_blocked = False
         self._blocked_output = 0  # bytes our replies queued while the peer does not read
+        # The replies to what was read while the peer does not read passed `paused_output_limit`:
+        # read no more until the output drains (a PING or SETTINGS flood stalls, our buffer does not grow).
+        self.reading_should_pause = False
         self._preface_deadline: float | None = None  # set by `initiate`
 
     # -- output ----------------------------------------------------------------------------------
@@ -137,6 +140,8 @@ class CoreBase:
     def take_output(self) -> list[bytes | bytearray | memoryview]:
         """What to send, in order (write it with `writelines`); empty when there is nothing."""
         chunks = self._chunks
+        if not chunks and not self._out:
+            return []
         if self._out:
             chunks.append(self._out)
             self._out = bytearray()
@@ -155,17 +160,14 @@ class CoreBase:
         self._out += data
         if self._write_blocked:
             self._blocked_output += len(data)
+            if self._blocked_output > self.settings.paused_output_limit:
+                self.reading_should_pause = True
 
     def set_write_blocked(self, blocked: bool) -> None:
         """The transport is over its high-water mark (True) or drained (False)."""
         self._write_blocked = blocked
         self._blocked_output = 0
-
-    @property
-    def reading_should_pause(self) -> bool:
-        """The replies to what was read while the peer does not read passed the limit: read no more
-        until the output drains (a PING or SETTINGS flood stalls instead of growing our buffer)."""
-        return self._write_blocked and self._blocked_output > self.settings.paused_output_limit
+        self.reading_should_pause = False
 
     # -- commands ----------------------------------------------------------------------------------
 
