@@ -36,7 +36,8 @@ from hbone.h2core import events as ev
 from hbone.hpack import HeaderFieldError
 from hbone.identity import Identity
 from hbone.settings import H2Settings
-from hbone.stream import HboneStream, StreamState
+from hbone.stream import HboneStream
+from hbone.stream_state import StreamState
 
 log = logging.getLogger("hbone")
 

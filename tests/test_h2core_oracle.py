@@ -349,6 +349,8 @@ def run(ops: list[tuple[Any, ...]], client: Endpoint, server: Endpoint, cuts: li
                     side.queue(sid, b"", True, 0)
                     s.ended.add((sid, who))
             elif kind == "reset":
+                if (sid, "client") in s.ended and (sid, "server") in s.ended:
+                    continue  # both ends sent: the stream is closed, and no RST_STREAM may follow
                 p.exchange(release=True)  # quiet first: what was sent before has arrived
                 (client if step[2] == "client" else server).reset(sid, step[3])
                 s.reset.add(sid)
