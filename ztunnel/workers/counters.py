@@ -4,13 +4,14 @@ A worker takes a `traffic_snapshot` of its data-plane families (connections, DNS
 counters, histograms and gauges) and sends it as `Counters`. The supervisor keeps the latest report
 of each live worker in `TrafficSums`. When a worker is gone its counters and histograms stay in the
 totals for good (they count what happened), while its gauges leave with it (they say what is).
-`SummedMetrics` is the supervisor's `/metrics`: its own families (build info, process, xDS), with
-the sums in place of the data-plane families it has no traffic for.
+`SummedMetrics` is the supervisor's `/metrics`: its own families (build info, xDS, and `process_*`
+of the whole proxy, `processes.ProcessTreeCollector`), with the sums in place of the data-plane
+families it has no traffic for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
@@ -24,6 +25,7 @@ from ztunnel.metrics import (
     wants_openmetrics,
 )
 from ztunnel.workers.messages import Snapshot
+from ztunnel.workers.processes import ProcessTreeCollector
 
 # The families the workers count (the supervisor shows their sums).
 DATA_PLANE_PREFIXES = ("istio_tcp_", "istio_dns_", "istio_on_demand_dns", "istio_crl_", "ztunnel_log_")
@@ -126,10 +128,14 @@ class _SummedView(Collector):
 
 
 class SummedMetrics(Metrics):
-    """The supervisor's metrics: its own registry (build info, process, xDS), then the workers' sums."""
+    """The supervisor's metrics: its own registry (build info, xDS, `process_*` of every process of
+    the proxy: `pids` are those besides this one), then the workers' sums."""
 
-    def __init__(self, sums: TrafficSums, istio_version: str) -> None:
-        super().__init__(istio_version=istio_version)
+    def __init__(
+        self, sums: TrafficSums, istio_version: str, pids: Callable[[], Iterable[int]] = tuple
+    ) -> None:
+        super().__init__(istio_version=istio_version, process_metrics=False)
+        self.registry.register(ProcessTreeCollector(pids))
         self.sums = sums
         self._view = CollectorRegistry(auto_describe=False)
         self._view.register(_SummedView(self.registry, sums))

@@ -130,7 +130,7 @@ class Supervisor:
             config,
             ControlHooks(
                 state=self.state,
-                metrics=SummedMetrics(self.sums, config.istio_version),
+                metrics=SummedMetrics(self.sums, config.istio_version, self._helper_pids),
                 readiness=self.readiness,
                 shutdown=self.shutdown,
                 extra_dump=self._workers_dump,
@@ -147,6 +147,7 @@ class Supervisor:
         self.synced = False
         self.exit_code = 0  # 1 when the fork server is gone (the control runtime has its own)
         self._fork_channel = Channel(fork_server.sock)
+        self._fork_pid = fork_server.pid
         self._stop = asyncio.Event()
         self._proxy_ready: ReadinessHandle | None = self.readiness.register("proxy")
         self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -163,6 +164,10 @@ class Supervisor:
             Failed: self._on_failed,
             Pong: lambda slot, message: None,
         }
+
+    def _helper_pids(self) -> list[int]:
+        """The fork server and the workers alive now (the processes `process_*` sum with this one)."""
+        return [self._fork_pid, *(s.pid for s in self.slots if s.alive and s.pid is not None)]
 
     @property
     def secrets(self) -> SecretManager:
