@@ -43,6 +43,9 @@ from ztunnel.proxy.context import CONNECT_TIMEOUT, ProxyContext
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, new_span_id, new_trace_id
 from ztunnel.route import NoRoute, Protocol, Route, pick_resolved, route
 
+# How `workloadState` spells an outbound connection's protocol (as the reference).
+DUMP_PROTOCOL = {Protocol.TCP: "TCP", Protocol.HBONE: "HBONE", Protocol.DOUBLE_HBONE: "DOUBLEHBONE"}
+
 NETWORK_POLICY_HINT = "connection timed out, maybe a NetworkPolicy is blocking HBONE port 15008"
 
 
@@ -173,7 +176,7 @@ class Upstreams:
             mtls=mtls,
             spans=(("outbound", {"id": trace}),),
             registry=ctx.connections,
-            dump_as=(dst_s, next_hop_s, r.protocol.name),
+            dump_as=(dst_s, next_hop_s, DUMP_PROTOCOL[r.protocol]),
         )
         try:
             transport, inbox = await self._establish(r, src, local, own, trace, early)
