@@ -201,3 +201,50 @@ def test_an_http2_handshake_failure_is_flagged(proxy: LiveProxy, tmp_path: Path)
         assert "\terror\taccess" in line and 'dst.workload="server"' in line, line
     finally:
         listener.close()
+
+
+def test_each_workers_event_loop_reports_its_lag_tasks_and_busy_time(proxy: LiveProxy) -> None:
+    """Per worker index: a worker stopped for a second (SIGSTOP) shows a tick that late, the other
+    none; a connection being set up is a task; the loops' busy time is part of the proxy's CPU."""
+    listed = {int(str(w["index"])): int(str(w["pid"])) for w in workers(proxy)}
+    assert sorted(listed) == [0, 1]
+    eventually(lambda: value(scrape(proxy), "ztunnel_event_loop_lag_seconds_count", worker="1") >= 4, "ticks")
+
+    def late(samples: Samples, worker: str) -> float:
+        """Ticks more than half a second late."""
+        every = value(samples, "ztunnel_event_loop_lag_seconds_count", worker=worker)
+        return every - value(samples, "ztunnel_event_loop_lag_seconds_bucket", worker=worker, le="0.5")
+
+    before = scrape(proxy)
+    os.kill(listed[1], signal.SIGSTOP)
+    try:
+        threading.Event().wait(1.2)
+    finally:
+        os.kill(listed[1], signal.SIGCONT)
+    eventually(lambda: late(scrape(proxy), "1") == late(before, "1") + 1, "worker 1's late tick")
+    assert late(scrape(proxy), "0") == late(before, "0")
+
+    # A connection is a task while its handler runs (here: SOCKS5 clients that have not spoken yet);
+    # once carried it is callbacks only, counted by `istio_tcp_sockets_open`.
+    idle = scrape(proxy)
+    silent = [socket.create_connection((PROXY, 15080)) for _ in range(20)]
+    try:
+
+        def tasks(samples: Samples) -> float:
+            return value(samples, "ztunnel_event_loop_tasks")
+
+        eventually(lambda: tasks(scrape(proxy)) >= tasks(idle) + 20, "a task per silent client")
+        samples = scrape(proxy)
+        for index in listed:
+            assert (
+                value(samples, "ztunnel_event_loop_tasks", worker=str(index)) >= 2
+            )  # its own reader, pusher
+            assert value(samples, "ztunnel_event_loop_busy_seconds_total", worker=str(index)) > 0
+        # A worker index's busy time includes its killed predecessors' (a counter): all of it is
+        # part of the proxy's CPU time.
+        busy = value(samples, "ztunnel_event_loop_busy_seconds_total")
+        assert busy <= value(samples, "process_cpu_seconds_total")
+    finally:
+        for s in silent:
+            s.close()
+    eventually(lambda: tasks(scrape(proxy)) <= tasks(idle) + 2, "the tasks done")

@@ -457,6 +457,15 @@ def _per_pod_near(
     return check
 
 
+def _per_worker(low: float, high: float) -> Any:
+    def check(series: dict[frozenset[tuple[str, str]], float]) -> None:
+        got = by(series, "pod", "worker")
+        assert set(got) == {(p, w) for p in PODS for w in ("0", "1")}, got
+        assert all(low <= v <= high for v in got.values()), f"want {low}..{high}"
+
+    return check
+
+
 def expectations(scene: Scene) -> dict[str, Any]:
     both = {("source",): OPENED, ("destination",): OPENED}
     return {
@@ -491,6 +500,10 @@ def expectations(scene: Scene) -> dict[str, Any]:
         "CPU/A": _per_pod(0.0, 2.0),
         "File descriptors/A": _per_pod_near(scene, open_fds, abs_=4, low=HELD + 4 * 3),
         "Versions/A": lambda series: _eq({("unknown",): 2}, "tag")(series),
+        # Each worker of each pod (two per proxy), idle loops between the test's bursts.
+        "Event loop lag (p99)/A": _per_worker(0.0, 0.5),
+        "Event loop tasks/A": _per_worker(2, 1000),  # its own channel reader and pusher at least
+        "Event loop busy/A": _per_worker(0.0, 1.0),  # one thread: at most a second per second
     }
 
 
@@ -505,7 +518,9 @@ def test_the_dashboard_is_grafana_json_of_this_projects_metrics() -> None:
             continue
         assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
         assert p["targets"] and p["description"], p["title"]
-    names = {m for e in dashboard_queries().values() for m in re.findall(r"\b(istio_\w+|process_\w+)", e)}
+    found = (re.findall(r"\b((?:istio|process|ztunnel)_\w+)", e) for e in dashboard_queries().values())
+    # A histogram's samples are documented under its family's name.
+    names = {re.sub(r"_(bucket|sum|count)$", "", m) for ms in found for m in ms}
     documented = (ROOT / "docs" / "operations.md").read_text()
     # Every family it plots is one docs/operations.md lists (`process_*` as a group).
     missing = {n for n in names if f"`{n}`" not in documented and not n.startswith("process_")}

@@ -15,8 +15,10 @@ Exposition is our own (OpenMetrics text, see `render_openmetrics`) because prome
 labels alphabetically while the reference's order is fixed
 (the traffic labels in the order Istio's ztunnel emits them, `docs/operations.md`).
 
-Runtime families: `process_*` come from prometheus_client's process collector; the reference's
-`tokio_*` event-loop gauges have no equivalent here.
+Runtime families: `process_*` come from prometheus_client's process collector here (a proxy's
+supervisor sums them over its processes, `ztunnel.workers.processes`); the reference's `tokio_*`
+runtime families have the workers' `ztunnel_event_loop_*` as their counterpart
+(`ztunnel.workers.loop_metrics`).
 """
 
 from __future__ import annotations
@@ -206,7 +208,7 @@ DNS_LABEL_NAMES = (
 DNS_UPSTREAM_BUCKETS = (0.0005, 0.001, 0.01, 0.1, 1.0, 5.0)
 
 
-class _HistogramFamily:
+class HistogramFamily:
     """A histogram without `_created` samples (as `_CounterFamily` for counters)."""
 
     def __init__(
@@ -270,7 +272,7 @@ class DnsMetrics:
                 "hostname",
             ),
         )
-        self.upstream_duration = _HistogramFamily(
+        self.upstream_duration = HistogramFamily(
             "istio_dns_upstream_request_duration_seconds",
             "Total time in seconds taken to get a DNS response from upstream (unstable)",
             DNS_LABEL_NAMES,

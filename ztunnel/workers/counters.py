@@ -28,7 +28,14 @@ from ztunnel.workers.messages import Snapshot
 from ztunnel.workers.processes import ProcessTreeCollector
 
 # The families the workers count (the supervisor shows their sums).
-DATA_PLANE_PREFIXES = ("istio_tcp_", "istio_dns_", "istio_on_demand_dns", "istio_crl_", "ztunnel_log_")
+DATA_PLANE_PREFIXES = (
+    "istio_tcp_",
+    "istio_dns_",
+    "istio_on_demand_dns",
+    "istio_crl_",
+    "ztunnel_log_",
+    "ztunnel_event_loop_",
+)
 KINDS = ("counter", "histogram", "gauge")
 
 LabelPairs = tuple[tuple[str, str], ...]

@@ -32,6 +32,7 @@ from ztunnel.sockets import SocketFactory, socket_options
 from ztunnel.state import ProxyState
 from ztunnel.workers.channel import Channel, close_fds
 from ztunnel.workers.counters import traffic_snapshot
+from ztunnel.workers.loop_metrics import EventLoopMetrics
 from ztunnel.workers.messages import (
     CertificateReply,
     CertificateRequest,
@@ -141,6 +142,8 @@ class WorkerRuntime:
         self.state = ProxyState(self.demands.demand if on_demand else None)
         # Only the traffic counters are reported to the parent: no /proc reads for process_* here.
         self.metrics = Metrics(config.istio_version, process_metrics=False)
+        self.loop_metrics = EventLoopMetrics(index)
+        self.metrics.registry.register(self.loop_metrics)
         self.ca = ParentCa(channel)
         # The CRL is a local file, not control-plane state: each worker watches it for its contexts.
         self.crl = CrlWatcher.load(config.crl_path, self.metrics) if config.crl_path else None
@@ -190,6 +193,7 @@ class WorkerRuntime:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        self.loop_metrics.start(loop)
         reader = loop.create_task(self._read())
         pusher = loop.create_task(self._push_counters())
         try:
@@ -200,6 +204,7 @@ class WorkerRuntime:
                     break
                 await self._act(message, fds)
         finally:
+            self.loop_metrics.stop()
             pusher.cancel()
             reader.cancel()
             with contextlib.suppress(OSError, RuntimeError):
