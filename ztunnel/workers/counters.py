@@ -20,7 +20,9 @@ from prometheus_client.registry import Collector
 from ztunnel.metrics import (
     OPENMETRICS_CONTENT_TYPE,
     TEXT_CONTENT_TYPE,
+    UNKNOWN,
     Metrics,
+    WorkloadKey,
     render_openmetrics,
     wants_openmetrics,
 )
@@ -62,6 +64,17 @@ def traffic_snapshot(metrics: Metrics) -> Snapshot:
     return out
 
 
+def _named(labels: LabelPairs) -> list[WorkloadKey]:
+    """The workloads a series' labels name (as `metrics.named_workloads`)."""
+    d = dict(labels)
+    out = []
+    for side in ("source", "destination"):
+        name = d.get(f"{side}_workload", UNKNOWN)
+        if name != UNKNOWN:
+            out.append((d.get(f"{side}_workload_namespace", UNKNOWN), name))
+    return out
+
+
 class TrafficSums(Collector):
     """The latest report per live worker, plus what workers that are gone counted."""
 
@@ -83,6 +96,19 @@ class TrafficSums(Collector):
         for key, value in self.live.pop(worker, {}).items():
             if self.meta.get(key[0], ("counter", ""))[0] != "gauge":
                 self.retired[key] = self.retired.get(key, 0.0) + value
+
+    def retired_workloads(self) -> set[WorkloadKey]:
+        """The workloads the series of the workers that are gone name."""
+        return {w for _, _, labels in self.retired for w in _named(labels)}
+
+    def drop_retired(self, stale: set[WorkloadKey]) -> int:
+        """Forget what the workers that are gone counted in the series naming a workload of `stale`
+        that no live worker reports any more (a live one keeps its series while it carries them)."""
+        reported = {key for values in self.live.values() for key in values}
+        gone = [k for k in self.retired if k not in reported and any(w in stale for w in _named(k[2]))]
+        for key in gone:
+            del self.retired[key]
+        return len(gone)
 
     def totals(self) -> dict[SampleKey, float]:
         out = dict(self.retired)

@@ -29,6 +29,7 @@ from ztunnel.admin import Readiness, ReadinessHandle
 from ztunnel.certificates import CertificateUnavailable, SecretManager
 from ztunnel.config import Config
 from ztunnel.control import ControlHooks, ControlRuntime, StartupError
+from ztunnel.series import StaleWorkloads, present_workloads, sweep_interval
 from ztunnel.workers import fleet as policy
 from ztunnel.workers.channel import Channel, close_fds
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
@@ -413,7 +414,11 @@ class Supervisor:
                 await self._claim_listeners()
             for slot in self.slots:
                 await self._spawn(slot)
-            background = [loop.create_task(self._wait_synced()), loop.create_task(self._heartbeat())]
+            background = [
+                loop.create_task(self._wait_synced()),
+                loop.create_task(self._heartbeat()),
+                loop.create_task(self._drop_stale_series()),
+            ]
             await asyncio.wait([self._started, stop], return_when=asyncio.FIRST_COMPLETED)
             if self._started.done():
                 self._started.result()  # a worker's start-up error stops start-up
@@ -432,6 +437,21 @@ class Supervisor:
             fork_reader.cancel()
             self._fork_channel.close()
         return self.exit_code or self.control.exit_code
+
+    async def _drop_stale_series(self) -> None:
+        """What workers that are gone counted for workloads gone from the state (the live workers
+        drop their own series)."""
+        grace = self.config.metrics_stale_series_grace_period
+        if grace <= 0:
+            return
+        stale = StaleWorkloads(grace)
+        while True:
+            await asyncio.sleep(sweep_interval(grace))
+            named = self.sums.retired_workloads()
+            present = present_workloads(self.state.workloads()) if named else set()
+            gone = stale.update(named, present, self.clock())
+            if gone:
+                self.sums.drop_retired(gone)
 
     async def _claim_listeners(self) -> None:
         try:

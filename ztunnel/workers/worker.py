@@ -28,6 +28,7 @@ from ztunnel.crl import CrlWatcher
 from ztunnel.inpod.netns import Netns, NetnsSocketFactory
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
+from ztunnel.series import StaleWorkloads, present_workloads, sweep_interval
 from ztunnel.sockets import SocketFactory, socket_options
 from ztunnel.state import ProxyState
 from ztunnel.workers.channel import Channel, close_fds
@@ -196,6 +197,7 @@ class WorkerRuntime:
         self.loop_metrics.start(loop)
         reader = loop.create_task(self._read())
         pusher = loop.create_task(self._push_counters())
+        janitor = loop.create_task(self._drop_stale_series())
         try:
             while True:
                 message, fds = await self.actions.get()
@@ -205,6 +207,7 @@ class WorkerRuntime:
                 await self._act(message, fds)
         finally:
             self.loop_metrics.stop()
+            janitor.cancel()
             pusher.cancel()
             reader.cancel()
             with contextlib.suppress(OSError, RuntimeError):
@@ -314,6 +317,21 @@ class WorkerRuntime:
             reply = ProfileReply(request.seq, None, str(e) or type(e).__name__)
         with contextlib.suppress(OSError):
             await self.channel.send(reply)
+
+    async def _drop_stale_series(self) -> None:
+        """The series of workloads gone from the state for the grace period, and no longer carried."""
+        grace = self.config.metrics_stale_series_grace_period
+        if grace <= 0:
+            return
+        stale = StaleWorkloads(grace)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(sweep_interval(grace))
+            named = self.metrics.series_workloads()
+            present = present_workloads(self.state.workloads()) if named else set()
+            gone = stale.update(named, present, loop.time())
+            if gone:
+                self.metrics.drop_series(gone)
 
     async def _push_counters(self) -> None:
         """About once a second when they changed, so a worker killed outright loses at most that."""
