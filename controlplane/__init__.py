@@ -1,8 +1,9 @@
-"""The development control plane: Delta ADS and a CA over gRPC, fed from a YAML file.
+"""The development control plane: Delta ADS and a CA over gRPC, fed from a YAML file or Kubernetes
+manifests (`kube`, istiod's ambient index).
 
 It talks to proxies only over the wire and never imports `ztunnel`, which is what makes it a fair test
 of wire compatibility. `ads` serves the resources, `snapshot` names and versions them, `source`
-loads and watches the file, `ca` signs certificates, `server` runs them on one port.
+loads and watches the file (and `kube` the manifests), `ca` signs certificates, `server` runs them on one port.
 
 This module stays light (argparse only), so the `ztunnel` CLI can describe the command without
 importing gRPC.
@@ -17,8 +18,12 @@ DEFAULT_LISTEN = "127.0.0.1:15012"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `ztunnel control-plane` (and `python -m controlplane`)."""
+    parser.add_argument("--config", metavar="FILE", help="local-config YAML to serve (watched)")
     parser.add_argument(
-        "--config", required=True, metavar="FILE", help="local-config YAML to serve (watched)"
+        "--kube",
+        metavar="PATH",
+        help="Kubernetes manifests (a file or a directory) to serve as istiod would (watched);"
+        " with --config, both are served",
     )
     parser.add_argument(
         "--listen",
@@ -36,5 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="require every call to carry `authorization: Bearer <the token in FILE>`, as istiod does",
     )
     parser.add_argument(
-        "--cluster-id", metavar="ID", help="require every call to carry the `clusterid: ID` header"
+        "--cluster-id",
+        metavar="ID",
+        help="require every call to carry the `clusterid: ID` header; the cluster --kube workloads are named in"
+        " (default Kubernetes)",
     )

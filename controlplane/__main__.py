@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
             args.ca_dir,
             auth_token=args.auth_token,
             cluster_id=args.cluster_id,
+            kube=args.kube,
         )
     except ControlPlaneError as e:
         print(f"control-plane: {e}", file=sys.stderr)

@@ -22,6 +22,7 @@ from controlplane import DEFAULT_LISTEN
 from controlplane.ads import AggregatedDiscoveryService
 from controlplane.auth import CallerCheck
 from controlplane.ca import CaError, CertificateAuthority, CertificateService, default_ca_dir
+from controlplane.kube.cluster import Options
 from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
 from xds.client import MAX_MESSAGE_BYTES  # the client's limit: a large file fails on neither side
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2_grpc
@@ -79,8 +80,9 @@ class ControlPlane:
 
     def __init__(
         self,
-        config_path: Path,
+        config_path: Path | None,
         *,
+        kube_path: Path | None = None,
         listen: str = DEFAULT_LISTEN,
         tls: bool = False,
         ca_dir: Path | None = None,
@@ -88,8 +90,13 @@ class ControlPlane:
         auth_token: Path | None = None,
         cluster_id: str | None = None,
     ) -> None:
-        """`auth_token`, `cluster_id`: what every caller must present (`controlplane.auth`)."""
-        self.source = ConfigSource(config_path, poll_interval)
+        """`config_path`, `kube_path`: the local-config file, the Kubernetes manifests, or both.
+        `auth_token`, `cluster_id`: what every caller must present (`controlplane.auth`); the cluster
+        id is also the one the manifests' workloads are named in."""
+        if config_path is None and kube_path is None:
+            raise ControlPlaneError("nothing to serve: give --config FILE, --kube PATH, or both")
+        options = Options(cluster_id=cluster_id) if cluster_id else Options()
+        self.source = ConfigSource(config_path, poll_interval, kube=kube_path, kube_options=options)
         self.host, self._port = parse_listen(listen)
         self.tls = tls
         # Absolute, so the printed root path works from any directory.
@@ -182,17 +189,19 @@ async def _serve(control_plane: ControlPlane) -> int:
 
 
 def run(
-    config: str,
+    config: str | None,
     listen: str = DEFAULT_LISTEN,
     tls: bool = False,
     ca_dir: str | None = None,
     *,
     auth_token: str | None = None,
     cluster_id: str | None = None,
+    kube: str | None = None,
 ) -> int:
     """Serve until SIGINT or SIGTERM, then exit 0; raise ControlPlaneError if it cannot start."""
     control_plane = ControlPlane(
-        Path(config),
+        Path(config) if config is not None else None,
+        kube_path=Path(kube) if kube is not None else None,
         listen=listen,
         tls=tls,
         ca_dir=Path(ca_dir) if ca_dir is not None else None,

@@ -1,4 +1,5 @@
-"""The YAML file the control plane serves: loading it, and watching it for changes.
+"""What the control plane serves: the local-config YAML file, Kubernetes manifests, or both; loading
+them, and watching them for changes.
 
 The file is polled (its size, mtime and inode) rather than watched with inotify: editors save by
 rename, by truncate-and-write, or through symlinks, and a stat comparison sees all of them. A change
@@ -12,11 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import Any, Protocol
 
+from controlplane.kube.cluster import Options
+from controlplane.kube.source import KubeInput
 from controlplane.snapshot import Snapshot, snapshot_from_config
-from xds.localconfig import LocalConfigError, parse_local_config
+from xds.localconfig import LocalConfig, LocalConfigError, parse_local_config
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +34,25 @@ def _signature(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-class ConfigSource:
-    """One local-config file, read into snapshots."""
+class LocalConfigInput:
+    """The local-config file (`--config`)."""
 
-    def __init__(self, path: Path, poll_interval: float = DEFAULT_POLL_INTERVAL) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self.poll_interval = poll_interval
-        self._loaded: FileSignature = None
+        self.loaded: FileSignature = None
 
-    def load(self) -> Snapshot:
-        """Read and convert the file now; raise `LocalConfigError` naming the file, key path and reason."""
+    def signature(self) -> FileSignature:
+        try:
+            return _signature(os.stat(self.path))
+        except OSError:
+            return None
+
+    def read(self) -> LocalConfig:
+        """Read and parse the file now; raise `LocalConfigError` naming the file, key path and reason."""
         source = os.fspath(self.path)
         try:
             with open(self.path, "rb") as f:
-                self._loaded = _signature(os.fstat(f.fileno()))
+                self.loaded = _signature(os.fstat(f.fileno()))
                 data = f.read()
         except OSError as e:
             raise LocalConfigError(f"{source}: cannot read: {e.strerror or e}") from None
@@ -51,34 +60,90 @@ class ConfigSource:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
             raise LocalConfigError(f"{source}: not UTF-8 text") from None
-        return snapshot_from_config(parse_local_config(text, source), source)
+        return parse_local_config(text, source)
 
-    def _stat(self) -> FileSignature:
-        try:
-            return _signature(os.stat(self.path))
-        except OSError:
-            return None
+
+class Input(Protocol):
+    path: Path
+    loaded: Any  # the signature last read (or refused)
+
+    def signature(self) -> Hashable: ...
+
+    def read(self) -> LocalConfig: ...
+
+
+class ConfigSource:
+    """The local-config file, Kubernetes manifests (`kube`), or both, read into one snapshot.
+
+    With both, the snapshot holds the resources of each; one name in both is an error, and the last
+    good snapshot keeps being served.
+    """
+
+    def __init__(
+        self,
+        path: Path | None,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        *,
+        kube: Path | None = None,
+        kube_options: Options | None = None,
+    ) -> None:
+        self.inputs: list[Input] = []
+        if path is not None:
+            self.inputs.append(LocalConfigInput(path))
+        if kube is not None:
+            self.inputs.append(KubeInput(kube, kube_options))
+        if not self.inputs:
+            raise ValueError("a config path, a kube path, or both")
+        self.poll_interval = poll_interval
+        self._configs: list[LocalConfig] = [LocalConfig() for _ in self.inputs]
+
+    @property
+    def path(self) -> str:
+        return " and ".join(os.fspath(i.path) for i in self.inputs)
+
+    def load(self) -> Snapshot:
+        """Read and convert everything now; raise `LocalConfigError` naming the file, key path and reason."""
+        self._configs = [i.read() for i in self.inputs]
+        return self._snapshot()
+
+    def _snapshot(self) -> Snapshot:
+        if len(self._configs) == 1:
+            return snapshot_from_config(self._configs[0], self.path)
+        merged = LocalConfig(
+            workloads=tuple(w for c in self._configs for w in c.workloads),
+            services=tuple(s for c in self._configs for s in c.services),
+            policies=tuple(p for c in self._configs for p in c.policies),
+        )
+        return snapshot_from_config(merged, self.path)
 
     async def watch(self, publish: Callable[[Snapshot], None]) -> None:
-        """Poll the file forever; hand every good new snapshot to `publish`."""
-        pending: FileSignature = self._loaded
+        """Poll the inputs forever; hand every good new snapshot to `publish`."""
+        pending: list[Hashable] = [i.loaded for i in self.inputs]
         while True:
             await asyncio.sleep(self.poll_interval)
-            seen = self._stat()
-            if seen == self._loaded:
-                pending = seen
+            changed = False
+            for n, source in enumerate(self.inputs):
+                seen = source.signature()
+                if seen == source.loaded or seen != pending[n]:
+                    # Unchanged; or changed since the last poll: let the writer finish.
+                    pending[n] = seen
+                    continue
+                # Remembered even when refused, so one bad save is reported once, not every poll.
+                source.loaded = seen
+                try:
+                    self._configs[n] = source.read()
+                    changed = True
+                except LocalConfigError as e:
+                    log.error(
+                        "refused the changed configuration, still serving the last good one: %s", e.message
+                    )
+                except Exception:  # a bug in reading one save must not end the watch: later saves count
+                    log.exception("refused the changed configuration, still serving the last good one")
+            if not changed:
                 continue
-            if seen != pending:  # changed since the last poll: let the writer finish
-                pending = seen
-                continue
-            # Remember it even when refused, so one bad save is reported once, not every poll.
-            self._loaded = seen
             try:
-                snapshot = self.load()
+                snapshot = self._snapshot()
             except LocalConfigError as e:
                 log.error("refused the changed configuration, still serving the last good one: %s", e.message)
-                continue
-            except Exception:  # a bug in reading one save must not end the watch: later saves count
-                log.exception("refused the changed configuration, still serving the last good one")
                 continue
             publish(snapshot)

@@ -13,6 +13,7 @@ from types import ModuleType
 import pytest
 import uvloop
 
+from tests.mesh import Fleet
 from ztunnel.logs import reset_logging, setup_logging
 
 
@@ -31,6 +32,27 @@ def proxy_logs() -> Iterator[LogLines]:
     finally:
         print(stream.getvalue())
         reset_logging()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """`ztunnel proxy` processes this test starts (`await fleet.start(env, ...)`); at the end each is
+    stopped (SIGTERM, then SIGKILL to its whole process group) and none of its processes is left."""
+    proxies = Fleet(tmp_path / "proxies")
+    try:
+        yield proxies
+    finally:
+        proxies.close()
+
+
+@pytest.fixture(scope="module")
+def module_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """`fleet` for proxies a whole module shares (started once: `fleet.start_all(env, ...)`)."""
+    proxies = Fleet(tmp_path_factory.mktemp("proxies"))
+    try:
+        yield proxies
+    finally:
+        proxies.close()
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:

@@ -1,16 +1,29 @@
-"""Test harness: dedicated proxies in this process on 127.0.0.x, an echo app, a SOCKS5 client."""
+"""Test harness: `ztunnel proxy` processes on 127.x.y.z, started as a deployment starts them (the
+supervisor and its data-plane workers, through the shipped entry point) and observed as a user
+observes them (readiness, `/config_dump`, `/metrics`, the log); an echo app; a SOCKS5 client."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import ipaddress
+import json
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from ztunnel.app import App
-from ztunnel.config import Config
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def loopback_net() -> str:
@@ -66,15 +79,349 @@ def proxy_env(ns: str, name: str, sa: str, ip: str, local_config: str, **extra: 
         "STATS_ADDRESS": f"{ip}:15020",
         "READINESS_ADDRESS": f"{ip}:15021",
         "CONNECTION_TERMINATION_DEADLINE": "1s",
+        "ZTUNNEL_WORKER_THREADS": "2",  # as deployed: the supervisor and two data-plane workers
     }
     env.update(extra)
     return env
 
 
-async def start_proxy(env: Mapping[str, str]) -> App:
-    app = App(Config.from_env(env))
-    await app.start()
-    return app
+def _address(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class ProxyExited(AssertionError):
+    """A proxy process ended when it should have been serving (or never became ready)."""
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout: float = 10) -> tuple[int, bytes]:
+    """One plain HTTP request; (status, body), an error status included."""
+    data = body if body is not None else (b"" if method == "POST" else None)
+    req = urllib.request.Request(url, method=method, data=data)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+@dataclass
+class Proxy:
+    """One `ztunnel proxy` process, in its own process group (the supervisor, the fork server and
+    the workers), with its environment, its log file (stdout and stderr) and operator endpoints.
+    Blocking methods; the `a`-prefixed ones run them in a thread for async tests."""
+
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    _log_offset: int = field(default=0, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.env.get("PROXY_WORKLOAD_INFO", "proxy").rpartition("/")[2] or "proxy"
+
+    @property
+    def ip(self) -> str:
+        return self.env.get("PROXY_BIND_ADDRESS", "127.0.0.1")
+
+    def _where(self, var: str, port: int) -> tuple[str, int]:
+        return _address(self.env[var]) if self.env.get(var) else (self.ip, port)
+
+    @property
+    def socks5(self) -> tuple[str, int]:
+        return self._where("SOCKS5_ADDRESS", 15080)
+
+    @property
+    def admin(self) -> tuple[str, int]:
+        return self._where("ADMIN_ADDRESS", 15000)
+
+    @property
+    def stats(self) -> tuple[str, int]:
+        return self._where("STATS_ADDRESS", 15020)
+
+    @property
+    def readiness(self) -> tuple[str, int]:
+        return self._where("READINESS_ADDRESS", 15021)
+
+    # --- life cycle ---------------------------------------------------------------------------
+
+    def spawn(self) -> None:
+        """Start the process through the shipped entry point (not waiting for readiness)."""
+        assert self.process is None or self.process.poll() is not None, "already running"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ztunnel", "proxy"],
+                env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            )  # fmt: skip
+        self.starts += 1
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        """Until `/healthz/ready` answers 200; ProxyExited if the process ends first."""
+        deadline = time.monotonic() + timeout
+        last: object = "no answer"
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise ProxyExited(f"{self.name} exited {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                last = self.get("readiness", "/healthz/ready", timeout=2)
+                if last == (200, b"ready\n"):
+                    return
+            except OSError as e:
+                last = e
+            if time.monotonic() > deadline:
+                raise ProxyExited(f"{self.name} not ready after {timeout:g}s ({last}):\n{self.log()[-4000:]}")
+            time.sleep(0.05)
+
+    def start(self) -> Proxy:
+        self.spawn()
+        self.wait_ready()
+        return self
+
+    async def astart(self) -> Proxy:
+        return await asyncio.to_thread(self.start)
+
+    def wait_exit(self, timeout: float = 20) -> int:
+        """The supervisor's exit status."""
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        """Signal the supervisor (SIGTERM: drain) and wait for its exit status."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.wait_exit(timeout)
+
+    async def aterminate(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        return await asyncio.to_thread(self.terminate, sig, timeout)
+
+    def quit(self, timeout: float = 20) -> int:
+        """POST /quitquitquit, as an operator asks for a drain; the exit status."""
+        status, body = self.get("admin", "/quitquitquit", method="POST")
+        assert status == 200, (status, body)
+        return self.wait_exit(timeout)
+
+    def restart(self) -> None:
+        self.terminate()
+        self.kill()
+        self.start()
+
+    def kill(self) -> None:
+        """SIGKILL what is left of the process group; wait until none of it remains."""
+        if self.process is None:
+            return
+        pgid = self.process.pid
+        deadline = time.monotonic() + 10
+        while self.process.poll() is None or group_members(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"processes {group_members(pgid)} of {self.name} outlive SIGKILL")
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 10) -> None:
+        """SIGTERM (a drain), then SIGKILL to whatever of the group is left."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout)
+        self.kill()
+
+    def pids(self) -> list[int]:
+        """The live processes of the proxy's group (the supervisor first)."""
+        return group_members(self.process.pid) if self.process is not None else []
+
+    # --- what a user sees ---------------------------------------------------------------------
+
+    def get(self, port: str, path: str, *, method: str = "GET", timeout: float = 10) -> tuple[int, bytes]:
+        """`port`: admin, stats or readiness."""
+        host, number = getattr(self, port)
+        return http(method, f"http://{host}:{number}{path}", timeout=timeout)
+
+    def config_dump(self) -> dict[str, Any]:
+        status, body = self.get("admin", "/config_dump")
+        assert status == 200, (status, body)
+        dump: dict[str, Any] = json.loads(body)
+        return dump
+
+    def metrics_text(self) -> str:
+        status, body = self.get("stats", "/metrics")
+        assert status == 200, (status, body)
+        return body.decode()
+
+    def samples(self) -> Samples:
+        """Every sample of `/metrics`, parsed, as (name as exposed, labels, value)."""
+        return [
+            (s.name, s.labels, s.value)
+            for family in text_string_to_metric_families(self.metrics_text())
+            for s in family.samples
+        ]
+
+    def metric(self, name: str, *, since: Samples | None = None, **labels: str) -> float:
+        """Sum of the samples of `name` (`..._total` for a counter) whose labels include `labels`;
+        `since`: minus that sum in an earlier `samples()`."""
+
+        def total(samples: Samples) -> float:
+            return sum(
+                v for n, have, v in samples if n == name and all(have.get(k) == w for k, w in labels.items())
+            )
+
+        return total(self.samples()) - (total(since) if since is not None else 0.0)
+
+    def listeners(self) -> dict[str, tuple[str, int]]:
+        """The data-plane listeners (name -> address) of the last worker's "proxy ready" log line."""
+        lines = [line for line in self.log().splitlines() if ": proxy ready: " in line]
+        assert lines, f"no proxy ready line in {self.name}'s log"
+        text = lines[-1].rsplit(": proxy ready: ", 1)[1].rstrip('"')
+        out = {}
+        for item in filter(None, text.split(", ")):
+            name, _, address = item.partition(" ")
+            out[name] = _address(address)
+        return out
+
+    def log(self) -> str:
+        """Everything the proxy wrote (every start of it), as a user reading its output sees it."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def mark(self) -> None:
+        """Make `log_since_mark` start from here."""
+        self._log_offset = len(self.log())
+
+    def log_since_mark(self) -> str:
+        return self.log()[self._log_offset :]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def process_env(env: Mapping[str, str]) -> dict[str, str]:
+    """This test process's environment without proxy settings, plus `env`; plain logs at info."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ZTUNNEL_", "PROXY_", "XDS_", "CA_", "LOCAL_XDS", "RUST_LOG", "LOG_"))
+    }
+    return {**base, "LOG_FORMAT": "plain", "RUST_LOG": "info", **env}
+
+
+class Fleet:
+    """The proxies a test (or module) starts; `close`, the fixture's teardown, stops each, kills
+    its whole process group and checks that nothing of it is left."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.proxies: list[Proxy] = []
+
+    def add(self, env: Mapping[str, str]) -> Proxy:
+        """A proxy of this fleet, not started."""
+        proxy = Proxy(process_env(env), self.log_dir / f"proxy-{len(self.proxies)}.log")
+        self.proxies.append(proxy)
+        return proxy
+
+    def start_all(self, *envs: Mapping[str, str]) -> list[Proxy]:
+        """Start several at once (they boot in parallel) and wait until each is ready."""
+        proxies = [self.add(env) for env in envs]
+        for proxy in proxies:
+            proxy.spawn()
+        for proxy in proxies:
+            proxy.wait_ready()
+        return proxies
+
+    async def start(self, *envs: Mapping[str, str]) -> list[Proxy]:
+        """`start_all` from an async test (the loop keeps running meanwhile)."""
+        return await asyncio.to_thread(self.start_all, *envs)
+
+    def close(self) -> None:
+        try:
+            for proxy in self.proxies:
+                if proxy.process is not None and proxy.process.poll() is None:
+                    proxy.process.send_signal(signal.SIGTERM)
+            for proxy in self.proxies:
+                proxy.stop()
+        finally:
+            for proxy in self.proxies:
+                sys.stdout.write(f"--- {proxy.name} ({proxy.ip}) log, tail ---\n{proxy.log()[-6000:]}\n")
+
+
+@dataclass
+class ControlPlane:
+    """`ztunnel control-plane` as a process: xDS and a CA from a YAML file it watches (a live change
+    is a new file); `env` points a proxy at it (FAKE_CA off)."""
+
+    config: Path
+    address: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @classmethod
+    def start(cls, directory: Path, host: str, text: str) -> ControlPlane:
+        directory.mkdir(parents=True, exist_ok=True)
+        config, log_path = directory / "mesh.yaml", directory / "control-plane.log"
+        config.write_text(text)
+        with socket.socket() as s:
+            s.bind((host, 0))
+            address = f"{host}:{s.getsockname()[1]}"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "ztunnel", "control-plane", "--config", str(config),
+                 "--listen", address, "--ca-dir", str(directory / "ca")],
+                env=process_env({}), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            )  # fmt: skip
+        cp = cls(config, address, process, log_path)
+        deadline = time.monotonic() + 30
+        while "root certificate:" not in cp.log():
+            if process.poll() is not None or time.monotonic() > deadline:
+                cp.stop()
+                raise AssertionError(f"the control plane did not start:\n{cp.log()}")
+            time.sleep(0.05)
+        return cp
+
+    def wire(self, env: Mapping[str, str]) -> dict[str, str]:
+        """A proxy's `env` fed by this control plane instead of a local config and the fake CA."""
+        wired = {k: v for k, v in env.items() if k not in ("LOCAL_XDS", "LOCAL_XDS_PATH", "FAKE_CA")}
+        wired.update(XDS_ADDRESS=f"http://{self.address}", CA_ADDRESS=f"http://{self.address}")
+        return wired
+
+    def push(self, text: str) -> None:
+        """A new config, written whole (the control plane reads the file when it changes)."""
+        tmp = self.config.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.config)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(10)
+        while self.process.poll() is None or group_members(self.process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            time.sleep(0.02)
 
 
 @dataclass

@@ -10,28 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import io
 import re
 import socket
-import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from tests.mesh import (
     ONLY_FRONTEND,
+    Fleet,
+    Proxy,
     echo_roundtrip,
     loopback_net,
     proxy_env,
     start_echo,
-    start_proxy,
     workload_yaml,
 )
 from tests.waiting import eventually_async
-from ztunnel.app import App
 from ztunnel.config import Config
-from ztunnel.logs import reset_logging, setup_logging
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ztunnel", "hbone", "xds", "policy", "cni", "controlplane", "benches")
@@ -86,27 +83,7 @@ CONFIG = f"""
 workloads:{workload_yaml("server", SERVER)}{workload_yaml("frontend", FRONTEND)}{workload_yaml("intruder", INTRUDER)}{ONLY_FRONTEND}"""
 
 
-@pytest.fixture
-def info_logs() -> Iterator[io.StringIO]:
-    """What the proxies log at the default level (info), plain format."""
-    stream = io.StringIO()
-    setup_logging("plain", "info", stream=stream)
-    try:
-        yield stream
-    finally:
-        print(stream.getvalue())
-        reset_logging()
-
-
-def _ready(ip: str) -> int:
-    try:
-        with urllib.request.urlopen(f"http://{ip}:15021/healthz/ready", timeout=5) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-
-
-async def test_enable_proxy_false_binds_no_proxy_listener(info_logs: io.StringIO) -> None:
+async def test_enable_proxy_false_binds_no_proxy_listener(fleet: Fleet) -> None:
     env = proxy_env(
         "demo",
         "server",
@@ -116,32 +93,39 @@ async def test_enable_proxy_false_binds_no_proxy_listener(info_logs: io.StringIO
         ENABLE_PROXY="false",
         ISTIO_META_DNS_PROXY_ADDR=f"{SERVER}:15053",
     )
-    app = await start_proxy(env)
-    try:
-        await eventually_async(lambda: _ready(SERVER) == 200, "readiness", blocking=True)
-        for port in (15001, 15006, 15008, 15080):
-            with pytest.raises(ConnectionRefusedError):
-                socket.create_connection((SERVER, port), timeout=5).close()
-        # Only the DNS proxy runs (its TCP side accepts).
-        await asyncio.to_thread(lambda: socket.create_connection((SERVER, 15053), timeout=5).close())
-        assert app.config_dump()["config"]["enableProxy"] is False
-    finally:
-        await app.drain()
+    [proxy] = await fleet.start(env)  # ready: /healthz/ready answered 200
+    for port in (15001, 15006, 15008, 15080):
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((SERVER, port), timeout=5).close()
+    # Only the DNS proxy runs (its TCP side accepts).
+    await asyncio.to_thread(lambda: socket.create_connection((SERVER, 15053), timeout=5).close())
+    assert proxy.config_dump()["config"]["enableProxy"] is False
+
+
+class Logs:
+    """What the proxies logged, at the default level (info), plain format."""
+
+    def __init__(self, proxies: list[Proxy]) -> None:
+        self.proxies = proxies
+
+    def getvalue(self) -> str:
+        return "".join(proxy.log() for proxy in self.proxies)
 
 
 @pytest.fixture
-async def mesh(request: pytest.FixtureRequest, info_logs: io.StringIO) -> AsyncIterator[io.StringIO]:
+async def mesh(request: pytest.FixtureRequest, fleet: Fleet) -> AsyncIterator[Logs]:
     echo = await start_echo(SERVER, 8080)
-    apps: list[App] = []
     try:
         extra = {"AUTHZ_POLICY_INFO_LOGGING": request.param}
-        apps.append(await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG, **extra)))
-        for name, ip in (("frontend", FRONTEND), ("intruder", INTRUDER)):
-            apps.append(await start_proxy(proxy_env("demo", name, name, ip, CONFIG)))
-        yield info_logs
+        proxies = await fleet.start(
+            proxy_env("demo", "server", "server", SERVER, CONFIG, **extra),
+            *(
+                proxy_env("demo", name, name, ip, CONFIG)
+                for name, ip in (("frontend", FRONTEND), ("intruder", INTRUDER))
+            ),
+        )
+        yield Logs(proxies)
     finally:
-        for app in apps:
-            await app.drain()
         echo.server.close()
 
 
@@ -152,7 +136,7 @@ DENIED_LINE = (
 
 
 @pytest.mark.parametrize("mesh", ["true"], indirect=True)
-async def test_policy_verdicts_at_info_with_authz_policy_info_logging(mesh: io.StringIO) -> None:
+async def test_policy_verdicts_at_info_with_authz_policy_info_logging(mesh: Logs) -> None:
     assert (await echo_roundtrip((INTRUDER, 15080), SERVER, 8080, b"x")).code == 2
     assert (await echo_roundtrip((FRONTEND, 15080), SERVER, 8080, b"x")).code == 0
     await eventually_async(lambda: DENIED_LINE in mesh.getvalue(), "the denial at info")
@@ -164,7 +148,7 @@ async def test_policy_verdicts_at_info_with_authz_policy_info_logging(mesh: io.S
 
 
 @pytest.mark.parametrize("mesh", ["false"], indirect=True)
-async def test_policy_verdicts_stay_at_debug_by_default(mesh: io.StringIO) -> None:
+async def test_policy_verdicts_stay_at_debug_by_default(mesh: Logs) -> None:
     assert (await echo_roundtrip((INTRUDER, 15080), SERVER, 8080, b"x")).code == 2
     # The server's access log of the denial comes after the verdict: once it is there, the verdict
     # would have been logged too.

@@ -1,4 +1,4 @@
-"""Certificate revocation with real proxies on loopback (fake CA, SOCKS5 in, echo app behind the
+"""Certificate revocation with `ztunnel proxy` processes on loopback (fake CA, SOCKS5 in, echo app behind the
 server's proxy): a CRL_PATH change tears down the revoked peer's open connections, inbound and
 outbound, leaves the others alone, refuses the revoked peer's new handshakes, and says so in the
 metrics (`CERT_REVOKED`, `istio_crl_policy_rejections_total`) and the logs. And `TLS12_ENABLED`:
@@ -7,6 +7,7 @@ a proxy serves TLS 1.2 only when it is set."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import random
 import ssl
 from collections.abc import AsyncIterator
@@ -21,10 +22,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from hbone.identity import Identity
 from hbone.tls import TlsCredentials, TlsPolicy
 from tests.certs import CA, make_crl
-from tests.mesh import Echo, proxy_env, socks5_connect, start_echo, start_proxy
-from tests.test_e2e import metric
+from tests.mesh import Echo, Fleet, Proxy, proxy_env, socks5_connect, start_echo
 from tests.waiting import eventually_async
-from ztunnel.app import App
 from ztunnel.certificates import FakeCA
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,18 +53,39 @@ def fake_ca() -> CA:
     return CA(key, x509.load_pem_x509_certificate(root_pem), (), root_pem)
 
 
-def crl_rejections(app: App) -> float:
+def crl_rejections(proxy: Proxy) -> float:
     """`istio_crl_policy_rejections_total` as the stats endpoint renders it (0 when absent)."""
-    for line in app.metrics.render(None)[0].decode().splitlines():
-        if line.startswith("istio_crl_policy_rejections_total "):
-            return float(line.split()[1])
-    return 0.0
+    return proxy.metric("istio_crl_policy_rejections_total")
 
 
-async def leaf_of(app: App, name: str) -> x509.Certificate:
-    assert app.secrets is not None
-    cert = await app.secrets.get(Identity("cluster.local", "demo", name))
-    return x509.load_pem_x509_certificate(cert.chain_pem[0])
+async def leaf_of(proxy: Proxy, name: str) -> x509.Certificate:
+    """The workload's leaf certificate as `/config_dump` shows it."""
+    dump = await asyncio.to_thread(proxy.config_dump)
+    [cert] = [c for c in dump["certificates"] if c["identity"] == f"spiffe://cluster.local/ns/demo/sa/{name}"]
+    return x509.load_pem_x509_certificate(base64.b64decode(cert["certChain"][0]["pem"]))
+
+
+def replace(path: Path, data: bytes) -> None:
+    """A new file in one step, as an operator's tooling (or a mounted Secret) swaps it: no process
+    reads it half written."""
+    tmp = path.with_suffix(".new")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+async def reloaded_everywhere(proxy: Proxy) -> None:
+    """Until each process that loaded the CRL at start (every worker watches the file for its own
+    TLS contexts) has logged reloading it: before that, a worker may still take a revoked peer."""
+
+    def count(what: str) -> int:
+        return sum(1 for line in proxy.log().splitlines() if f'"{what} ' in line and "CRL(s) from" in line)
+
+    await eventually_async(
+        lambda: count("loaded") > 0 and count("reloaded") >= count("loaded"),
+        lambda: (
+            f"the CRL reloaded by every worker of {proxy.name} ({count('reloaded')} of {count('loaded')})"
+        ),
+    )
 
 
 class Held:
@@ -105,45 +125,34 @@ async def echo() -> AsyncIterator[Echo]:
     e.server.close()
 
 
-@pytest.fixture
-async def apps(proxy_logs) -> AsyncIterator[list[App]]:  # type: ignore[no-untyped-def]
-    made: list[App] = []
-    yield made
-    for app in made:
-        await app.drain()
-
-
-async def start(apps: list[App], name: str, ip: str, crl: Path | None = None) -> App:
+def env(name: str, ip: str, crl: Path | None = None) -> dict[str, str]:
     extra = {"CRL_PATH": str(crl)} if crl is not None else {}
-    app = await start_proxy(proxy_env("demo", name, name, ip, CONFIG, **extra))
-    apps.append(app)
-    return app
+    return proxy_env("demo", name, name, ip, CONFIG, **extra)
 
 
 async def test_inbound_reload_tears_down_the_revoked_client_only(
     tmp_path: Path,
     echo: Echo,
-    apps: list[App],
-    proxy_logs,  # type: ignore[no-untyped-def]
+    fleet: Fleet,
 ) -> None:
     ca = fake_ca()
     crl = tmp_path / "crl.pem"
     crl.write_bytes(make_crl(ca))
-    server = await start(apps, "server", SERVER, crl)
-    frontend = await start(apps, "frontend", FRONTEND)
-    other = await start(apps, "other", OTHER)
+    server, frontend, other = await fleet.start(
+        env("server", SERVER, crl), env("frontend", FRONTEND), env("other", OTHER)
+    )
     revoked_conn = await Held.open(FRONTEND)
     kept_conn = await Held.open(OTHER)
     assert crl_rejections(server) == 0
 
-    crl.write_bytes(make_crl(ca, [await leaf_of(frontend, "frontend")]))
+    replace(crl, make_crl(ca, [await leaf_of(frontend, "frontend")]))
+    await reloaded_everywhere(server)
 
     assert await revoked_conn.closed()
     assert await kept_conn.echo(b"still here")
     await eventually_async(
         lambda: (
-            metric(
-                server,
+            server.metric(
                 "istio_tcp_connections_closed_total",
                 reporter="destination",
                 response_flags="CERT_REVOKED",
@@ -151,9 +160,10 @@ async def test_inbound_reload_tears_down_the_revoked_client_only(
             == 1
         ),
         "the torn-down connection recorded with CERT_REVOKED",
+        blocking=True,
     )
     assert crl_rejections(server) == 1
-    assert "open connection(s) closed as revoked" in proxy_logs.getvalue()
+    assert "open connection(s) closed as revoked" in server.log()
     # A new connection from the revoked client is refused at the handshake; the other still works.
     code, _reader, writer = await socks5_connect((FRONTEND, 15080), SERVER, 8080)
     writer.close()
@@ -161,26 +171,25 @@ async def test_inbound_reload_tears_down_the_revoked_client_only(
     assert crl_rejections(server) == 2
     assert await (await Held.open(OTHER)).echo(b"new one")
     assert crl_rejections(other) == 0  # no CRL_PATH: no families
-    assert "istio_crl" not in other.metrics.render(None)[0].decode()
+    assert "istio_crl" not in other.metrics_text()
 
 
 async def test_outbound_reload_drops_the_tunnel_to_a_revoked_server(
-    tmp_path: Path, echo: Echo, apps: list[App]
+    tmp_path: Path, echo: Echo, fleet: Fleet
 ) -> None:
     ca = fake_ca()
     crl = tmp_path / "crl.pem"
     crl.write_bytes(make_crl(ca))
-    server = await start(apps, "server", SERVER)
-    frontend = await start(apps, "frontend", FRONTEND, crl)
+    server, frontend = await fleet.start(env("server", SERVER), env("frontend", FRONTEND, crl))
     held = await Held.open(FRONTEND)
 
-    crl.write_bytes(make_crl(ca, [await leaf_of(server, "server")]))
+    replace(crl, make_crl(ca, [await leaf_of(server, "server")]))
+    await reloaded_everywhere(frontend)
 
     assert await held.closed()
     await eventually_async(
         lambda: (
-            metric(
-                frontend,
+            frontend.metric(
                 "istio_tcp_connections_closed_total",
                 reporter="source",
                 response_flags="CERT_REVOKED",
@@ -188,6 +197,7 @@ async def test_outbound_reload_drops_the_tunnel_to_a_revoked_server(
             == 1
         ),
         "the dropped tunnel recorded with CERT_REVOKED",
+        blocking=True,
     )
     # A new connection is refused: the server's chain is revoked at the handshake.
     code, _reader, writer = await socks5_connect((FRONTEND, 15080), SERVER, 8080)
@@ -195,14 +205,12 @@ async def test_outbound_reload_drops_the_tunnel_to_a_revoked_server(
     assert code != 0
     await eventually_async(
         lambda: (
-            metric(
-                frontend,
+            frontend.metric(
                 "istio_tcp_connections_closed_total",
                 reporter="source",
                 response_flags="CERT_REVOKED",
             )
-            + metric(
-                frontend,
+            + frontend.metric(
                 "istio_tcp_connections_failed_total",
                 reporter="source",
                 response_flags="CERT_REVOKED",
@@ -210,6 +218,7 @@ async def test_outbound_reload_drops_the_tunnel_to_a_revoked_server(
             >= 2
         ),
         "the refused connection recorded with CERT_REVOKED",
+        blocking=True,
     )
     assert crl_rejections(frontend) == 2
 
@@ -232,18 +241,14 @@ async def _tls12_handshake(ip: str) -> str:
     return str(version)
 
 
-async def test_tls12_enabled_serves_tls12_and_the_default_refuses_it(
-    apps: list[App],
-    proxy_logs,  # type: ignore[no-untyped-def]
-) -> None:
-    default = await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG))
-    apps.append(default)
+async def test_tls12_enabled_serves_tls12_and_the_default_refuses_it(fleet: Fleet) -> None:
+    default, _lenient = await fleet.start(
+        env("server", SERVER), proxy_env("demo", "other", "other", OTHER, CONFIG, TLS12_ENABLED="true")
+    )
     refused = await _tls12_handshake(SERVER)
     assert refused.startswith("refused:"), refused
     await eventually_async(
-        lambda: "tls handshake error: [SSL: UNSUPPORTED_PROTOCOL]" in proxy_logs.getvalue(),
+        lambda: "tls handshake error: [SSL: UNSUPPORTED_PROTOCOL]" in default.log(),
         "the proxy's log of the refused TLS 1.2 handshake",
     )
-    lenient = await start_proxy(proxy_env("demo", "other", "other", OTHER, CONFIG, TLS12_ENABLED="true"))
-    apps.append(lenient)
     assert await _tls12_handshake(OTHER) == "TLSv1.2"

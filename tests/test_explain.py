@@ -1,6 +1,7 @@
 """`GET /debug/explain` against what real connections then do: for each (source, destination) of a
 table, the endpoint's answer (route, protocol, decision, reason) and the outcome of an actual
-connection through the source's proxy (its SOCKS5 reply and the access logs) must agree."""
+connection through the source's proxy (its SOCKS5 reply and the access logs) must agree. The
+proxies are `ztunnel proxy` processes, started once for the module."""
 
 from __future__ import annotations
 
@@ -16,16 +17,16 @@ import pytest
 
 from tests.mesh import (
     ONLY_FRONTEND,
+    Fleet,
+    Proxy,
     echo_roundtrip,
     loopback_net,
     proxy_env,
     sha,
     start_echo,
-    start_proxy,
     workload_yaml,
 )
 from tests.waiting import eventually_async
-from ztunnel.app import App
 
 NET = loopback_net()
 SERVER, FRONTEND, INTRUDER, LEGACY, STRANGER = (f"{NET}.{i}" for i in (3, 2, 4, 5, 9))
@@ -61,23 +62,32 @@ services:
       80: 8080{ONLY_FRONTEND}"""
 
 
+@pytest.fixture(scope="module")
+def proxies(module_fleet: Fleet) -> list[Proxy]:
+    names = (("server", SERVER), ("frontend", FRONTEND), ("intruder", INTRUDER))
+    return module_fleet.start_all(*(proxy_env("demo", name, name, ip, CONFIG) for name, ip in names))
+
+
 @pytest.fixture
-async def mesh(proxy_logs: Any) -> AsyncIterator[dict[str, App]]:
+async def mesh(proxies: list[Proxy]) -> AsyncIterator[list[Proxy]]:
+    """The proxies, their logs read from here on."""
     echoes = [
         await start_echo(SERVER, 8080),
         await start_echo(LEGACY, 8080),
         await start_echo(STRANGER, 9090),
     ]
-    apps: dict[str, App] = {}
     try:
-        for name, ip in (("server", SERVER), ("frontend", FRONTEND), ("intruder", INTRUDER)):
-            apps[name] = await start_proxy(proxy_env("demo", name, name, ip, CONFIG))
-        yield apps
+        for proxy in proxies:
+            proxy.mark()
+        yield proxies
     finally:
-        for app in apps.values():
-            await app.drain()
         for echo in echoes:
             echo.server.close()
+
+
+def logs(mesh: list[Proxy]) -> str:
+    """What the proxies logged during this test."""
+    return "".join(proxy.log_since_mark() for proxy in mesh)
 
 
 def get(url: str, method: str = "GET") -> tuple[int, Any]:
@@ -121,9 +131,7 @@ SOCKS5_REPLY = {"allow": 0, "deny": 2, None: 0}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.src.rsplit('.', 1)[1]}->{c.dst.split('.', 3)[3]}")
-async def test_explain_agrees_with_a_real_connection(
-    mesh: dict[str, App], proxy_logs: Any, case: Case
-) -> None:
+async def test_explain_agrees_with_a_real_connection(mesh: list[Proxy], case: Case) -> None:
     answer = await ask(FRONTEND, case.src, case.dst)  # any proxy answers for any source
     r = answer["route"]
     assert r["result"] == case.result, answer
@@ -156,7 +164,7 @@ async def test_explain_agrees_with_a_real_connection(
     if case.result == "no route":
         assert ex.code == 4
         await eventually_async(
-            lambda: f'error="{r["reason"]}"' in proxy_logs.text(), "the outbound failure with the same reason"
+            lambda: f'error="{r["reason"]}"' in logs(mesh), "the outbound failure with the same reason"
         )
         assert r["reason"] == f"no healthy upstream: {EMPTY_VIP}:80"
         return
@@ -170,7 +178,7 @@ async def test_explain_agrees_with_a_real_connection(
                 f"src.addr={case.src}:" in line
                 and f'error="{DENIED}"' in line
                 and 'direction="inbound"' in line
-                for line in proxy_logs.text().splitlines()
+                for line in logs(mesh).splitlines()
             ),
             "the server's denial",
         )
@@ -179,7 +187,7 @@ async def test_explain_agrees_with_a_real_connection(
     def outbound() -> list[str]:
         return [
             line
-            for line in proxy_logs.text().splitlines()
+            for line in logs(mesh).splitlines()
             if '"connection complete"' in line and 'direction="outbound"' in line
         ]
 
@@ -189,7 +197,7 @@ async def test_explain_agrees_with_a_real_connection(
     assert f"dst.addr={r['nextHop']}" in line
 
 
-async def test_bad_questions_get_400_with_the_reason(mesh: dict[str, App]) -> None:
+async def test_bad_questions_get_400_with_the_reason(mesh: list[Proxy]) -> None:
     base = f"http://{FRONTEND}:15000/debug/explain"
     for query, error in (
         ("", "usage: /debug/explain?src=IP&dst=IP:PORT"),

@@ -1,5 +1,6 @@
 """In-pod mode's `/config_dump` lists each pod's open connections under `workloadState` (root: a
-real pod namespace, its outbound traffic redirected to the pod's 15001 by iptables)."""
+real pod namespace, its outbound traffic redirected to the pod's 15001 by iptables), from a
+`ztunnel proxy` process whose workers hold them."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from typing import Any
 
 import pytest
 
+from tests.mesh import Proxy
 from tests.netns import Netns, require_root
 from tests.test_inpod_manager import Agent, http_get, node, open_netns, pods, readiness  # noqa: F401
 from tests.waiting import eventually_async
 from xds import zds
-from ztunnel.app import App
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.root]
 
@@ -50,12 +51,12 @@ def workload_state(ip: str) -> dict[str, Any]:
 
 
 async def test_workload_state_lists_a_pods_connections(
-    node: tuple[App, Agent, str],  # noqa: F811
+    node: tuple[Proxy, Agent, str],  # noqa: F811
     pods: list[Netns],  # noqa: F811
     tmp_path: Path,
 ) -> None:
     require_root("iptables")
-    _app, agent, ip = node
+    _proxy, agent, ip = node
     pod = Netns("pod")
     pods.append(pod)
     pod.exec("ip", "addr", "add", f"{APP}/32", "dev", "lo")

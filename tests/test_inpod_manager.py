@@ -1,7 +1,7 @@
 """ztunnel in in-pod mode against a node agent played by the test (root: real network namespaces).
 
-The test speaks ZDS from the agent's side with `xds.zds` and hands over real pod namespaces; what it
-checks is what an operator sees: listeners inside the pod's namespace (marked, reuse-port), the
+The test speaks ZDS from the agent's side with `xds.zds` and hands over real pod namespaces to a
+`ztunnel proxy` process (its supervisor and workers); what it checks is what an operator sees: listeners inside the pod's namespace (marked, reuse-port), the
 acks, readiness, `/config_dump`, the `workload_manager_*` metrics, and the exit on a protocol error.
 The full node (the real agent, the CNI plugins, traffic) is in `test_inpod_node.py`.
 """
@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.mesh import Fleet, Proxy
 from tests.netns import Netns, require_root
 from tests.waiting import eventually_async
 from xds import zds
-from ztunnel.app import App
-from ztunnel.config import Config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,7 +106,7 @@ def pods() -> Iterator[list[Netns]]:
 
 
 @pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[tuple[App, Agent, str]]:
+async def node(tmp_path: Path, fleet: Fleet) -> AsyncIterator[tuple[Proxy, Agent, str]]:
     require_root("ip", "ss")
     ip = f"127.{random.randint(1, 250)}.{random.randint(1, 250)}.{random.randint(2, 250)}"
     uds = str(tmp_path / "ztunnel.sock")
@@ -122,13 +121,13 @@ async def node(tmp_path: Path) -> AsyncIterator[tuple[App, Agent, str]]:
         "STATS_ADDRESS": f"{ip}:15020",
         "READINESS_ADDRESS": f"{ip}:15021",
         "CONNECTION_TERMINATION_DEADLINE": "1s",
+        "ZTUNNEL_WORKER_THREADS": "2",
     }
-    app = App(Config.from_env(env))
-    await app.start()
+    proxy = fleet.add(env)
+    proxy.spawn()  # ready only once the agent's snapshot is in: each test plays the agent
     try:
-        yield app, agent, ip
+        yield proxy, agent, ip
     finally:
-        await app.drain()
         agent.close()
 
 
@@ -137,9 +136,9 @@ def open_netns(ns: Netns) -> int:
 
 
 async def test_pod_listeners_open_inside_its_namespace(
-    node: tuple[App, Agent, str], pods: list[Netns]
+    node: tuple[Proxy, Agent, str], pods: list[Netns]
 ) -> None:
-    _app, agent, ip = node
+    proxy, agent, ip = node
     pod = Netns("pod")
     pods.append(pod)
     await agent.accept()
@@ -160,13 +159,16 @@ async def test_pod_listeners_open_inside_its_namespace(
     )  # fmt: skip
     assert second.stdout.strip() == b"bound", second.stderr
     # Nothing in ztunnel's own namespace: no wildcard listener on 15008 (any spelling), and no socket of
-    # this process (ztunnel runs in it) on 15008 at all. Other processes (tests run beside this one)
-    # may hold a loopback address's 15008 here.
+    # ztunnel's processes (supervisor, fork server, workers) on 15008 at all. Other processes (tests
+    # run beside this one) may hold a loopback address's 15008 here.
     host = subprocess.run(
         ["ss", "-Hltnp", "sport = :15008"], capture_output=True, text=True, check=True
     ).stdout
     assert "*:15008" not in host and "0.0.0.0:15008" not in host and "[::]:15008" not in host, host
-    assert f"pid={os.getpid()}," not in host, host
+    pids = proxy.pids()
+    assert len(pids) >= 4, pids
+    for pid in pids:
+        assert f"pid={pid}," not in host, host
 
     status, _ = await asyncio.to_thread(http_get, f"http://{ip}:15021/healthz/ready")
     assert status == 500  # still inside the snapshot
@@ -196,11 +198,9 @@ async def test_pod_listeners_open_inside_its_namespace(
 
 
 async def test_a_pod_that_cannot_start_is_nacked_and_retried(
-    node: tuple[App, Agent, str], pods: list[Netns], monkeypatch: pytest.MonkeyPatch
+    node: tuple[Proxy, Agent, str], pods: list[Netns]
 ) -> None:
-    app, agent, ip = node
-    assert app.inpod is not None
-    app.inpod._retry_interval = 0.2
+    _proxy, agent, ip = node
     pod = Netns("pod")
     pods.append(pod)
     # Something in the pod holds 15008 without SO_REUSEPORT.
@@ -213,7 +213,7 @@ async def test_a_pod_that_cannot_start_is_nacked_and_retried(
         assert squatter.stdout is not None and squatter.stdout.readline().strip() == b"ok"
         await agent.accept()
         error = await agent.request(zds.add("uid-a", "pod-a", "ns", "sa-a"), [open_netns(pod)])
-        assert error == "failure to start proxy : Address already in use"
+        assert error == "failure to start proxy : Address already in use", error
         assert await agent.request(zds.snapshot_sent()) == ""
         status, body = await asyncio.to_thread(http_get, f"http://{ip}:15021/healthz/ready")
         assert status == 500 and "workload proxy manager" in body  # a pod is pending
@@ -223,15 +223,18 @@ async def test_a_pod_that_cannot_start_is_nacked_and_retried(
         squatter.kill()
         squatter.wait()
     await eventually_async(
-        lambda: {15001, 15006, 15008} <= set(listeners(pod)), "the retried pod's listeners", blocking=True
+        lambda: {15001, 15006, 15008} <= set(listeners(pod)),
+        "the retried pod's listeners",
+        15.0,  # retried every 5 s
+        blocking=True,
     )
     await eventually_async(readiness(ip, 200), "readiness 200", blocking=True)
 
 
 async def test_reconnect_and_snapshot_drop_pods_the_agent_no_longer_has(
-    node: tuple[App, Agent, str], pods: list[Netns]
+    node: tuple[Proxy, Agent, str], pods: list[Netns]
 ) -> None:
-    _app, agent, ip = node
+    _proxy, agent, ip = node
     a, b = Netns("pod"), Netns("pod")
     pods += [a, b]
     await agent.accept()
@@ -252,9 +255,9 @@ async def test_reconnect_and_snapshot_drop_pods_the_agent_no_longer_has(
 
 
 async def test_a_bad_packet_costs_only_the_connection(
-    node: tuple[App, Agent, str], pods: list[Netns]
+    node: tuple[Proxy, Agent, str], pods: list[Netns]
 ) -> None:
-    _app, agent, _ip = node
+    _proxy, agent, _ip = node
     await agent.accept()
     assert "must carry exactly one fd" in await agent.request(zds.add("uid-a", "pod-a", "ns", "sa-a"))
     assert agent.conn is not None

@@ -20,16 +20,16 @@ import pytest
 from hbone.identity import Identity
 from tests.mesh import (
     ONLY_FRONTEND,
+    Fleet,
+    Proxy,
     loopback_net,
     openssl_s_client,
     proxy_env,
     start_echo,
-    start_proxy,
     workload_yaml,
 )
 from tests.netns import require_tools
 from tests.waiting import eventually_async
-from ztunnel.app import App
 from ztunnel.certificates import FakeCA
 
 pytestmark = pytest.mark.interop
@@ -80,14 +80,20 @@ function run(c) {
 """
 
 
+@pytest.fixture(scope="module")
+def server_proxy(module_fleet: Fleet) -> Proxy:
+    """A `ztunnel proxy` process, started once for the module."""
+    [proxy] = module_fleet.start_all(proxy_env("demo", "server", "server", SERVER, CONFIG))
+    return proxy
+
+
 @pytest.fixture
-async def server(proxy_logs, tmp_path: Path) -> AsyncIterator[App]:  # type: ignore[no-untyped-def]
+async def server(server_proxy: Proxy) -> AsyncIterator[Proxy]:
     echo = await start_echo(SERVER, 8080)
-    app = await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG))
     try:
-        yield app
+        server_proxy.mark()
+        yield server_proxy
     finally:
-        await app.drain()
         echo.server.close()
 
 
@@ -100,7 +106,7 @@ def write_certs(directory: Path) -> None:
         (directory / f"{sa}.key").write_bytes(cert.key_pem)
 
 
-async def test_node_http2_client_gets_the_reference_statuses(server: App, tmp_path: Path, proxy_logs) -> None:  # type: ignore[no-untyped-def]
+async def test_node_http2_client_gets_the_reference_statuses(server: Proxy, tmp_path: Path) -> None:
     [node] = require_tools("node")
     write_certs(tmp_path)
     script = tmp_path / "client.js"
@@ -150,14 +156,16 @@ async def test_node_http2_client_gets_the_reference_statuses(server: App, tmp_pa
         "connection closed due to policy rejection: allow policies exist, but none allowed",
         'src.identity="spiffe://cluster.local/ns/demo/sa/intruder"',
     )
-    await eventually_async(lambda: all(text in proxy_logs.text() for text in wanted), "the access-log lines")
-    logs = proxy_logs.text()
+    await eventually_async(
+        lambda: all(text in server.log_since_mark() for text in wanted), "the access-log lines"
+    )
+    logs = server.log_since_mark()
     assert f"ip mismatch: {SERVER} != {OTHER}" in logs
     assert "connection closed due to policy rejection: allow policies exist, but none allowed" in logs
     assert 'src.identity="spiffe://cluster.local/ns/demo/sa/intruder"' in logs
 
 
-async def test_openssl_s_client_sees_the_workload_identity(server: App, tmp_path: Path) -> None:
+async def test_openssl_s_client_sees_the_workload_identity(server: Proxy, tmp_path: Path) -> None:
     require_tools("openssl")
     write_certs(tmp_path)
     view = await openssl_s_client(

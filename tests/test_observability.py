@@ -1,30 +1,28 @@
 """What an operator reads about connections: the open-sockets gauge, the access log's `connection
 opened` line and cluster fields, and one trace id per connection shared by both proxies' logs
-(the client proxy's `traceparent`), in the plain and the JSON format."""
+(the client proxy's `traceparent`), in the plain and the JSON format, of two `ztunnel proxy`
+processes."""
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
 from tests.mesh import (
+    Fleet,
+    Proxy,
     echo_roundtrip,
     loopback_net,
     proxy_env,
     socks5_connect,
     start_echo,
-    start_proxy,
     workload_yaml,
 )
-from tests.test_e2e import metric
 from tests.waiting import eventually_async
-from ztunnel.app import App
-from ztunnel.logs import reset_logging, setup_logging
 
 NET = loopback_net()
 SERVER, CLIENT = f"{NET}.3", f"{NET}.2"
@@ -36,34 +34,29 @@ workloads:{workload_yaml("server", SERVER, extra=CLUSTER_EAST)}{workload_yaml("c
 
 
 @pytest.fixture(params=["plain"])
-def logs(request: pytest.FixtureRequest) -> Iterator[io.StringIO]:
-    stream = io.StringIO()
-    setup_logging(request.param, "debug", stream=stream)
-    try:
-        yield stream
-    finally:
-        print(stream.getvalue())
-        reset_logging()
+def log_format(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture
-async def pair(logs: io.StringIO) -> AsyncIterator[tuple[App, App]]:
+async def pair(fleet: Fleet, log_format: str) -> AsyncIterator[tuple[Proxy, Proxy]]:
     echo = await start_echo(SERVER, 8080)
-    server = await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG))
-    client = await start_proxy(proxy_env("demo", "client", "client", CLIENT, CONFIG))
     try:
+        extra = {"LOG_FORMAT": log_format, "RUST_LOG": "debug"}
+        server, client = await fleet.start(
+            proxy_env("demo", "server", "server", SERVER, CONFIG, **extra),
+            proxy_env("demo", "client", "client", CLIENT, CONFIG, **extra),
+        )
         yield server, client
     finally:
-        await client.drain()
-        await server.drain()
         echo.server.close()
 
 
-def sockets_open(app: App, reporter: str) -> float:
-    return metric(app, "istio_tcp_sockets_open", reporter=reporter)
+def sockets_open(proxy: Proxy, reporter: str) -> float:
+    return proxy.metric("istio_tcp_sockets_open", reporter=reporter)
 
 
-async def test_sockets_open_moves_with_accepts_and_closes(pair: tuple[App, App]) -> None:
+async def test_sockets_open_moves_with_accepts_and_closes(pair: tuple[Proxy, Proxy]) -> None:
     server, client = pair
     assert sockets_open(client, "source") == 0
     code, reader, writer = await socks5_connect((CLIENT, 15080), SERVER, 8080)
@@ -75,32 +68,38 @@ async def test_sockets_open_moves_with_accepts_and_closes(pair: tuple[App, App])
     assert sockets_open(server, "destination") == 1
     second = await socks5_connect((CLIENT, 15080), SERVER, 8080)
     assert second[0] == 0
-    await eventually_async(lambda: sockets_open(client, "source") == 2, "two sockets open")
+    await eventually_async(lambda: sockets_open(client, "source") == 2, "two sockets open", blocking=True)
     assert sockets_open(server, "destination") == 1  # both streams share the pooled connection
     writer.close()
     second[2].close()
-    await eventually_async(lambda: sockets_open(client, "source") == 0, "the sockets closed")
-    # The pooled HBONE connection outlives its streams; closing the pool closes it.
-    await client.drain()
-    await eventually_async(lambda: sockets_open(server, "destination") == 0, "the HBONE connection closed")
+    await eventually_async(lambda: sockets_open(client, "source") == 0, "the sockets closed", blocking=True)
+    # The pooled HBONE connection outlives its streams; closing the pool (the client proxy drained,
+    # as SIGTERM does) closes it.
+    assert sockets_open(server, "destination") == 1
+    assert await client.aterminate() == 0
+    await eventually_async(
+        lambda: sockets_open(server, "destination") == 0, "the HBONE connection closed", blocking=True
+    )
 
 
-def lines(stream: io.StringIO, message: str) -> list[str]:
-    return [line for line in stream.getvalue().splitlines() if f'"{message}"' in line]
+def both_logs(pair: tuple[Proxy, Proxy]) -> str:
+    return "".join(proxy.log() for proxy in pair)
 
 
-async def test_access_log_opened_line_clusters_and_shared_trace_id(
-    pair: tuple[App, App], logs: io.StringIO
-) -> None:
+def lines(pair: tuple[Proxy, Proxy], message: str) -> list[str]:
+    return [line for line in both_logs(pair).splitlines() if f'"{message}"' in line]
+
+
+async def test_access_log_opened_line_clusters_and_shared_trace_id(pair: tuple[Proxy, Proxy]) -> None:
     assert (await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"hello")).code == 0
-    await eventually_async(lambda: len(lines(logs, "connection complete")) == 2, "both access logs")
-    opened = lines(logs, "connection opened")
+    await eventually_async(lambda: len(lines(pair, "connection complete")) == 2, "both access logs")
+    opened = lines(pair, "connection opened")
     assert len(opened) == 2
     for line in opened:
         assert "\tdebug\taccess:" in line
         assert "bytes_sent" not in line and "duration" not in line
         assert 'src.cluster="west"' in line and 'dst.cluster="east"' in line
-    done = lines(logs, "connection complete")
+    done = lines(pair, "connection complete")
     for line in done:
         assert 'src.cluster="west"' in line and 'dst.cluster="east"' in line
     [out] = [line for line in done if 'direction="outbound"' in line]
@@ -112,18 +111,18 @@ async def test_access_log_opened_line_clusters_and_shared_trace_id(
     assert in_span.group(2) == re.search(r"src.addr=(\S+)", inb).group(1)  # type: ignore[union-attr]
     # Two connections, two traces.
     assert (await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"again")).code == 0
-    await eventually_async(lambda: len(lines(logs, "connection complete")) == 4, "the second access logs")
-    ids = {m.group(1) for m in re.finditer(r'\{id="([0-9a-f]{32})"', logs.getvalue())}
+    await eventually_async(lambda: len(lines(pair, "connection complete")) == 4, "the second access logs")
+    ids = {m.group(1) for m in re.finditer(r'\{id="([0-9a-f]{32})"', both_logs(pair))}
     assert len(ids) == 2
 
 
-@pytest.mark.parametrize("logs", ["json"], indirect=True)
-async def test_json_logs_carry_the_spans(pair: tuple[App, App], logs: io.StringIO) -> None:
+@pytest.mark.parametrize("log_format", ["json"], indirect=True)
+async def test_json_logs_carry_the_spans(pair: tuple[Proxy, Proxy]) -> None:
     assert (await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"hello")).code == 0
 
     def complete() -> list[dict[str, object]]:
         out = []
-        for line in logs.getvalue().splitlines():
+        for line in both_logs(pair).splitlines():
             doc = json.loads(line)
             if doc.get("message") == "connection complete":
                 out.append(doc)

@@ -6,6 +6,8 @@ import re
 import tomllib
 from pathlib import Path
 
+from tests.mesh import Fleet, loopback_net, proxy_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -27,34 +29,19 @@ def test_console_scripts_point_at_existing_functions() -> None:
         assert callable(getattr(importlib.import_module(module), func)), target
 
 
-def test_a_dedicated_proxy_on_a_local_file_loads_neither_grpc_nor_protobuf() -> None:
+async def test_a_dedicated_proxy_on_a_local_file_loads_neither_grpc_nor_protobuf(fleet: Fleet) -> None:
     # ~15 MB of idle RSS (benches: "idle RSS"): gRPC and protobuf load only for xDS, a CA or in-pod mode.
-    import random
-    import subprocess
-    import sys
-
-    ip = f"127.{random.randint(1, 250)}.{random.randint(1, 250)}.{random.randint(2, 250)}"
-    script = f"""
-import asyncio, sys
-from ztunnel.app import App
-from ztunnel.config import Config
-
-async def main():
-    env = {{"PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "ns/a/sa", "XDS_ADDRESS": "", "FAKE_CA": "true",
-           "LOCAL_XDS": "workloads: []", "PROXY_BIND_ADDRESS": "{ip}", "ADMIN_ADDRESS": "{ip}:15000",
-           "STATS_ADDRESS": "{ip}:15020", "READINESS_ADDRESS": "{ip}:15021"}}
-    app = App(Config.from_env(env))
-    await app.start()
-    await app.drain()
-    print(sorted(m for m in sys.modules if m.split(".")[0] == "grpc" or m.startswith("google.protobuf")))
-
-asyncio.run(main())
-"""
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    # Their native extensions (gRPC's cygrpc, protobuf's upb) show in each process's memory map once
+    # imported: none in the supervisor, the fork server or a worker of a `ztunnel proxy`.
+    ip = f"{loopback_net()}.2"
+    [proxy] = await fleet.start(proxy_env("ns", "a", "sa", ip, "workloads: []"))
+    pids = proxy.pids()
+    assert len(pids) >= 4, pids  # the supervisor, the fork server, two workers
+    loaded = set()
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            loaded |= {line.split()[-1] for line in f if "/grpc/" in line or "/google/_upb/" in line}
+    assert loaded == set()
 
 
 def test_the_project_cites_nothing_outside_its_repository() -> None:

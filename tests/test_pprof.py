@@ -1,5 +1,5 @@
-"""`/debug/pprof/*` on a live proxy pair: the profiles decode with the published `profile.proto`
-(compiled here with grpcio-tools) and name the proxy's own functions."""
+"""`/debug/pprof/*` on a live pair of `ztunnel proxy` processes: the profiles decode with the
+published `profile.proto` (compiled here with grpcio-tools) and name the proxy's own functions."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.mesh import echo_roundtrip, loopback_net, proxy_env, sha, start_echo, start_proxy, workload_yaml
+from tests.mesh import Fleet, Proxy, echo_roundtrip, loopback_net, proxy_env, sha, start_echo, workload_yaml
 from ztunnel import profiling
-from ztunnel.app import App
 
 NET = loopback_net()
 SERVER, CLIENT = f"{NET}.3", f"{NET}.2"
@@ -26,18 +25,23 @@ workloads:{workload_yaml("server", SERVER)}{workload_yaml("client", CLIENT)}
 """
 
 
+@pytest.fixture(scope="module")
+def proxies(module_fleet: Fleet) -> tuple[Proxy, Proxy]:
+    """Started once for the module (a start costs seconds); no test here counts anything."""
+    server, client = module_fleet.start_all(
+        proxy_env("demo", "server", "server", SERVER, CONFIG),
+        proxy_env("demo", "client", "client", CLIENT, CONFIG),
+    )
+    return server, client
+
+
 @pytest.fixture
-async def pair(proxy_logs: Any) -> AsyncIterator[tuple[App, App]]:
+async def pair(proxies: tuple[Proxy, Proxy]) -> AsyncIterator[tuple[Proxy, Proxy]]:
     echo = await start_echo(SERVER, 8080)
-    server = await start_proxy(proxy_env("demo", "server", "server", SERVER, CONFIG))
-    client = await start_proxy(proxy_env("demo", "client", "client", CLIENT, CONFIG))
     try:
-        yield server, client
+        yield proxies
     finally:
-        await client.drain()
-        await server.drain()
         echo.server.close()
-        profiling.set_heap_profiling(False)
 
 
 def fetch(url: str) -> tuple[int, dict[str, str], bytes]:
@@ -72,7 +76,9 @@ def functions_in(profile: Any) -> dict[str, int]:
     return out
 
 
-async def test_cpu_profile_names_the_proxy_functions(pair: tuple[App, App], profile_pb2: ModuleType) -> None:
+async def test_cpu_profile_names_the_proxy_functions(
+    pair: tuple[Proxy, Proxy], profile_pb2: ModuleType
+) -> None:
     url = f"http://{CLIENT}:15000/debug/pprof/profile?seconds=2&frequency=200"
     reply, done = await asyncio.gather(asyncio.to_thread(fetch, url), traffic_for(2.5))
     status, headers, body = reply
@@ -96,7 +102,9 @@ async def test_cpu_profile_names_the_proxy_functions(pair: tuple[App, App], prof
     assert ours, sorted(functions)[:50]
 
 
-async def test_heap_profile_names_the_proxy_functions(pair: tuple[App, App], profile_pb2: ModuleType) -> None:
+async def test_heap_profile_names_the_proxy_functions(
+    pair: tuple[Proxy, Proxy], profile_pb2: ModuleType
+) -> None:
     status, _, body = await asyncio.to_thread(fetch, f"http://{CLIENT}:15000/debug/pprof/heap/profiling")
     assert (status, body) == (200, b"heap profiling is inactive\n")
     # Not switched on: the request traces for `seconds`, during which the proxy carries traffic.
@@ -131,13 +139,13 @@ async def test_heap_profile_names_the_proxy_functions(pair: tuple[App, App], pro
     "query",
     ["seconds=0", "seconds=301", "seconds=abc", "frequency=0", "frequency=1001", "seconds=-1"],
 )
-async def test_bad_profile_parameters_are_400(pair: tuple[App, App], query: str) -> None:
+async def test_bad_profile_parameters_are_400(pair: tuple[Proxy, Proxy], query: str) -> None:
     status, _, body = await asyncio.to_thread(fetch, f"http://{CLIENT}:15000/debug/pprof/profile?{query}")
     assert status == 400
     assert body.startswith(b"invalid ")
 
 
-async def test_one_cpu_profile_at_a_time(pair: tuple[App, App]) -> None:
+async def test_one_cpu_profile_at_a_time(pair: tuple[Proxy, Proxy]) -> None:
     base = f"http://{CLIENT}:15000/debug/pprof/profile"
 
     async def profile(seconds: int) -> tuple[int, dict[str, str], bytes]:

@@ -1,7 +1,7 @@
 """Routing end to end on loopback: load balancing over a service's endpoints, waypoints (a test relay,
 and a proxy that is the waypoint), application tunnels with PROXY v2, double HBONE through a network
-gateway, and a workload known by hostname only. Proxies run in this process on 127.x.y.z; clients
-enter through SOCKS5 like a user's would."""
+gateway, and a workload known by hostname only. Proxies are `ztunnel proxy` processes on 127.x.y.z;
+clients enter through SOCKS5 like a user's would."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from hbone.identity import Identity
 from hbone.inner import open_inner
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
-from tests.mesh import Echo, echo_roundtrip, proxy_env, sha, socks5_connect, start_echo, start_proxy
+from tests.mesh import Echo, Fleet, Proxy, echo_roundtrip, proxy_env, sha, socks5_connect, start_echo
 from tests.relays import Onward, Relay, certificate, dial, start_gateway, start_waypoint
-from ztunnel.app import App
+from tests.waiting import eventually_async
 from ztunnel.proxyprotocol import ProxyHeader, decode
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
@@ -210,21 +210,31 @@ async def exchange(proxy: str, host: str, port: int, payload: bytes) -> tuple[in
 
 @contextlib.asynccontextmanager
 async def proxies(
-    cfg: str, *specs: tuple[str, str, str], **extra: dict[str, str]
-) -> AsyncIterator[dict[str, App]]:
-    """Start one dedicated proxy per (name, service account, ip); `extra[name]` adds env."""
-    apps: dict[str, App] = {}
-    try:
-        for name, sa, ip in specs:
-            apps[name] = await start_proxy(proxy_env("demo", name, sa, ip, cfg, **extra.get(name, {})))
-        yield apps
-    finally:
-        for app in apps.values():
-            await app.drain()
+    fleet: Fleet, cfg: str, *specs: tuple[str, str, str], **extra: dict[str, str]
+) -> AsyncIterator[dict[str, Proxy]]:
+    """Start one dedicated proxy per (name, service account, ip), in parallel; `extra[name]` adds
+    env. The fleet fixture stops them when the test ends."""
+    started = await fleet.start(
+        *(proxy_env("demo", name, sa, ip, cfg, **extra.get(name, {})) for name, sa, ip in specs)
+    )
+    yield {name: proxy for (name, _, _), proxy in zip(specs, started, strict=True)}
+
+
+def logs(fleet: Fleet) -> str:
+    """What every proxy of the test logged."""
+    return "".join(proxy.log() for proxy in fleet.proxies)
+
+
+async def logged(fleet: Fleet, text: str) -> None:
+    """Until a proxy has logged `text` (its access log comes a moment after the client's answer)."""
+    await eventually_async(lambda: text in logs(fleet), f"{text!r} in a proxy's log")
+
+
+Servers = list[asyncio.AbstractServer | Echo | ProxyApp | Relay]
 
 
 @pytest.fixture
-async def servers() -> AsyncIterator[list[asyncio.AbstractServer | Echo | ProxyApp | Relay]]:
+async def servers() -> AsyncIterator[Servers]:
     """Apps and relays started by a test, closed after it."""
     started: list[asyncio.AbstractServer | Echo | ProxyApp | Relay] = []
     yield started
@@ -240,12 +250,14 @@ async def servers() -> AsyncIterator[list[asyncio.AbstractServer | Echo | ProxyA
 # --- tests ---------------------------------------------------------------------------------------
 
 
-async def test_service_vip_spreads_over_three_backends_on_their_target_ports(proxy_logs, servers) -> None:  # type: ignore[no-untyped-def]
+async def test_service_vip_spreads_over_three_backends_on_their_target_ports(
+    fleet: Fleet, servers: Servers
+) -> None:
     for name, ip, port in (("b1", B1, 8081), ("b2", B2, 8082), ("b3", B3, 8083)):
         servers.append(await start_named(ip, port, name))
     cfg = config()
     backends = [("b1", "web", B1), ("b2", "web", B2), ("b3", "web", B3)]
-    async with proxies(cfg, ("client", "client", CLIENT), *backends):
+    async with proxies(fleet, cfg, ("client", "client", CLIENT), *backends):
         reached: Counter[bytes] = Counter()
         for i in range(60):
             payload = f"hello {i}".encode()
@@ -255,7 +267,9 @@ async def test_service_vip_spreads_over_three_backends_on_their_target_ports(pro
     assert set(reached) == {b"b1@8081", b"b2@8082", b"b3@8083"}
 
 
-async def test_service_waypoint_carries_traffic_and_a_direct_attempt_is_denied(proxy_logs, servers) -> None:  # type: ignore[no-untyped-def]
+async def test_service_waypoint_carries_traffic_and_a_direct_attempt_is_denied(
+    fleet: Fleet, servers: Servers
+) -> None:
     servers.append(await start_echo(SERVER, 8080))
     table = {
         f"{VIP_ECHO}:9080": Onward(
@@ -264,7 +278,7 @@ async def test_service_waypoint_carries_traffic_and_a_direct_attempt_is_denied(p
     }
     waypoint = await start_waypoint(WAYPOINT, WAYPOINT_IDENTITY, table)
     servers.append(waypoint)
-    async with proxies(config(), ("client", "client", CLIENT), ("server", "server", SERVER)):
+    async with proxies(fleet, config(), ("client", "client", CLIENT), ("server", "server", SERVER)):
         payload = os.urandom(100_000)
         through = await echo_roundtrip((CLIENT, 15080), VIP_ECHO, 9080, payload)
         assert (through.code, through.digest) == (0, sha(payload))
@@ -276,24 +290,26 @@ async def test_service_waypoint_carries_traffic_and_a_direct_attempt_is_denied(p
 
         direct = await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"around the waypoint")
         assert direct.code == 2  # the server's proxy answered 401: only the waypoint is allowed
-    assert "allow policies exist, but none allowed" in proxy_logs.text()
+    await logged(fleet, "allow policies exist, but none allowed")
 
 
-async def test_workload_waypoint(proxy_logs, servers) -> None:  # type: ignore[no-untyped-def]
+async def test_workload_waypoint(fleet: Fleet, servers: Servers) -> None:
     servers.append(await start_echo(GUARDED, 8080))
     guarded_id = Identity.parse("spiffe://cluster.local/ns/demo/sa/guarded")
     table = {f"{GUARDED}:8080": Onward((GUARDED, 15008), f"{GUARDED}:8080", guarded_id)}
     waypoint = await start_waypoint(WAYPOINT, WAYPOINT_IDENTITY, table)
     servers.append(waypoint)
-    async with proxies(config(), ("client", "client", CLIENT), ("guarded", "guarded", GUARDED)):
+    async with proxies(fleet, config(), ("client", "client", CLIENT), ("guarded", "guarded", GUARDED)):
         ex = await echo_roundtrip((CLIENT, 15080), GUARDED, 8080, b"via my waypoint")
         assert (ex.code, ex.digest) == (0, sha(b"via my waypoint"))
     assert [(s.authority, s.status) for s in waypoint.seen] == [(f"{GUARDED}:8080", 200)]
 
 
-async def test_a_proxy_accepts_connections_for_what_it_is_the_waypoint_of(proxy_logs, servers) -> None:  # type: ignore[no-untyped-def]
+async def test_a_proxy_accepts_connections_for_what_it_is_the_waypoint_of(
+    fleet: Fleet, servers: Servers
+) -> None:
     servers.append(await start_named(INLINE_WP, 9080, "inline-waypoint"))
-    async with proxies(config(), ("client", "client", CLIENT), ("inline-wp", "inline-wp", INLINE_WP)):
+    async with proxies(fleet, config(), ("client", "client", CLIENT), ("inline-wp", "inline-wp", INLINE_WP)):
         code, who, back = await exchange(CLIENT, VIP_INLINE, 9080, b"for the service")
         assert (code, who, back) == (0, b"inline-waypoint@9080", b"for the service")
 
@@ -312,10 +328,10 @@ async def test_a_proxy_accepts_connections_for_what_it_is_the_waypoint_of(proxy_
             assert refused.value.status == 400
         finally:
             conn.abort()
-    assert f"ip mismatch: {INLINE_WP} != {CLIENT}" in proxy_logs.text()
+    await logged(fleet, f"ip mismatch: {INLINE_WP} != {CLIENT}")
 
 
-async def test_application_tunnel_tells_the_app_who_connected(proxy_logs, servers) -> None:  # type: ignore[no-untyped-def]
+async def test_application_tunnel_tells_the_app_who_connected(fleet: Fleet, servers: Servers) -> None:
     local_app = await ProxyApp().start("127.0.0.1")
     pod_app = await ProxyApp().start(TUNNELLED_POD, POD_TUNNEL_PORT)
     servers.extend([local_app, pod_app])
@@ -325,7 +341,7 @@ async def test_application_tunnel_tells_the_app_who_connected(proxy_logs, server
         ("tunnelled", "tunnelled", TUNNELLED),
         ("tunnelled-pod", "tunnelled", TUNNELLED_POD),
     ]
-    async with proxies(cfg, *specs, **{"tunnelled-pod": {"LOCALHOST_APP_TUNNEL": "false"}}):
+    async with proxies(fleet, cfg, *specs, **{"tunnelled-pod": {"LOCALHOST_APP_TUNNEL": "false"}}):
         # Default: delivered to 127.0.0.1:<tunnel port>.
         code, line, back = await exchange(CLIENT, TUNNELLED, 8080, b"after the header")
         assert (code, back) == (0, b"after the header")
@@ -337,23 +353,23 @@ async def test_application_tunnel_tells_the_app_who_connected(proxy_logs, server
     assert len(local_app.headers) == len(pod_app.headers) == 1
 
 
-async def test_sandwiched_waypoint_gets_the_original_destination(proxy_logs, servers) -> None:  # type: ignore[no-untyped-def]
+async def test_sandwiched_waypoint_gets_the_original_destination(fleet: Fleet, servers: Servers) -> None:
     app = await ProxyApp().start("127.0.0.1")
     servers.append(app)
     cfg = config(sandwich_port=app.port)
-    async with proxies(cfg, ("client", "client", CLIENT), ("sandwich-wp", "sandwich-wp", SANDWICH_WP)):
+    async with proxies(fleet, cfg, ("client", "client", CLIENT), ("sandwich-wp", "sandwich-wp", SANDWICH_WP)):
         code, line, back = await exchange(CLIENT, VIP_SANDWICH, 9080, b"sandwich")
         assert (code, back) == (0, b"sandwich")
         assert line.decode() == f"{CLIENT} {VIP_SANDWICH}:9080 {CLIENT_ID}"
 
 
-async def test_double_hbone_through_a_network_gateway(proxy_logs, servers) -> None:  # type: ignore[no-untyped-def]
+async def test_double_hbone_through_a_network_gateway(fleet: Fleet, servers: Servers) -> None:
     servers.append(await start_echo(REMOTE, 8080))
     gateway = await start_gateway(GATEWAY, EASTWEST_IDENTITY, GATEWAY_TABLE)
     servers.append(gateway)
     specs = [("east-client", "east-client", EAST_CLIENT), ("remote", "remote", REMOTE)]
     extra = {"east-client": {"NETWORK": "net1"}, "remote": {"NETWORK": "net2"}}
-    async with proxies(config(), *specs, **extra) as apps:
+    async with proxies(fleet, config(), *specs, **extra) as apps:
         payload = os.urandom(200_000)
         ex = await echo_roundtrip((EAST_CLIENT, 15080), VIP_REMOTE, 9080, payload)
         assert (ex.code, ex.digest) == (0, sha(payload))
@@ -362,25 +378,24 @@ async def test_double_hbone_through_a_network_gateway(proxy_logs, servers) -> No
             (f"{REMOTE_HOST}:9080", EAST_CLIENT_ID, 200)
         ]
         # The remote proxy terminated the inner tunnel: mTLS with the client itself, through the gateway.
-        body, _ = apps["remote"].metrics.render(None)
         opened = [
-            line
-            for line in body.decode().splitlines()
-            if line.startswith("istio_tcp_connections_opened_total{") and 'reporter="destination"' in line
+            (labels, value)
+            for name, labels, value in apps["remote"].samples()
+            if name == "istio_tcp_connections_opened_total" and labels["reporter"] == "destination"
         ]
-        assert len(opened) == 1 and f'source_principal="{EAST_CLIENT_ID}"' in opened[0], opened
+        assert len(opened) == 1 and opened[0][0]["source_principal"] == EAST_CLIENT_ID, opened
 
         # A service whose SANs the remote proxy does not have: the inner handshake fails.
         wrong = await echo_roundtrip((EAST_CLIENT, 15080), VIP_WRONG_SANS, 9080, b"x")
         assert wrong.code == 1
-    assert "identity verification error" in proxy_logs.text()
+    await logged(fleet, "identity verification error")
 
 
-async def test_inner_tls_checks_the_final_identity(proxy_logs, servers) -> None:  # type: ignore[no-untyped-def]
+async def test_inner_tls_checks_the_final_identity(fleet: Fleet, servers: Servers) -> None:
     """`open_inner` on its own: through the gateway relay to a proxy, expecting another identity."""
     gateway = await start_gateway(GATEWAY, EASTWEST_IDENTITY, GATEWAY_TABLE)
     servers.append(gateway)
-    async with proxies(config(), ("remote", "remote", REMOTE), remote={"NETWORK": "net2"}):
+    async with proxies(fleet, config(), ("remote", "remote", REMOTE), remote={"NETWORK": "net2"}):
         cert = certificate(Identity.parse(EAST_CLIENT_ID))
         sock = await dial(EAST_CLIENT, (GATEWAY, 15008))
         outer_conn = await HboneConnection.open(
@@ -399,10 +414,10 @@ async def test_inner_tls_checks_the_final_identity(proxy_logs, servers) -> None:
             outer_conn.abort()
 
 
-async def test_workload_known_by_hostname_is_resolved_by_dns(proxy_logs, servers) -> None:  # type: ignore[no-untyped-def]
+async def test_workload_known_by_hostname_is_resolved_by_dns(fleet: Fleet, servers: Servers) -> None:
     app = await start_named("127.0.0.1", 0, "by-name")
     servers.append(app)
     port = int(app.sockets[0].getsockname()[1])
-    async with proxies(config(by_name_port=port), ("client", "client", CLIENT)):
+    async with proxies(fleet, config(by_name_port=port), ("client", "client", CLIENT)):
         code, who, back = await exchange(CLIENT, VIP_BY_NAME, 9080, b"by name")
     assert (code, who, back) == (0, f"by-name@{port}".encode(), b"by name")

@@ -1,10 +1,9 @@
-"""The proxy fed by the development control plane over real gRPC: state over Delta ADS,
-certificates from its CA, live policy pushes, and a control-plane restart under traffic."""
+"""`ztunnel proxy` processes fed by the development control plane over real gRPC: state over Delta
+ADS, certificates from its CA, live policy pushes, and a control-plane restart under traffic."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import random
 import re
@@ -19,16 +18,16 @@ from pathlib import Path
 import pytest
 
 from tests.mesh import (
+    Fleet,
+    Proxy,
     echo_roundtrip,
     openssl_s_client,
     proxy_env,
     sha,
     socks5_connect,
     start_echo,
-    start_proxy,
 )
 from tests.waiting import eventually_async
-from ztunnel.app import App
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
 SERVER, CLIENT, CP_HOST = f"{NET}.3", f"{NET}.2", f"{NET}.10"
@@ -131,43 +130,36 @@ class ControlPlane:
 @dataclass
 class Mesh:
     cp: ControlPlane
-    server: App
-    client: App
+    server: Proxy
+    client: Proxy
+
+
+def xds_env(cp: ControlPlane, name: str, ip: str) -> dict[str, str]:
+    env = proxy_env(
+        "demo", name, name, ip, "", XDS_ADDRESS=f"http://{cp.address}", CA_ADDRESS=f"http://{cp.address}"
+    )
+    del env["FAKE_CA"], env["LOCAL_XDS"]
+    return env
 
 
 @pytest.fixture
-async def mesh(tmp_path: Path, proxy_logs) -> AsyncIterator[Mesh]:  # type: ignore[no-untyped-def]
+async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
     config = tmp_path / "mesh.yaml"
     config.write_text(MESH)
     cp = ControlPlane(config, tmp_path / "ca", f"{CP_HOST}:{free_port(CP_HOST)}")
     await cp.start()
     echo = await start_echo(SERVER, 8080)
-    apps: list[App] = []
     try:
-        for name, ip in (("server", SERVER), ("client", CLIENT)):
-            env = proxy_env(
-                "demo",
-                name,
-                name,
-                ip,
-                "",
-                XDS_ADDRESS=f"http://{cp.address}",
-                CA_ADDRESS=f"http://{cp.address}",
-            )
-            del env["FAKE_CA"], env["LOCAL_XDS"]
-            app = await start_proxy(env)
-            apps.append(app)
-            assert app.xds is not None
-            await asyncio.wait_for(app.xds.wait_synced(), 10)
-        # Accept loops start once synced; readiness turns 200 once they have.
-        for ip in (SERVER, CLIENT):
-            await eventually_async(functools.partial(ready, ip), f"{ip}'s readiness", blocking=True)
-        yield Mesh(cp, apps[0], apps[1])
+        # Ready only once synced: the accept loops start then, and readiness turns 200 once they have.
+        server, client = await fleet.start(xds_env(cp, "server", SERVER), xds_env(cp, "client", CLIENT))
+        yield Mesh(cp, server, client)
     finally:
-        for app in apps:
-            await app.drain()
         echo.server.close()
         cp.stop()
+
+
+def has_policy(proxy: Proxy, namespace: str, name: str) -> bool:
+    return any((p["namespace"], p["name"]) == (namespace, name) for p in proxy.config_dump()["policies"])
 
 
 async def test_traffic_with_certificates_from_the_control_plane(mesh: Mesh) -> None:
@@ -201,9 +193,7 @@ async def test_openssl_sees_the_workload_san_chained_to_the_control_plane_root(
     assert view.leaf_sans == ["spiffe://cluster.local/ns/demo/sa/server"]
 
 
-async def test_policy_pushed_through_the_control_plane_closes_a_live_connection(
-    mesh: Mesh, proxy_logs
-) -> None:  # type: ignore[no-untyped-def]
+async def test_policy_pushed_through_the_control_plane_closes_a_live_connection(mesh: Mesh) -> None:
     code, reader, writer = await socks5_connect((CLIENT, 15080), SERVER, 8080)
     assert code == 0
     writer.write(b"ping")
@@ -212,9 +202,9 @@ async def test_policy_pushed_through_the_control_plane_closes_a_live_connection(
     assert await asyncio.wait_for(reader.read(), 10) == b""
     writer.close()
     await eventually_async(
-        lambda: "connection closed due to policy change" in proxy_logs.text(), "the closure's log line"
+        lambda: "connection closed due to policy change" in mesh.server.log(), "the closure's log line"
     )
-    assert "connection closed due to policy change" in proxy_logs.text()
+    assert "connection closed due to policy change" in mesh.server.log()
     code, _, writer = await socks5_connect((CLIENT, 15080), SERVER, 8080)
     writer.close()
     assert code == 2
@@ -242,11 +232,10 @@ async def test_control_plane_restart_while_proxies_serve(mesh: Mesh) -> None:
     # The proxies reconnect: a change made now reaches them.
     mesh.cp.config.write_text(MESH + DENY_CLIENT)
     await eventually_async(
-        lambda: mesh.server.state.policy("demo/deny-client") is not None, "the pushed policy", 10.0, 0.1
+        lambda: has_policy(mesh.server, "demo", "deny-client"), "the pushed policy", 10.0, 0.1, blocking=True
     )
-    assert mesh.server.state.policy("demo/deny-client") is not None
-    body, _ = mesh.server.metrics.render(None)
-    assert "istio_xds_connection_terminations_total" in body.decode()
+    assert has_policy(mesh.server, "demo", "deny-client")
+    assert "istio_xds_connection_terminations_total" in mesh.server.metrics_text()
     # ... and the policy that came over the resumed stream now cuts it (live re-authorization).
     try:
         tail = await asyncio.wait_for(reader.read(), 10)
@@ -256,14 +245,13 @@ async def test_control_plane_restart_while_proxies_serve(mesh: Mesh) -> None:
     writer.close()
 
 
-async def test_proxy_over_tls_to_the_control_plane(tmp_path: Path, proxy_logs) -> None:  # type: ignore[no-untyped-def]
+async def test_proxy_over_tls_to_the_control_plane(tmp_path: Path, fleet: Fleet) -> None:
     """`https://` addresses: the proxy verifies the control plane with XDS_ROOT_CA / CA_ROOT_CA."""
     config = tmp_path / "mesh.yaml"
     config.write_text(MESH)
     cp = ControlPlane(config, tmp_path / "ca", f"{CP_HOST}:{free_port(CP_HOST)}")
     cp.tls = True
     await cp.start()
-    app: App | None = None
     try:
         assert cp.root is not None
         env = proxy_env(
@@ -278,14 +266,19 @@ async def test_proxy_over_tls_to_the_control_plane(tmp_path: Path, proxy_logs) -
             CA_ROOT_CA=str(cp.root),
         )
         del env["FAKE_CA"], env["LOCAL_XDS"]
-        app = await start_proxy(env)
-        assert app.xds is not None
-        await asyncio.wait_for(app.xds.wait_synced(), 10)
-        assert app.state.workload_by_uid("x//v1/Pod/demo/server") is not None
-        assert app.secrets is not None
-        cert = await asyncio.wait_for(app.secrets.get(app.proxies[0].identity()), 10)
-        assert str(cert.identity) == "spiffe://cluster.local/ns/demo/sa/client"
+        [proxy] = await fleet.start(env)  # ready: synced over the verified stream
+        dump = proxy.config_dump()
+        assert "x//v1/Pod/demo/server" in {w["uid"] for w in dump["workloads"]}
+
+        def certificates() -> list[tuple[str, str]]:
+            return [(c["identity"], c["state"]) for c in proxy.config_dump()["certificates"]]
+
+        # Its own certificate, from the CA over TLS.
+        await eventually_async(
+            lambda: certificates() == [("spiffe://cluster.local/ns/demo/sa/client", "Available")],
+            lambda: f"the client's certificate: {certificates()}",
+            10.0,
+            blocking=True,
+        )
     finally:
-        if app is not None:
-            await app.drain()
         cp.stop()

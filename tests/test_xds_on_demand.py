@@ -1,23 +1,21 @@
-"""XDS_ON_DEMAND=true end to end: the client proxy starts knowing only its own workload (local file)
-and asks the development control plane, over real gRPC, for each destination it does not know."""
+"""XDS_ON_DEMAND=true end to end: the client proxy (a `ztunnel proxy` process, as are the others)
+starts knowing only its own workload (local file) and asks the development control plane, over
+real gRPC, for each destination it does not know."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.mesh import Echo, echo_roundtrip, proxy_env, sha, start_echo, start_proxy
-from tests.test_xds_e2e import ControlPlane, free_port, ready
+from tests.mesh import Echo, Fleet, Proxy, echo_roundtrip, proxy_env, sha, start_echo
+from tests.test_xds_e2e import ControlPlane, free_port
 from tests.waiting import eventually_async
-from ztunnel.app import App
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
 SERVER, CLIENT, STRANGER, CP_HOST = f"{NET}.3", f"{NET}.2", f"{NET}.77", f"{NET}.10"
@@ -64,17 +62,22 @@ services:
 @dataclass
 class Mesh:
     cp: ControlPlane
-    server: App
-    client: App
+    server: Proxy
+    client: Proxy
     stranger: Echo
 
+    def logs(self) -> str:
+        return self.client.log() + self.server.log() + self.waypoint.log()
 
-def known_ips(app: App) -> set[str]:
-    return {ip for w in app.config_dump()["workloads"] for ip in w.get("workloadIps", [])}
+    waypoint: Proxy
+
+
+def known_ips(proxy: Proxy) -> set[str]:
+    return {ip for w in proxy.config_dump()["workloads"] for ip in w.get("workloadIps", [])}
 
 
 @pytest.fixture
-async def mesh(tmp_path: Path, proxy_logs: Any) -> AsyncIterator[Mesh]:
+async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
     config = tmp_path / "mesh.yaml"
     config.write_text(MESH)
     cp = ControlPlane(config, tmp_path / "ca", f"{CP_HOST}:{free_port(CP_HOST)}")
@@ -83,12 +86,12 @@ async def mesh(tmp_path: Path, proxy_logs: Any) -> AsyncIterator[Mesh]:
     stranger = await start_echo(STRANGER, 9090)
     behind_waypoint = await start_echo(INLINE_WP, 9080)
     xds = {"XDS_ADDRESS": f"http://{cp.address}", "CA_ADDRESS": f"http://{cp.address}"}
-    apps: list[App] = []
     try:
+        envs = []
         for name, ip in (("server", SERVER), ("inline-wp", INLINE_WP)):
-            env = proxy_env("demo", name, name, ip, "", **xds)
+            env = proxy_env("demo", name, name, ip, "", RUST_LOG="debug", **xds)
             del env["FAKE_CA"], env["LOCAL_XDS"]
-            apps.append(await start_proxy(env))
+            envs.append(env)
         env = proxy_env(
             "demo",
             "client",
@@ -97,54 +100,49 @@ async def mesh(tmp_path: Path, proxy_logs: Any) -> AsyncIterator[Mesh]:
             f"workloads:\n{CLIENT_WORKLOAD}",
             XDS_ON_DEMAND="true",
             ISTIO_META_DNS_CAPTURE="false",
+            RUST_LOG="debug",
             **xds,
         )
         del env["FAKE_CA"]
-        apps.append(await start_proxy(env))
-        for ip in (SERVER, INLINE_WP, CLIENT):
-            await eventually_async(functools.partial(ready, ip), f"{ip}'s readiness", blocking=True)
-        yield Mesh(cp, apps[0], apps[-1], stranger)
+        server, waypoint, client = await fleet.start(*envs, env)
+        yield Mesh(cp, server, client, stranger, waypoint)
     finally:
-        for app in apps:
-            await app.drain()
         echo.server.close()
         stranger.server.close()
         behind_waypoint.server.close()
         cp.stop()
 
 
-async def test_an_unknown_destination_is_fetched_then_reached_over_hbone(mesh: Mesh, proxy_logs: Any) -> None:
+async def test_an_unknown_destination_is_fetched_then_reached_over_hbone(mesh: Mesh) -> None:
     assert SERVER not in known_ips(mesh.client)  # subscribed to nothing but what it asks for
     assert SERVER in known_ips(mesh.server)  # a wildcard proxy has everything
     payload = os.urandom(64 * 1024)
     ex = await asyncio.wait_for(echo_roundtrip((CLIENT, 15080), SERVER, 8080, payload), 4)
     assert (ex.code, ex.digest) == (0, sha(payload))
     assert SERVER in known_ips(mesh.client)
-    logs = proxy_logs.text()
+    logs = mesh.logs()
     assert f'"sending demand request"\tkey="/{SERVER}"' in logs
     # Reached through the tunnel: the server's proxy saw the client's identity.
     await eventually_async(
         lambda: (
-            'src.identity="spiffe://cluster.local/ns/demo/sa/client"' in proxy_logs.text()
-            and 'direction="inbound"' in proxy_logs.text()
+            'src.identity="spiffe://cluster.local/ns/demo/sa/client"' in mesh.logs()
+            and 'direction="inbound"' in mesh.logs()
         ),
         "the server proxy's inbound access log",
     )
 
 
-async def test_an_address_the_control_plane_does_not_know_goes_on_at_once(
-    mesh: Mesh, proxy_logs: Any
-) -> None:
+async def test_an_address_the_control_plane_does_not_know_goes_on_at_once(mesh: Mesh) -> None:
     loop = asyncio.get_running_loop()
     start = loop.time()
     ex = await echo_roundtrip((CLIENT, 15080), STRANGER, 9090, b"hello")
     took = loop.time() - start
     assert (ex.code, ex.digest) == (0, sha(b"hello"))  # passthrough TCP, as for any unknown address
     assert took < 4.0, f"waited {took:.1f}s: the control plane's removal should end the wait"
-    assert f'"on demand ready"\tkey="/{STRANGER}" found=false' in proxy_logs.text()
+    assert f'"on demand ready"\tkey="/{STRANGER}" found=false' in mesh.logs()
 
 
-async def test_without_an_answer_the_wait_ends_after_five_seconds(mesh: Mesh, proxy_logs: Any) -> None:
+async def test_without_an_answer_the_wait_ends_after_five_seconds(mesh: Mesh) -> None:
     mesh.cp.stop()  # nothing answers any more
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -152,14 +150,14 @@ async def test_without_an_answer_the_wait_ends_after_five_seconds(mesh: Mesh, pr
     took = loop.time() - start
     assert (ex.code, ex.digest) == (0, sha(b"late"))
     assert 4.5 <= took < 10, took
-    assert f'"on-demand request timed out"\tkey="/{STRANGER}"' in proxy_logs.text()
+    assert f'"on-demand request timed out"\tkey="/{STRANGER}"' in mesh.logs()
 
 
-async def test_a_service_and_its_waypoint_are_both_fetched(mesh: Mesh, proxy_logs: Any) -> None:
+async def test_a_service_and_its_waypoint_are_both_fetched(mesh: Mesh) -> None:
     assert INLINE_WP not in known_ips(mesh.client)
     ex = await asyncio.wait_for(echo_roundtrip((CLIENT, 15080), VIP, 9080, b"via the waypoint"), 4)
     assert (ex.code, ex.digest) == (0, sha(b"via the waypoint"))
-    logs = proxy_logs.text()
+    logs = mesh.logs()
     assert f'"sending demand request"\tkey="/{VIP}"' in logs
     assert f'"sending demand request"\tkey="/{INLINE_WP}"' in logs
     # The tunnel went to the waypoint, naming the service address as dialled.

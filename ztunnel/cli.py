@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("version", help="print version information")
     demo = sub.add_parser("demo", help="end-to-end demo on loopback")
     demo.add_argument("--keep", action="store_true", help="leave the demo running and print how to use it")
+    demo.add_argument("--kube", action="store_true", help="feed the control plane Kubernetes manifests")
     control_plane = sub.add_parser("control-plane", help="development xDS and CA fed by a file")
     add_control_plane_arguments(control_plane)
     agent = sub.add_parser("cni-agent", help="the node agent of in-pod mode (ZDS server, pod redirection)")
@@ -69,6 +70,7 @@ def _control_plane(args: argparse.Namespace) -> int:
             args.ca_dir,
             auth_token=args.auth_token,
             cluster_id=args.cluster_id,
+            kube=args.kube,
         )
     except ControlPlaneError as e:
         print(f"ztunnel: control-plane: {e}", file=sys.stderr)
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from ztunnel.demo import run_demo
 
-            return run_demo(keep=args.keep)
+            return run_demo(keep=args.keep, kube=args.kube)
         if args.command == "control-plane":
             return _control_plane(args)
         if args.command == "cni-agent":

@@ -11,6 +11,10 @@ proxy, and shows the frontend's DNS proxy answering a name only the mesh knows (
 in the control plane's file), which SOCKS5 then reaches by name. Then it edits the control plane's file to deny the frontend as well: the control plane
 pushes the change, the server's proxy closes the frontend's open connection, and the next attempt
 is denied.
+
+`ztunnel demo --kube` runs the same from Kubernetes manifests instead (`control-plane --kube`): a
+Namespace enrolled in ambient, three Pods, a ServiceEntry for the mesh-only name that selects the
+server's pod, and an AuthorizationPolicy; the live change adds a DENY AuthorizationPolicy file.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +102,97 @@ DENY_FRONTEND = """\
     dryRun: false
     rules:
       - - - principals: [!Exact "cluster.local/ns/demo/sa/frontend"]
+"""
+
+
+# The same mesh as Kubernetes objects (also in examples/kube/), as istiod's ambient index reads them.
+KUBE_MESH = """\
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: demo
+  labels: {istio.io/dataplane-mode: ambient}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: server
+  namespace: demo
+  labels: {app: echo, version: v1}
+spec:
+  serviceAccountName: server
+  containers: [{name: echo, image: echo, ports: [{name: echo, containerPort: 8080}]}]
+status:
+  podIP: 127.0.0.3
+  conditions: [{type: Ready, status: "True"}]
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: frontend
+  namespace: demo
+  labels: {app: frontend, version: v1}
+spec:
+  serviceAccountName: frontend
+status:
+  podIP: 127.0.0.2
+  conditions: [{type: Ready, status: "True"}]
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: intruder
+  namespace: demo
+  labels: {app: intruder, version: v1}
+spec:
+  serviceAccountName: intruder
+status:
+  podIP: 127.0.0.4
+  conditions: [{type: Ready, status: "True"}]
+---
+# A name only the mesh knows; its endpoints are the pods it selects.
+apiVersion: networking.istio.io/v1
+kind: ServiceEntry
+metadata:
+  name: echo-mesh
+  namespace: demo
+spec:
+  hosts: [echo.mesh.internal]
+  addresses: [240.240.0.10]
+  ports: [{number: 8080, name: echo, protocol: TCP}]
+  resolution: STATIC
+  workloadSelector:
+    labels: {app: echo}
+"""
+
+KUBE_ONLY_FRONTEND = """\
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata:
+  name: only-frontend
+  namespace: demo
+spec:
+  selector:
+    matchLabels: {app: echo}
+  action: ALLOW
+  rules:
+    - from:
+        - source:
+            principals: ["cluster.local/ns/demo/sa/frontend"]
+"""
+
+KUBE_DENY_FRONTEND = """\
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata:
+  name: deny-frontend
+  namespace: demo
+spec:
+  action: DENY
+  rules:
+    - from:
+        - source:
+            principals: ["cluster.local/ns/demo/sa/frontend"]
 """
 
 
@@ -257,7 +353,7 @@ CONTROL_PLANE = "127.0.0.1:15012"
 
 
 async def live_policy_change(
-    server: DemoProxy, frontend: DemoProxy, config_path: Path
+    server: DemoProxy, frontend: DemoProxy, deny: Callable[[], str]
 ) -> tuple[list[list[str]], bool]:
     """Hold a connection open, deny its client in the control plane's file, watch it close."""
     rows = [["step", "outcome"]]
@@ -273,8 +369,7 @@ async def live_policy_change(
     open_ok = head[1] == 0 and await asyncio.wait_for(reader.readexactly(11), 5) == b"still here?"
     rows.append(["frontend opens a long-lived connection", "echoing" if open_ok else "FAILED"])
 
-    config_path.write_text(LOCAL_CONFIG + DENY_FRONTEND)
-    rows.append(["control plane file edited: deny frontend", "pushed over Delta ADS"])
+    rows.append([f"{deny()}: deny frontend", "pushed over Delta ADS"])
     try:
         closed = await asyncio.wait_for(reader.read(), 10) == b""
     except (TimeoutError, ConnectionError):
@@ -329,10 +424,24 @@ async def mesh_name(frontend: DemoProxy) -> tuple[list[list[str]], bool]:
     return rows, resolved and reached
 
 
-def run_demo(*, keep: bool = False) -> int:
+def run_demo(*, keep: bool = False, kube: bool = False) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ztunnel-demo-"))
     config_path = workdir / "mesh.yaml"
-    config_path.write_text(LOCAL_CONFIG)
+    if kube:
+        config_path = workdir / "manifests"
+        config_path.mkdir()
+        (config_path / "mesh.yaml").write_text(KUBE_MESH)
+        (config_path / "policy.yaml").write_text(KUBE_ONLY_FRONTEND)
+    else:
+        config_path.write_text(LOCAL_CONFIG)
+
+    def deny() -> str:
+        if kube:
+            (config_path / "deny-frontend.yaml").write_text(KUBE_DENY_FRONTEND)
+            return "AuthorizationPolicy file added"
+        config_path.write_text(LOCAL_CONFIG + DENY_FRONTEND)
+        return "control plane file edited"
+
     server = DemoProxy("server", "127.0.0.3")
     frontend, intruder = DemoProxy("frontend", "127.0.0.2"), DemoProxy("intruder", "127.0.0.4")
     proxies = [server, frontend, intruder]
@@ -349,7 +458,7 @@ def run_demo(*, keep: bool = False) -> int:
                     "-m",
                     "ztunnel",
                     "control-plane",
-                    "--config",
+                    "--kube" if kube else "--config",
                     str(config_path),
                     "--listen",
                     CONTROL_PLANE,
@@ -370,9 +479,10 @@ def run_demo(*, keep: bool = False) -> int:
                 )
             for p in proxies:
                 await asyncio.to_thread(wait_ready, p)
+            source = "Kubernetes manifests" if kube else "a local-config file"
             print(
-                f"ztunnel demo: a control plane on {CONTROL_PLANE} (xDS and CA) and three dedicated proxies"
-                " on loopback\n"
+                f"ztunnel demo: a control plane on {CONTROL_PLANE} (xDS and CA, from {source}) and three"
+                " dedicated proxies on loopback\n"
             )
             rows, ok = await drive(server, [frontend, intruder])
             print(table(rows))
@@ -381,7 +491,7 @@ def run_demo(*, keep: bool = False) -> int:
             ok &= named_ok
             print(table(named))
             print()
-            change, changed_ok = await live_policy_change(server, frontend, config_path)
+            change, changed_ok = await live_policy_change(server, frontend, deny)
             ok &= changed_ok
             print(table(change))
             await asyncio.sleep(0.3)  # let the server proxy finish its records
@@ -401,7 +511,8 @@ def run_demo(*, keep: bool = False) -> int:
                     "\nThe demo keeps running. Try:\n"
                     f"  curl --socks5 127.0.0.2:15080 telnet://{server.ip}:{APP_PORT}   (frontend)\n"
                     f"  curl --socks5 127.0.0.4:15080 telnet://{server.ip}:{APP_PORT}   (intruder: denied)\n"
-                    f"  $EDITOR {config_path}   (the control plane pushes every change)\n"
+                    f"  $EDITOR {config_path / 'policy.yaml' if kube else config_path}"
+                    "   (the control plane pushes every change)\n"
                     "  curl -s 127.0.0.3:15000/config_dump | less\n"
                     "  curl -s 127.0.0.3:15020/metrics | grep istio_tcp\n"
                     "Press Ctrl-C to stop."

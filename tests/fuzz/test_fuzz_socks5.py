@@ -3,7 +3,8 @@
 Whatever arrives, the codec returns only `ConnectRequested` or `HandshakeFailed`, stops after either,
 writes only well-formed replies, and gives the same events and bytes however the input is split.
 A requested domain is one name resolution can take. Then the findings of the first round: names
-IDNA refuses and names with NULs get a reply (0x04) before the close, also from a real listener.
+IDNA refuses and names with NULs get a reply (0x04) before the close, also from a real listener
+(a `ztunnel proxy` process's).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.mesh import proxy_env, start_proxy
+from tests.mesh import Fleet, proxy_env
 from ztunnel.socks5_codec import ConnectRequested, HandshakeFailed, Reply, Socks5Handshake
 
 REPLY_CODES = {int(code) for code in Reply}
@@ -120,7 +121,7 @@ def test_internationalized_domains_still_connect() -> None:
 LISTENER_CASES = [b".", "\u05d0a".encode(), NUL_DOMAIN]
 
 
-async def test_the_listener_replies_before_closing(proxy_logs: object) -> None:
+async def test_the_listener_replies_before_closing(fleet: Fleet) -> None:
     net = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
     me = f"{net}.2"
     config = f"""
@@ -131,26 +132,21 @@ workloads:
     serviceAccount: client
     workloadIps: ["{me}"]
 """
-    app = await start_proxy(proxy_env("demo", "client", "client", me, config))
-    try:
-        for domain in LISTENER_CASES:
-            reader, writer = await asyncio.open_connection(me, 15080)
-            try:
-                writer.write(request(domain))
-                async with asyncio.timeout(5):
-                    assert await reader.readexactly(2) == b"\x05\x00"
-                    reply = await reader.readexactly(10)
-                    assert reply[:2] == b"\x05\x04", (domain, reply)
-                    assert await reader.read() == b""  # then the close
-            finally:
-                writer.close()
-        # The listener is still serving: a request to a closed port is answered "refused".
+    await fleet.start(proxy_env("demo", "client", "client", me, config))
+    for domain in LISTENER_CASES:
         reader, writer = await asyncio.open_connection(me, 15080)
-        writer.write(
-            b"\x05\x01\x00\x05\x01\x00\x01" + ipaddress.ip_address(me).packed + (1).to_bytes(2, "big")
-        )
-        async with asyncio.timeout(5):
-            assert (await reader.readexactly(12))[2:4] == b"\x05\x05"
-        writer.close()
-    finally:
-        await app.drain()
+        try:
+            writer.write(request(domain))
+            async with asyncio.timeout(5):
+                assert await reader.readexactly(2) == b"\x05\x00"
+                reply = await reader.readexactly(10)
+                assert reply[:2] == b"\x05\x04", (domain, reply)
+                assert await reader.read() == b""  # then the close
+        finally:
+            writer.close()
+    # The listener is still serving: a request to a closed port is answered "refused".
+    reader, writer = await asyncio.open_connection(me, 15080)
+    writer.write(b"\x05\x01\x00\x05\x01\x00\x01" + ipaddress.ip_address(me).packed + (1).to_bytes(2, "big"))
+    async with asyncio.timeout(5):
+        assert (await reader.readexactly(12))[2:4] == b"\x05\x05"
+    writer.close()

@@ -47,12 +47,16 @@ class WorkerPods:
         message = PodAdd(pod.uid, pod.name, pod.namespace, pod.service_account, netns.key)
         self._pods[pod.uid] = (message, netns)
         results = await self._workers.ask_all(message, [netns.fd])
-        errors = [f"worker {i}: {e}" for i, e in results.items() if e]
-        if not errors:
+        failed = {i: e for i, e in results.items() if e}
+        if not failed:
             return None
         del self._pods[pod.uid]
         self._workers.tell_all(PodDel(pod.uid))  # undone where it did start; the NACK goes now
-        return "; ".join(errors)
+        # The agent reads the reference's one cause ("Address already in use"): the workers' errors
+        # are named one by one only when they differ.
+        if len(set(failed.values())) == 1:
+            return next(iter(failed.values()))
+        return "; ".join(f"worker {i}: {e}" for i, e in failed.items())
 
     async def stop(self, uid: str, deadline: float) -> None:
         entry = self._pods.pop(uid, None)
