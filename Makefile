@@ -55,10 +55,10 @@ test: lint typecheck unit
 image:
 	sh deploy/build-image.sh
 
-# The fuzz targets (tests/fuzz/ and the HTTP/2 frame walker's) with a long budget; `make test` runs
+# The fuzz targets (tests/fuzz/, the HTTP/2 session, the h2 oracle of our HTTP/2 core) with a long budget; `make test` runs
 # them bounded.
 fuzz: $(TEST_STAMP)
-	FUZZ_PROFILE=long FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -p no:cacheprovider --timeout 3600 tests/fuzz tests/test_hbone_frames.py
+	FUZZ_PROFILE=long FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -p no:cacheprovider --timeout 3600 tests/fuzz tests/test_hbone_frames.py tests/test_h2core_oracle.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -18,7 +18,7 @@ from benches.capture import CaptureTopology
 from benches.matrix import BenchError, Matrix, Settings
 from benches.report import plot, table, targets_report, write_json
 from benches.soak import SoakSettings, parse_duration, run_soak
-from benches.topology import LoadGenerator, SetupError, Topology
+from benches.topology import LoadGenerator, Mode, SetupError, Topology
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _settings(args: argparse.Namespace) -> Settings | None:
+    """The matrix's settings from the options; None (the reason printed) when they are invalid."""
     settings = Settings.quick() if args.quick else Settings()
     overrides = {
         k: v
@@ -82,11 +82,19 @@ def main(argv: list[str] | None = None) -> int:
             overrides["worker_counts"] = tuple(int(n) for n in args.worker_counts.split(",") if n.strip())
         except ValueError:
             print("benches: --worker-counts takes numbers separated by commas", file=sys.stderr)
-            return 2
+            return None
     if overrides:
         settings = dataclasses.replace(settings, **overrides)
     if settings.rounds < 1 or settings.seconds <= 0 or settings.hold < 1:
         print("benches: --rounds, --seconds and --hold must be positive", file=sys.stderr)
+        return None
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = _settings(args)
+    if settings is None:
         return 2
     if args.dns:
         from benches.dns import run_figure
@@ -121,49 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             soak = SoakSettings.from_args(args.soak, args.soak_interval, args.soak_concurrent, args.soak_idle)
             ok = run_soak(topo.name, modes, soak, args.out, progress=lambda s: print(s, flush=True))
             return 0 if ok else 1
-        print(
-            f"modes: {', '.join(m.name for m in modes)} ({topo.name}: {topo.where}); {settings.rounds} "
-            f"round(s), {settings.seconds:g}s per rate figure, {settings.hold} idle connections held",
-            flush=True,
-        )
-        matrix = Matrix(
-            modes,
-            gen,
-            settings,
-            progress=lambda s: print(s, flush=True),
-            set_workers=topo.set_workers,
-            workers=args.workers,
-        )
-        matrix.run()
-        names = [m.name for m in modes]
-        data = matrix.to_json()
-        summary = data["summary"]
-        print()
-        print(table(summary, names))
-        text, targets = targets_report(summary)
-        print()
-        print(text)
-        data["targets"] = targets
-        data["notes"] = topo.notes
-        data["topology"] = topo.name
-        if isinstance(topo, CaptureTopology):
-            data["namespaces"] = [ns.name for ns in topo.namespaces]
-        data["workers"] = args.workers
-        data["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
-        data["elapsed_s"] = time.monotonic() - started
-        path = write_json(args.out, data)
-        print(f"\nJSON: {path}")
-        if args.plot:
-            png = plot(args.out, summary, names)
-            print(
-                f"chart: {png}"
-                if png
-                else "chart: skipped, matplotlib is not installed (pip install '.[bench]')"
-            )
-        for err in matrix.errors:
-            print(f"error: {err}", file=sys.stderr)
-        ok = not matrix.errors
-        print(f"elapsed: {time.monotonic() - started:.0f}s")
+        ok = _run_matrix(args, settings, topo, modes, gen, started)
     except (SetupError, BenchError) as e:
         print(f"benches: {e}", file=sys.stderr)
     except KeyboardInterrupt:
@@ -179,6 +145,58 @@ def main(argv: list[str] | None = None) -> int:
 
             shutil.rmtree(workdir, ignore_errors=True)
     return 0 if ok else 1
+
+
+def _run_matrix(
+    args: argparse.Namespace,
+    settings: Settings,
+    topo: Topology | CaptureTopology,
+    modes: list[Mode],
+    gen: LoadGenerator | None,
+    started: float,
+) -> bool:
+    """Run the matrix over the started modes, print and save its results; True when no run failed."""
+    print(
+        f"modes: {', '.join(m.name for m in modes)} ({topo.name}: {topo.where}); {settings.rounds} "
+        f"round(s), {settings.seconds:g}s per rate figure, {settings.hold} idle connections held",
+        flush=True,
+    )
+    matrix = Matrix(
+        modes,
+        gen,
+        settings,
+        progress=lambda s: print(s, flush=True),
+        set_workers=topo.set_workers,
+        workers=args.workers,
+    )
+    matrix.run()
+    names = [m.name for m in modes]
+    data = matrix.to_json()
+    summary = data["summary"]
+    print()
+    print(table(summary, names))
+    text, targets = targets_report(summary)
+    print()
+    print(text)
+    data["targets"] = targets
+    data["notes"] = topo.notes
+    data["topology"] = topo.name
+    if isinstance(topo, CaptureTopology):
+        data["namespaces"] = [ns.name for ns in topo.namespaces]
+    data["workers"] = args.workers
+    data["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    data["elapsed_s"] = time.monotonic() - started
+    path = write_json(args.out, data)
+    print(f"\nJSON: {path}")
+    if args.plot:
+        png = plot(args.out, summary, names)
+        print(
+            f"chart: {png}" if png else "chart: skipped, matplotlib is not installed (pip install '.[bench]')"
+        )
+    for err in matrix.errors:
+        print(f"error: {err}", file=sys.stderr)
+    print(f"elapsed: {time.monotonic() - started:.0f}s")
+    return not matrix.errors
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import json
 import os
 import resource
@@ -52,74 +51,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import uvloop
 
-Address = tuple[str, int]
-
-
-@dataclass(frozen=True)
-class Entry:
-    kind: str  # "direct" | "socks5"
-    echo: Address
-    discard: Address
-    proxy: Address | None = None
-    tools: str | None = None  # the C tools binary: rr and connrate run in C
-    iperf3: Address | None = None  # an iperf3 server: throughput runs are iperf3's
-    half_close: bool = True  # integrity: the client half-closes and reads to the echo's EOF
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> Entry:
-        proxy, iperf3 = raw.get("proxy"), raw.get("iperf3")
-        return cls(
-            kind=raw["kind"],
-            echo=(raw["echo"][0], int(raw["echo"][1])),
-            discard=(raw["discard"][0], int(raw["discard"][1])),
-            proxy=(proxy[0], int(proxy[1])) if proxy else None,
-            tools=raw.get("tools"),
-            iperf3=(iperf3[0], int(iperf3[1])) if iperf3 else None,
-            half_close=bool(raw.get("half_close", True)),
-        )
-
-    def dial(self, target: Address) -> tuple[Address, bytes, int]:
-        """(address to connect to, bytes to send first, bytes of reply to skip) for `target`."""
-        if self.kind == "direct":
-            return target, b"", 0
-        assert self.proxy is not None
-        ip = ipaddress.ip_address(target[0])
-        atyp = b"\x01" if ip.version == 4 else b"\x04"
-        request = b"\x05\x01\x00" + b"\x05\x01\x00" + atyp + ip.packed + target[1].to_bytes(2, "big")
-        return self.proxy, request, 2 + 4 + (4 if ip.version == 4 else 16) + 2
-
-
-def _check_socks_reply(reply: bytes) -> None:
-    if reply[:2] != b"\x05\x00" or reply[2:4] != b"\x05\x00":
-        raise ConnectionError(f"SOCKS5 refused: {reply[:4].hex()}")
-
-
-# -- blocking helpers (rr) ---------------------------------------------------------------------
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-def _blocking_open(entry: Entry, target: Address, timeout: float = 10.0) -> socket.socket:
-    addr, prefix, skip = entry.dial(target)
-    sock = socket.create_connection(addr, timeout=timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if prefix:
-        sock.sendall(prefix)
-        _check_socks_reply(_recv_exactly(sock, skip))
-    return sock
+from benches.entry import Address, Entry, blocking_open, open_socket, recv_exactly, sock_recv_exactly
+from benches.soakload import Soak
 
 
 def _run_tool(argv: list[str], timeout: float) -> dict[str, Any]:
@@ -140,11 +77,11 @@ def run_rr(entry: Entry, seconds: float, max_count: int) -> dict[str, Any]:
     if entry.tools is not None and entry.kind == "direct":
         host, port = entry.echo
         return _run_tool([entry.tools, "rr", host, str(port), str(seconds), str(max_count)], seconds + 30)
-    sock = _blocking_open(entry, entry.echo)
+    sock = blocking_open(entry, entry.echo)
     try:
         for _ in range(50):  # warm-up: the first round trips pay for lazy set-up on the path
             sock.sendall(b"x")
-            _recv_exactly(sock, 1)
+            recv_exactly(sock, 1)
         lat: list[int] = []
         clock = time.perf_counter_ns
         start = clock()
@@ -171,39 +108,6 @@ def run_rr(entry: Entry, seconds: float, max_count: int) -> dict[str, Any]:
         "p99_us": lat[min(n - 1, (n * 99) // 100)] / 1000 if n else None,
         "mean_us": sum(lat) / n / 1000 if n else None,
     }
-
-
-# -- asyncio helpers -----------------------------------------------------------------------------
-
-
-async def _open(entry: Entry, target: Address, payload: bytes = b"") -> socket.socket:
-    """A connected non-blocking socket to `target` through `entry`; `payload` sent with the handshake."""
-    loop = asyncio.get_running_loop()
-    addr, prefix, skip = entry.dial(target)
-    sock = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await loop.sock_connect(sock, addr)
-        if prefix or payload:
-            await loop.sock_sendall(sock, prefix + payload)
-        if skip:
-            _check_socks_reply(await _sock_recv_exactly(sock, skip))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-async def _sock_recv_exactly(sock: socket.socket, n: int) -> bytes:
-    loop = asyncio.get_running_loop()
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await loop.sock_recv(sock, n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
 
 
 class _Blaster(asyncio.Protocol):
@@ -288,7 +192,7 @@ async def run_throughput(entry: Entry, streams: int, seconds: float, chunk_size:
     blasters: list[_Blaster] = []
     try:
         for _ in range(streams):
-            sock = await _open(entry, entry.discard)
+            sock = await open_socket(entry, entry.discard)
             b = _Blaster(chunk)
             await loop.create_connection(lambda b=b: b, sock=sock)  # type: ignore[misc]
             blasters.append(b)
@@ -362,9 +266,9 @@ async def run_connrate(entry: Entry, seconds: float, concurrency: int, max_count
         return await asyncio.get_running_loop().run_in_executor(None, _run_tool, argv, seconds + 60)
 
     async def one() -> None:
-        sock = await _open(entry, entry.echo, b"x")
+        sock = await open_socket(entry, entry.echo, b"x")
         try:
-            if await _sock_recv_exactly(sock, 1) != b"x":
+            if await sock_recv_exactly(sock, 1) != b"x":
                 raise ConnectionError("echo mismatch")
         finally:
             sock.close()
@@ -387,13 +291,13 @@ class Generator:
             nonlocal errors
             async with sem:
                 try:
-                    sock = await _open(entry, entry.echo, b"x")
+                    sock = await open_socket(entry, entry.echo, b"x")
                 except OSError:
                     errors += 1
                     return
                 self.held.append(sock)
                 try:
-                    if await _sock_recv_exactly(sock, 1) != b"x":
+                    if await sock_recv_exactly(sock, 1) != b"x":
                         errors += 1
                 except OSError:
                     errors += 1
@@ -415,7 +319,7 @@ async def run_integrity(entry: Entry, streams: int, size: int) -> dict[str, Any]
 
     async def one(i: int) -> tuple[str, str, int]:
         data = memoryview(payload)[i * size : (i + 1) * size]
-        sock = await _open(entry, entry.echo)
+        sock = await open_socket(entry, entry.echo)
         try:
 
             async def send() -> None:
@@ -461,14 +365,14 @@ async def run_concurrent(
 
     async def echo(sock: socket.socket, data: bytes) -> bool:
         await asyncio.get_running_loop().sock_sendall(sock, data)
-        return await _sock_recv_exactly(sock, len(data)) == data
+        return await sock_recv_exactly(sock, len(data)) == data
 
     async def open_one() -> None:
         nonlocal mismatched
         async with sem:
             data = os.urandom(size)
             try:
-                sock = await _open(entry, entry.echo)
+                sock = await open_socket(entry, entry.echo)
             except OSError as e:
                 errors.append(repr(e))
                 return
@@ -512,107 +416,6 @@ async def run_concurrent(
         "seconds": loop.time() - t0,
         "ok": held == count and not errors and not mismatched,
     }
-
-
-class Soak:
-    """The soak's mix, running in the background until `stop()`: every byte sent is compared."""
-
-    def __init__(self, entry: Entry, streams: int, stream_rate: float, churn_rate: float, idle: int) -> None:
-        self.entry = entry
-        self.counters = {
-            "stream_bytes": 0,
-            "churn_connections": 0,
-            "idle_held": 0,
-            "idle_probes": 0,
-            "errors": 0,
-            "mismatched": 0,
-        }
-        self.first_error = ""
-        self.idle: list[socket.socket] = []
-        self.tasks = [asyncio.ensure_future(self._stream(stream_rate)) for _ in range(streams)]
-        self.tasks.append(asyncio.ensure_future(self._churn(churn_rate)))
-        self.tasks.append(asyncio.ensure_future(self._idle(idle)))
-
-    def _error(self, e: BaseException) -> None:
-        self.counters["errors"] += 1
-        self.first_error = self.first_error or repr(e)
-
-    async def _echo(self, sock: socket.socket, data: bytes) -> None:
-        await asyncio.get_running_loop().sock_sendall(sock, data)
-        if await _sock_recv_exactly(sock, len(data)) != data:
-            self.counters["mismatched"] += 1
-
-    async def _stream(self, rate: float) -> None:
-        """A long-lived connection echoing 16 KiB pieces at `rate` bytes/s; reopened after an error."""
-        piece = 16 * 1024
-        while True:
-            try:
-                sock = await _open(self.entry, self.entry.echo)
-            except OSError as e:
-                self._error(e)
-                await asyncio.sleep(1)
-                continue
-            try:
-                while True:
-                    await self._echo(sock, os.urandom(piece))
-                    self.counters["stream_bytes"] += piece
-                    await asyncio.sleep(piece / rate)
-            except OSError as e:
-                self._error(e)
-            finally:
-                sock.close()
-
-    async def _churn(self, rate: float) -> None:
-        """Short connections (connect, 8 bytes, echo, close) at `rate` per second."""
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
-        while True:
-            try:
-                sock = await _open(self.entry, self.entry.echo)
-                try:
-                    await self._echo(sock, os.urandom(8))
-                finally:
-                    sock.close()
-                self.counters["churn_connections"] += 1
-            except OSError as e:
-                self._error(e)
-            next_at += 1 / rate
-            await asyncio.sleep(max(0.0, next_at - loop.time()))
-
-    async def _idle(self, count: int) -> None:
-        """`count` idle connections, each echoing a byte once a minute or so (one probed every
-        60/count s), replaced when one fails."""
-        while True:
-            while len(self.idle) < count:
-                try:
-                    sock = await _open(self.entry, self.entry.echo)
-                    await self._echo(sock, b"i")
-                    self.idle.append(sock)
-                except OSError as e:
-                    self._error(e)
-                    await asyncio.sleep(0.5)
-            self.counters["idle_held"] = len(self.idle)
-            for sock in list(self.idle):
-                await asyncio.sleep(60 / max(count, 1))
-                try:
-                    await self._echo(sock, b"p")
-                    self.counters["idle_probes"] += 1
-                except OSError as e:
-                    self._error(e)
-                    self.idle.remove(sock)
-                    sock.close()
-
-    def stats(self) -> dict[str, Any]:
-        return {**self.counters, "first_error": self.first_error}
-
-    async def stop(self) -> dict[str, Any]:
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for sock in self.idle:
-            sock.close()
-        self.idle.clear()
-        return self.stats()
 
 
 async def serve_commands() -> None:

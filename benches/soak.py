@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benches import procfs
-from benches.topology import Mode
+from benches.topology import LoadGenerator, Mode
 
 RSS_GOAL_PCT = 5.0
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -103,78 +103,13 @@ def run_soak(
 ) -> bool:
     mode = next(m for m in modes if m.name == "hbone")
     assert mode.gen is not None
-    gen = mode.gen
     errors: list[str] = []
     progress(
         f"soak ({topology}): hbone, {s.duration:g}s, a sample every {s.interval:g}s; first "
         f"{s.concurrent} connections at once, every byte checked"
     )
-    before = _sample(mode, 0.0, {})
-    conc = gen.call("concurrent", entry=mode.entry, count=s.concurrent, size=s.concurrent_size, keep=True)
-    time.sleep(0.3)  # the last echoes' buffers are freed
-    held = _sample(mode, 0.0, {})
-    gen.call("release")
-    # The proxies close their ends as the closes arrive: the mix starts once they have.
-    settle = time.monotonic() + 15
-    while _sample(mode, 0.0, {})["fds_total"] > before["fds_total"] + 50 and time.monotonic() < settle:
-        time.sleep(0.2)
-    if conc.get("held"):
-        grown = held["rss_total_kib"] - before["rss_total_kib"]
-        conc["rss_before_kib"], conc["rss_held_kib"] = before["rss_kib"], held["rss_kib"]
-        conc["fds_held"] = held["fds"]
-        conc["rss_per_conn_kib"] = grown / conc["held"]
-    if "error" in conc:
-        errors.append(f"concurrent: {conc['error']}")
-    elif not conc["ok"]:
-        errors.append(
-            f"concurrent: {conc['held']} of {conc['count']} held, {conc['errors']} errors "
-            f"({conc['first_error']}), {conc['mismatched']} echoes changed"
-        )
-    else:
-        progress(
-            f"  {conc['held']} connections held at once, {conc['bytes_verified']:,} bytes verified, "
-            f"opened in {conc['open_seconds']:.1f}s; the proxies' RSS grew {conc['rss_per_conn_kib']:.1f} KiB "
-            "per held connection"
-        )
-    started = gen.call(
-        "soak_start",
-        entry=mode.entry,
-        streams=s.streams,
-        stream_rate=s.stream_rate,
-        churn_rate=s.churn_rate,
-        idle=s.idle,
-    )
-    samples: list[dict[str, Any]] = []
-    final: dict[str, Any] = {}
-    if "error" in started:
-        errors.append(f"soak: {started['error']}")
-    else:
-        t0 = time.monotonic()
-        next_at = t0
-        while True:
-            now = time.monotonic()
-            if now < next_at:
-                time.sleep(next_at - now)
-            t = time.monotonic() - t0
-            stats = gen.call("soak_stats")
-            sample = _sample(mode, t, stats)
-            samples.append(sample)
-            progress(
-                f"  t={t:6.0f}s  RSS "
-                + ", ".join(f"{n} {v / 1024:.1f} MiB" for n, v in sample["rss_kib"].items())
-                + f"  fds {sample['fds_total']}  streamed {stats.get('stream_bytes', 0) / 1e6:.0f} MB, "
-                f"{stats.get('churn_connections', 0)} short, {stats.get('idle_held', 0)} idle, "
-                f"{stats.get('errors', 0)} errors"
-            )
-            if t >= s.duration - 0.5:
-                break
-            next_at = min(next_at + s.interval, t0 + s.duration)
-        final = gen.call("soak_stop")
-        if final.get("errors") or final.get("mismatched"):
-            errors.append(
-                f"soak: {final.get('errors')} failed operations ({final.get('first_error')}), "
-                f"{final.get('mismatched')} echoes changed"
-            )
+    conc = _concurrency_check(mode, mode.gen, s, errors, progress)
+    samples, final = _mix(mode, mode.gen, s, errors, progress)
     d = drift(samples, s.warmup)
     rss_ok = None if d["rss_pct"] is None else abs(d["rss_pct"]) <= RSS_GOAL_PCT
     # fds: the churn's connections in flight come and go; more than that is growth.
@@ -204,6 +139,94 @@ def run_soak(
     for e in errors:
         progress(f"error: {e}")
     return not errors
+
+
+def _concurrency_check(
+    mode: Mode, gen: LoadGenerator, s: SoakSettings, errors: list[str], progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """`s.concurrent` connections open at once, every byte compared; what holding them cost."""
+    before = _sample(mode, 0.0, {})
+    conc = gen.call("concurrent", entry=mode.entry, count=s.concurrent, size=s.concurrent_size, keep=True)
+    time.sleep(0.3)  # the last echoes' buffers are freed
+    held = _sample(mode, 0.0, {})
+    gen.call("release")
+    # The proxies close their ends as the closes arrive: the mix starts once they have.
+    settle = time.monotonic() + 15
+    while _sample(mode, 0.0, {})["fds_total"] > before["fds_total"] + 50 and time.monotonic() < settle:
+        time.sleep(0.2)
+    if conc.get("held"):
+        grown = held["rss_total_kib"] - before["rss_total_kib"]
+        conc["rss_before_kib"], conc["rss_held_kib"] = before["rss_kib"], held["rss_kib"]
+        conc["fds_held"] = held["fds"]
+        conc["rss_per_conn_kib"] = grown / conc["held"]
+    if "error" in conc:
+        errors.append(f"concurrent: {conc['error']}")
+    elif not conc["ok"]:
+        errors.append(
+            f"concurrent: {conc['held']} of {conc['count']} held, {conc['errors']} errors "
+            f"({conc['first_error']}), {conc['mismatched']} echoes changed"
+        )
+    else:
+        progress(
+            f"  {conc['held']} connections held at once, {conc['bytes_verified']:,} bytes verified, "
+            f"opened in {conc['open_seconds']:.1f}s; the proxies' RSS grew {conc['rss_per_conn_kib']:.1f} KiB "
+            "per held connection"
+        )
+    return conc
+
+
+def _mix(
+    mode: Mode, gen: LoadGenerator, s: SoakSettings, errors: list[str], progress: Callable[[str], None]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The soak's mix for `s.duration`, sampled every `s.interval`; the samples and the final counters."""
+    started = gen.call(
+        "soak_start",
+        entry=mode.entry,
+        streams=s.streams,
+        stream_rate=s.stream_rate,
+        churn_rate=s.churn_rate,
+        idle=s.idle,
+    )
+    samples: list[dict[str, Any]] = []
+    final: dict[str, Any] = {}
+    if "error" in started:
+        errors.append(f"soak: {started['error']}")
+    else:
+        samples = _sample_until_done(mode, gen, s, progress)
+        final = gen.call("soak_stop")
+        if final.get("errors") or final.get("mismatched"):
+            errors.append(
+                f"soak: {final.get('errors')} failed operations ({final.get('first_error')}), "
+                f"{final.get('mismatched')} echoes changed"
+            )
+    return samples, final
+
+
+def _sample_until_done(
+    mode: Mode, gen: LoadGenerator, s: SoakSettings, progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    samples: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    next_at = t0
+    while True:
+        now = time.monotonic()
+        if now < next_at:
+            time.sleep(next_at - now)
+        t = time.monotonic() - t0
+        stats = gen.call("soak_stats")
+        sample = _sample(mode, t, stats)
+        samples.append(sample)
+        progress(
+            f"  t={t:6.0f}s  RSS "
+            + ", ".join(f"{n} {v / 1024:.1f} MiB" for n, v in sample["rss_kib"].items())
+            + f"  fds {sample['fds_total']}  streamed {stats.get('stream_bytes', 0) / 1e6:.0f} MB, "
+            f"{stats.get('churn_connections', 0)} short, {stats.get('idle_held', 0)} idle, "
+            f"{stats.get('errors', 0)} errors"
+        )
+        if t >= s.duration - 0.5:
+            break
+        next_at = min(next_at + s.interval, t0 + s.duration)
+    return samples
 
 
 def _pct(v: float | None) -> str:

@@ -26,14 +26,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
-import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import uvloop
 
 from cni import (
     DEFAULT_CNI_SOCKET,
@@ -56,11 +52,7 @@ from cni.events import (
 )
 from cni.install import (
     DEFAULT_INTERPRETER,
-    ChainKeeper,
     InstallConfig,
-    InstallError,
-    install_plugin,
-    uninstall,
 )
 from cni.pods import Pod
 from cni.ztunnels import ZtunnelConnection, ZtunnelGone
@@ -69,9 +61,7 @@ from xds import zds
 log = logging.getLogger("cni.agent")
 
 REQUEST_READ_TIMEOUT = 10.0  # for the plugin to send its one line
-CHAIN_CHECK_INTERVAL = 1.0  # how soon a primary CNI's rewrite of its configuration is chained again
 ACCEPTS_PER_SECOND = 5
-_MAX_UNIX_PATH = 107
 
 
 class AgentError(Exception):
@@ -128,75 +118,6 @@ def _install_config(args: argparse.Namespace, cni_socket: Path) -> InstallConfig
     )
 
 
-def run_agent(args: argparse.Namespace) -> int:
-    """Run the agent until SIGTERM or SIGINT (exit 0); with `--uninstall`, remove the plugin and exit.
-    Raises AgentError when it cannot start."""
-    config = AgentConfig.from_args(args)
-    if getattr(args, "uninstall", False):
-        assert config.install is not None
-        try:
-            changed = uninstall(config.install)
-        except InstallError as e:
-            raise AgentError(str(e)) from None
-        log.info("uninstalled ztunnel-cni (%d file(s) changed)", len(changed))
-        return 0
-    return uvloop.run(_main(config))
-
-
-async def _keep_chained(keeper: ChainKeeper) -> None:
-    failing = False
-    while True:
-        await asyncio.sleep(CHAIN_CHECK_INTERVAL)
-        try:
-            keeper.ensure()
-            failing = False
-        except InstallError as e:
-            if not failing:  # once per failure, not once a second
-                log.error("cannot keep ztunnel-cni chained: %s", e)
-            failing = True
-
-
-async def _main(config: AgentConfig) -> int:
-    # The sockets first: binding refuses to start a second agent, before it touches any pod.
-    zds_listener = _bind_unix(config.zds_socket, socket.SOCK_SEQPACKET, "--zds-socket")
-    listeners = [zds_listener]
-    agent = Agent(config)
-    try:
-        cni_listener = _bind_unix(config.cni_socket, socket.SOCK_STREAM, "--cni-socket")
-        listeners.append(cni_listener)
-        agent.reload()
-        # Chained only once the CNI socket is bound: the runtime may call the plugin at once.
-        keeper = _install(config.install) if config.install is not None else None
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        keeping = loop.create_task(_keep_chained(keeper)) if keeper is not None else None
-        try:
-            await agent.serve(zds_listener.sock, cni_listener.sock, stop)
-        finally:
-            if keeping is not None:
-                keeping.cancel()
-    finally:
-        for listener in listeners:
-            _close_listener(listener)
-        agent.close()
-    log.info("cni agent stopped")
-    return 0
-
-
-def _install(install: InstallConfig) -> ChainKeeper:
-    """Copy the plugin and chain it; the plugin stays installed when the agent stops (an upgrade's
-    new agent takes over), `--uninstall` removes it."""
-    keeper = ChainKeeper(install)
-    try:
-        install_plugin(install)
-        keeper.ensure()
-    except InstallError as e:
-        raise AgentError(str(e)) from None
-    return keeper
-
-
 @dataclass
 class _PodLock:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -220,7 +141,7 @@ class Agent:
     def reload(self) -> None:
         """Reconcile after a restart: keep the pods of the state file whose namespace still opens."""
         path = self.config.state_file
-        _make_parent(path, "--state-file")
+        make_parent(path, "--state-file")
         try:
             saved, skipped = pods.load(path)
         except pods.StateFileError as e:
@@ -552,7 +473,7 @@ class Agent:
             log.error("cannot write the state file %s: %s", self.config.state_file, e)
 
 
-# -- namespaces and sockets ---------------------------------------------------------------------------
+# -- namespaces ---------------------------------------------------------------------------
 
 
 def _open_netns(path: str) -> int:
@@ -577,66 +498,11 @@ def _dup_netns(pod: Pod) -> int | None:
         return None
 
 
-@dataclass(frozen=True)
-class Listener:
-    sock: socket.socket
-    path: Path
-    inode: int  # of the socket file we bound, to remove only ours at exit
-
-
-def _bind_unix(path: Path, kind: int, option: str) -> Listener:
-    if len(os.fsencode(path)) > _MAX_UNIX_PATH:
-        raise AgentError(f"{option} {path}: longer than the {_MAX_UNIX_PATH} bytes a unix socket path allows")
-    _make_parent(path, option)
-    _remove_stale(path, kind, option)
-    sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
-    try:
-        sock.bind(str(path))
-        os.chmod(path, 0o600)  # enrolling pods and receiving their namespaces is for root only
-        sock.listen(128)
-        inode = path.lstat().st_ino
-    except OSError as e:
-        sock.close()
-        raise AgentError(f"{option} {path}: cannot listen: {e.strerror or e}") from None
-    return Listener(sock, path, inode)
-
-
-def _make_parent(path: Path, option: str) -> None:
+def make_parent(path: Path, option: str) -> None:
+    """Create the directory of a socket or state file given by `option`."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise AgentError(f"{option} {path}: {path.parent} is not a directory") from None
     except OSError as e:
         raise AgentError(f"{option} {path}: cannot create {path.parent}: {e.strerror}") from None
-
-
-def _remove_stale(path: Path, kind: int, option: str) -> None:
-    """Remove a socket file left by a previous agent; refuse a live one or a file that is no socket."""
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise AgentError(f"{option} {path}: {e.strerror}") from None
-    if not stat.S_ISSOCK(mode):
-        raise AgentError(f"{option} {path}: exists and is not a socket")
-    with socket.socket(socket.AF_UNIX, kind) as probe:
-        probe.settimeout(0.5)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            pass  # nobody listening: stale
-        else:
-            raise AgentError(f"{option} {path}: another process is listening on it")
-    try:
-        path.unlink()
-    except OSError as e:
-        raise AgentError(f"{option} {path}: cannot remove the stale socket: {e.strerror}") from None
-
-
-def _close_listener(listener: Listener) -> None:
-    """Close our listening socket and remove its file, unless another agent has replaced it since."""
-    listener.sock.close()
-    with contextlib.suppress(OSError):
-        if listener.path.lstat().st_ino == listener.inode:
-            listener.path.unlink()

@@ -2,7 +2,7 @@
 
 What HBONE sends is a handful of short header blocks per stream (the CONNECT, the 200), most of
 whose fields repeat from stream to stream (`:method`, `:authority`, `baggage`) and some never
-(`traceparent`, `forwarded`). The general encoder (`hpack.Encoder`, which h2 installs) Huffman-codes
+(`traceparent`, `forwarded`). The general encoder (`hpack.Encoder`) Huffman-codes
 every string and keeps a dynamic table: it costs more than the rest of a stream's set-up, and it
 makes the peer Huffman-decode. This one writes each field as an indexed static entry when the
 static table has it whole, else as a literal without indexing (the name indexed when the static
@@ -14,8 +14,7 @@ changes nothing; the first block still says "dynamic table size 0" (RFC 7541 §6
 decoder frees its table.
 
 Fields are normalised and checked as they are encoded: names lowercased and without separators,
-values trimmed of surrounding blanks and without CR, LF or NUL (RFC 9113 §8.2.1). h2's own outbound
-normalisation and checks are turned off for the sessions using this.
+values trimmed of surrounding blanks and without CR, LF or NUL (RFC 9113 §8.2.1).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from h2.exceptions import ProtocolError
 from hpack.table import HeaderTable
 
 # The static table, RFC 7541 Appendix A: index by (name, value), and by name (its first entry).
@@ -40,7 +38,7 @@ _NAME = re.compile(rb":?[!#$%&'*+\-.^_`|~0-9a-z]+")
 _BAD_VALUE = re.compile(rb"[\r\n\0]")
 
 
-class HeaderFieldError(ProtocolError):
+class HeaderFieldError(ValueError):
     """A header field HTTP/2 does not allow to be sent."""
 
 
@@ -90,27 +88,13 @@ _UNIQUE_NAMES = frozenset({b"traceparent", b"forwarded"})  # as normalised (`For
 
 
 class StaticEncoder:
-    """Stands in for `hpack.Encoder` on an h2 connection (`encode`, `header_table_size`)."""
+    """The encoder of one connection's header blocks (`encode`)."""
 
     def __init__(self) -> None:
         self._announce = True  # the first block announces the empty dynamic table
-        self.header_table_size = 4096  # the peer's setting; assigned by h2, nothing to do with it
-        self._prepared: bytes | None = None
 
-    def prepare(self, headers: Iterable[tuple[str | bytes, str | bytes]]) -> None:
-        """Encode `headers` now, raising HeaderFieldError before h2 changes any state; h2's next
-        `encode` (of the same headers, as h2 hands them on) returns this block."""
-        self._prepared = self._block(headers)
-
-    def discard(self) -> None:
-        """h2 did not ask for the prepared block (it refused the headers first)."""
-        self._prepared = None
-
-    def encode(self, headers: Iterable[tuple[str | bytes, str | bytes]], huffman: bool = True) -> bytes:
-        block, self._prepared = self._prepared, None
-        return block if block is not None else self._block(headers)
-
-    def _block(self, headers: Iterable[tuple[str | bytes, str | bytes]]) -> bytes:
+    def encode(self, headers: Iterable[tuple[str | bytes, str | bytes]]) -> bytes:
+        """One header block; raises HeaderFieldError (before anything is sent) for a forbidden field."""
         parts = [_field(field) for field in headers]
         if self._announce:
             self._announce = False

@@ -5,19 +5,18 @@ carries opaque bytes, and inside it the client runs a new TLS handshake and a ne
 the proxy behind the gateway, then sends the inner CONNECT. `open_inner` sets that up on an outer
 `HboneStream` and returns an ordinary `HboneConnection` (not pooled: one per proxied connection).
 
-TLS over a transport that is not a socket is asyncio's `sslproto.SSLProtocol`; uvloop's `start_tls`
-accepts only uvloop transports, so the protocol is wired onto the stream by hand: `_Feed` hands the
-stream's bytes to it (it is a buffered protocol, the stream calls `data_received`), and `_Carrier`
-is the transport it writes to (asyncio's TLS protocol also calls a private `_force_close` on it).
+The inner TLS is the `ssl` module's public memory-BIO API (`SSLContext.wrap_bio`), driven here:
+uvloop's `start_tls` accepts only its own transports, and asyncio's TLS protocol is not public API.
+`_InnerTls` is both the outer stream's protocol (ciphertext in) and the transport the inner
+`H2Session` writes plaintext to (ciphertext out, to the stream).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from asyncio import sslproto
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from hbone.client import HboneConnection, settle
 from hbone.errors import TlsHandshakeError
@@ -27,31 +26,164 @@ from hbone.settings import H2Settings
 from hbone.stream import HboneStream
 from hbone.tls import TlsCredentials
 
-# How long the inner TLS waits for the peer's close_notify once the proxied connection is over.
-SHUTDOWN_TIMEOUT = 5.0
+_READ_SIZE = 256 * 1024  # plaintext taken out of the TLS object per call
 
 
-class _Carrier(asyncio.Transport):
-    """The transport under the inner TLS: the outer stream."""
+class _InnerTls(asyncio.Protocol, asyncio.Transport):
+    """TLS client over an outer stream: its protocol on one side, the inner session's transport on
+    the other. The handshake's outcome is `handshake` (a future)."""
 
-    def __init__(self, stream: HboneStream) -> None:
-        super().__init__()
+    def __init__(self, stream: HboneStream, context: ssl.SSLContext, app: H2Session) -> None:
+        asyncio.Transport.__init__(self)
         self._stream = stream
+        self._app = app
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._ssl = context.wrap_bio(self._incoming, self._outgoing, server_side=False, server_hostname=None)
+        self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._connected = False  # the handshake completed and the app has its transport
+        self._closed = False
+
+    def start(self) -> None:
+        self._stream.set_protocol(self)
+        self._stream.resume_reading()
+        self._step_handshake()
+
+    # -- the outer stream's protocol -----------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        self._incoming.write(data)
+        if not self._connected:
+            self._step_handshake()
+        if self._connected:
+            self._read_plaintext()
+
+    def eof_received(self) -> bool:
+        self._incoming.write_eof()
+        if self._connected:
+            self._read_plaintext()
+        elif not self.handshake.done():
+            self._fail_handshake(ConnectionError("connection closed during the handshake"))
+        return False  # the stream closes; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        if not self.handshake.done():
+            self._fail_handshake(exc or ConnectionError("connection closed during the handshake"))
+        elif self._connected:
+            self._connected = False
+            self._app.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._connected:
+            self._app.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._connected:
+            self._app.resume_writing()
+
+    # -- TLS -------------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        out = self._outgoing.read()
+        if out and not self._closed:
+            self._stream.write(out)
+
+    def _step_handshake(self) -> None:
+        try:
+            self._ssl.do_handshake()
+        except ssl.SSLWantReadError:
+            self._flush()
+            return
+        except (ssl.SSLError, OSError) as e:
+            self._flush()  # the alert
+            self._fail_handshake(e)
+            return
+        self._flush()
+        self._connected = True
+        if not self.handshake.done():
+            self.handshake.set_result(None)
+        self._app.connection_made(self)
+
+    def _fail_handshake(self, exc: BaseException) -> None:
+        if not self.handshake.done():
+            self.handshake.set_exception(exc)
+        self._stream.abort()
+
+    def _read_plaintext(self) -> None:
+        app = self._app
+        while self._connected:
+            try:
+                chunk = self._ssl.read(_READ_SIZE)
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:  # the peer's close_notify
+                self._flush()
+                if not app.eof_received():
+                    self.close()
+                return
+            except (ssl.SSLError, OSError) as e:
+                self._connected = False
+                self._stream.abort()
+                app.connection_lost(e)
+                return
+            if not chunk:
+                break
+            app.data_received(chunk)
+        self._flush()  # TLS 1.3 post-handshake messages
+
+    # -- the inner session's transport -------------------------------------------------------------
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "ssl_object":
+            return self._ssl
+        if name == "peercert":
+            return self._ssl.getpeercert()
+        if name == "cipher":
+            return self._ssl.cipher()
         return self._stream.get_extra_info(name, default)
 
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closed or not self._connected:
+            return
+        try:
+            self._ssl.write(data)
+        except (ssl.SSLError, OSError):
+            self.abort()
+            return
+        self._flush()
+
+    def writelines(self, list_of_data: Any) -> None:
+        if self._closed or not self._connected:
+            return
+        try:
+            for data in list_of_data:
+                self._ssl.write(data)
+        except (ssl.SSLError, OSError):
+            self.abort()
+            return
+        self._flush()
+
+    def can_write_eof(self) -> bool:
+        return False
+
     def is_closing(self) -> bool:
-        return self._stream.is_closing()
+        return self._closed or self._stream.is_closing()
 
     def close(self) -> None:
+        """close_notify, then the outer stream ends (END_STREAM once what is buffered is sent)."""
+        if self._closed:
+            return
+        try:
+            self._ssl.unwrap()
+        except (ssl.SSLWantReadError, ssl.SSLError, OSError):
+            pass  # the peer's close_notify is not waited for
+        self._flush()
+        self._closed = True
         self._stream.close()
 
     def abort(self) -> None:
-        self._stream.abort()
-
-    def _force_close(self, exc: BaseException | None) -> None:
-        # asyncio's TLS protocol calls this on fatal errors and on the shutdown timeout.
+        self._closed = True
         self._stream.abort()
 
     def is_reading(self) -> bool:
@@ -63,18 +195,6 @@ class _Carrier(asyncio.Transport):
     def resume_reading(self) -> None:
         self._stream.resume_reading()
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self._stream.write(data)
-
-    def writelines(self, list_of_data: Any) -> None:
-        self._stream.writelines(list_of_data)
-
-    def write_eof(self) -> None:
-        self._stream.write_eof()
-
-    def can_write_eof(self) -> bool:
-        return True
-
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         self._stream.set_write_buffer_limits(high, low)
 
@@ -83,36 +203,6 @@ class _Carrier(asyncio.Transport):
 
     def get_write_buffer_size(self) -> int:
         return self._stream.get_write_buffer_size()
-
-
-class _Feed(asyncio.Protocol):
-    """The outer stream's protocol: passes its events to the inner TLS protocol."""
-
-    def __init__(self, tls: sslproto.SSLProtocol) -> None:
-        self._tls = tls
-
-    def data_received(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            buf = self._tls.get_buffer(len(view))
-            n = min(len(buf), len(view))
-            buf[:n] = view[:n]
-            self._tls.buffer_updated(n)
-            view = view[n:]
-
-    def eof_received(self) -> bool | None:
-        # True while the app side is paused (typeshed says it returns nothing): keep the stream.
-        keep_open: bool | None = cast(Any, self._tls).eof_received()
-        return keep_open
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._tls.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self._tls.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._tls.resume_writing()
 
 
 async def open_inner(
@@ -134,31 +224,24 @@ async def open_inner(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + handshake_timeout
     session = H2Session(client_side=True, settings=settings)
-    waiter: asyncio.Future[None] = loop.create_future()
-    tls = sslproto.SSLProtocol(
-        loop,
-        session,
-        credentials.client,
-        waiter,
-        server_side=False,
-        server_hostname=None,  # no SNI, as on the outer connection
-        ssl_handshake_timeout=handshake_timeout,  # type: ignore[arg-type]  # any positive number
-        ssl_shutdown_timeout=SHUTDOWN_TIMEOUT,
-    )
-    stream.set_protocol(_Feed(tls))
-    tls.connection_made(_Carrier(stream))
-    stream.resume_reading()
+    tls = _InnerTls(stream, credentials.client, session)
+    tls.start()
     try:
-        await waiter
+        await asyncio.wait_for(asyncio.shield(tls.handshake), handshake_timeout)
     except asyncio.CancelledError:
         stream.abort()
         raise
+    except TimeoutError:
+        tls.handshake.cancel()
+        stream.abort()
+        raise TlsHandshakeError(
+            f"tls handshake error (inner): no handshake within {handshake_timeout}s"
+        ) from None
     except (ssl.SSLError, OSError) as e:
         stream.abort()
         raise TlsHandshakeError(f"tls handshake error (inner): {e}") from e
     transport = session.transport
     if transport is None:
-        # The outer stream ended (or the handshake timed out) before the handshake completed.
         stream.abort()
         raise TlsHandshakeError("tls handshake error (inner): connection closed during the handshake")
     return await settle(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h2.settings import SettingCodes
+from hbone.h2core.codes import SettingCode
 
 
 @dataclass(frozen=True)
@@ -51,16 +51,16 @@ class H2Settings:
         """Per-stream send buffer on the client side: the stream window."""
         return self.stream_window
 
-    def local_settings(self, *, client_side: bool) -> dict[SettingCodes, int]:
+    def local_settings(self, *, client_side: bool) -> dict[SettingCode, int]:
         """The SETTINGS frame this side sends first."""
-        values: dict[SettingCodes, int] = {
-            SettingCodes.INITIAL_WINDOW_SIZE: self.stream_window,
-            SettingCodes.MAX_FRAME_SIZE: self.frame_size,
+        values: dict[SettingCode, int] = {
+            SettingCode.INITIAL_WINDOW_SIZE: self.stream_window,
+            SettingCode.MAX_FRAME_SIZE: self.frame_size,
         }
         if client_side:
-            values[SettingCodes.ENABLE_PUSH] = 0
-            values[SettingCodes.MAX_HEADER_LIST_SIZE] = self.client_max_header_list
+            values[SettingCode.ENABLE_PUSH] = 0
+            values[SettingCode.MAX_HEADER_LIST_SIZE] = self.client_max_header_list
         else:
-            values[SettingCodes.MAX_CONCURRENT_STREAMS] = self.max_concurrent_streams
-            values[SettingCodes.MAX_HEADER_LIST_SIZE] = self.server_max_header_list
+            values[SettingCode.MAX_CONCURRENT_STREAMS] = self.max_concurrent_streams
+            values[SettingCode.MAX_HEADER_LIST_SIZE] = self.server_max_header_list
         return values

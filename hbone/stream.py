@@ -22,14 +22,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from h2.errors import ErrorCodes
-
 from hbone.errors import HboneError, StreamReset
+from hbone.h2core.codes import ErrorCode
 from hbone.identity import Identity
 
 log = logging.getLogger("hbone")
 
-_CLEAN_RESETS = (ErrorCodes.NO_ERROR, ErrorCodes.CANCEL)
+_CLEAN_RESETS = (ErrorCode.NO_ERROR, ErrorCode.CANCEL)
 
 
 class StreamSession(Protocol):
@@ -356,9 +355,9 @@ class HboneStream(asyncio.Transport):
 
     def abort(self) -> None:
         """Reset the stream (RST_STREAM CANCEL) unless it already ended both ways."""
-        self.reset(ErrorCodes.CANCEL)
+        self.reset(ErrorCode.CANCEL)
 
-    def reset(self, error_code: int = ErrorCodes.CANCEL) -> None:
+    def reset(self, error_code: int = ErrorCode.CANCEL) -> None:
         """End the stream now with RST_STREAM(`error_code`); the protocol gets connection_lost(None)."""
         state = self._state
         if state is _CLOSED:
@@ -391,7 +390,7 @@ class HboneStream(asyncio.Transport):
         if end:
             if not self._state.remote_ended:
                 # RFC 9113 §8.1: a complete response before the request ended; stop the request.
-                self._session.reset(self.stream_id, ErrorCodes.NO_ERROR)
+                self._session.reset(self.stream_id, ErrorCode.NO_ERROR)
             self._finish(None)
 
     # -- client side ---------------------------------------------------------------------------

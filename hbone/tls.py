@@ -25,7 +25,6 @@ TLS_AES_256_GCM_SHA384, so ChaCha20 is only used with a peer that offers no AES-
 
 from __future__ import annotations
 
-import _ssl
 import itertools
 import logging
 import os
@@ -240,7 +239,14 @@ def peer_chain(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[x509.Certifica
     if getter is not None:
         chain = getter()
         if chain:
-            return [x509.load_der_x509_certificate(c.public_bytes(_ssl.ENCODING_DER)) for c in chain]
+            # DER bytes from the public method (3.13); certificate objects, whose public_bytes()
+            # gives PEM by default, from the private one.
+            return [
+                x509.load_der_x509_certificate(
+                    c if isinstance(c, bytes) else ssl.PEM_cert_to_DER_cert(c.public_bytes())
+                )
+                for c in chain
+            ]
     der = ssl_object.getpeercert(binary_form=True)
     return [x509.load_der_x509_certificate(der)] if der else []
 

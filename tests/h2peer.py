@@ -88,6 +88,9 @@ class RawH2:
             reader, writer = await asyncio.open_connection(*addr, ssl=ctx, server_hostname="")
         peer = cls(reader, writer)
         peer.send(PREFACE + frame(SETTINGS, 0, 0))
+        # As every HTTP/2 peer: acknowledge the server's SETTINGS (else it gives up on us).
+        await peer.read_until(lambda f: f.type == SETTINGS and not f.flags & ACK, 10.0)
+        peer.send(frame(SETTINGS, ACK, 0))
         await writer.drain()
         return peer
 

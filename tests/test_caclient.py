@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from hbone.identity import Identity
 from hbone.tls import TlsCredentials
 from tests.certs import CA, issue, make_ca
-from xds.client import AuthToken
+from xds.channel import AuthToken
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
 from ztunnel.caclient import GrpcCaClient
 from ztunnel.certificates import CaError, CertificateUnavailable, SecretManager

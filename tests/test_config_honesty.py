@@ -1,6 +1,6 @@
 """Every setting the proxy accepts takes effect and is documented.
 
-Two guards over the whole tree (a field of `Config` that nothing outside `config.py` reads is a
+Two guards over the whole tree (a field of `Config` that nothing outside the modules building it reads is a
 setting that is accepted and shown in `/config_dump` but does nothing; one missing from
 `docs/configuration.md` is one an operator cannot look up), and the observable effect of the
 settings that only change what the proxy does at run time (`ENABLE_PROXY`,
@@ -33,6 +33,13 @@ from ztunnel.config import Config
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ztunnel", "hbone", "xds", "policy", "cni", "controlplane", "benches")
 CONFIGURATION_DOC = ROOT / "docs" / "configuration.md"
+# The modules that read the environment into a `Config`: the setting is used elsewhere or not at all.
+CONFIG_MODULES = (
+    "ztunnel/config.py",
+    "ztunnel/envvars.py",
+    "ztunnel/proxyconfig.py",
+    "ztunnel/workercount.py",
+)
 
 
 def _sources() -> str:
@@ -40,7 +47,7 @@ def _sources() -> str:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel == "ztunnel/config.py" or rel.startswith("xds/gen/"):
+            if rel in CONFIG_MODULES or rel.startswith("xds/gen/"):
                 continue
             texts.append(path.read_text(encoding="utf-8"))
     return "\n".join(texts)
@@ -67,7 +74,7 @@ def test_every_config_field_and_variable_is_documented() -> None:
     missing_keys = sorted(k for k in dumped if f"`{k}`" not in doc)
     assert not missing_keys, f"Config fields missing from docs/configuration.md: {missing_keys}"
     # And every environment variable the parser reads, by name.
-    source = (ROOT / "ztunnel" / "config.py").read_text(encoding="utf-8")
+    source = "\n".join((ROOT / rel).read_text(encoding="utf-8") for rel in CONFIG_MODULES)
     variables = set(re.findall(r'"([A-Z][A-Z0-9_]{2,})"', source))
     assert "SECRET_TTL" in variables and "XDS_HEADER_" in variables  # the scan finds them at all
     missing = sorted(v for v in variables if f"`{v}" not in doc)

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.inpod_mesh import hold, mesh_fixture, mesh_yaml, start_echo, start_node  # noqa: F401
 from tests.liveproxy import LiveProxy, live_proxy, loopback_net, proxy_env
-from tests.test_inpod_node import hold, mesh, mesh_yaml, start_echo, start_node  # noqa: F401
 from tests.waiting import eventually
 from ztunnel import configview
 from ztunnel.configview import ConfigViewError, admin_url, log_query
@@ -477,7 +477,7 @@ def test_every_view_renders_a_map_shaped_dump_too() -> None:
 
 
 @pytest.mark.root
-def test_connections_of_an_in_pod_node_through_both_workers(mesh: Any) -> None:  # noqa: F811
+def test_connections_of_an_in_pod_node_through_both_workers(mesh: Any) -> None:
 
     node = mesh.cluster.nodes[0]
     zt = start_node(mesh, node, mesh.xds, POOL_MAX_STREAMS_PER_CONNECTION="1")

@@ -14,7 +14,7 @@ import pytest
 
 from controlplane.server import ControlPlane, ControlPlaneError
 from hbone.identity import Identity
-from xds.client import AuthToken
+from xds.channel import AuthToken
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
 from ztunnel.caclient import GrpcCaClient
 from ztunnel.certificates import CaError

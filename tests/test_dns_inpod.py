@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.cninode import Pod
+from tests.inpod_mesh import ZTUNNEL, Mesh, Ztunnel, mesh_fixture, workload_yaml
 from tests.netns import require_tools
-from tests.test_inpod_node import ZTUNNEL, Mesh, Ztunnel, mesh, workload_yaml
 from tests.waiting import eventually
 
-__all__ = ["mesh"]  # the fixture, shared with the in-pod node tests
+__all__ = ["mesh_fixture"]  # the fixture, shared with the in-pod node tests
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.root]
 

@@ -1,4 +1,4 @@
-"""The session's frame walker (`hbone.h2conn`), the custom DATA fast path above all, fed without
+"""The session (`hbone.h2conn` on its core, `hbone.h2core`), its DATA path above all, fed without
 sockets: frame sequences from a real `h2` client, split at random points, with malformed frames
 mixed in. Each case ends in correct delivery or a typed protocol error, never another exception,
 and a torn-down session never parses again.

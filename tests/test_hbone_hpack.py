@@ -51,4 +51,4 @@ def test_names_are_lowercased_and_values_trimmed() -> None:
 )
 def test_fields_http2_forbids_are_refused(name: str, value: str) -> None:
     with pytest.raises(HeaderFieldError):
-        StaticEncoder().prepare([(name, value)])
+        StaticEncoder().encode([(name, value)])

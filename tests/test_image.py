@@ -104,7 +104,7 @@ from hbone.client import HboneConnection
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
-from xds.client import AuthToken
+from xds.channel import AuthToken
 from ztunnel.caclient import GrpcCaClient
 
 class Collect(asyncio.Protocol):
@@ -309,6 +309,14 @@ class Mesh:
 
 @pytest.fixture
 def mesh(node: Node, image: str) -> Mesh:
+    token, root, cp_log = start_control_plane(node)
+    start_web_server(node)
+    zds_dir, conf_dir = start_node_agent(node, image)
+    return Mesh(node, token, root, zds_dir, conf_dir, cp_log)
+
+
+def start_control_plane(node: Node) -> tuple[Path, Path, Path]:
+    """The control plane with TLS, its CA and token auth: the token, the root and the log it writes."""
     d = node.dir
     token = d / "istio-token"
     token.write_text(f"header.{uuid.uuid4().hex}.signature\n")  # opaque to us, as a projected JWT is
@@ -334,6 +342,11 @@ def mesh(node: Node, image: str) -> Mesh:
     )
     root = d / "ca" / "root-cert.pem"
     eventually(lambda: "control plane listening" in cp_log.read_text(), lambda: cp_log.read_text())
+    return token, root, cp_log
+
+
+def start_web_server(node: Node) -> None:
+    d = node.dir
     www = d / "www"
     www.mkdir()
     (www / "hello.txt").write_text("hello through the mesh\n")
@@ -346,6 +359,10 @@ def mesh(node: Node, image: str) -> Mesh:
         "the web server",
     )
 
+
+def start_node_agent(node: Node, image: str) -> tuple[Path, Path]:
+    """The node agent from the image, read-only root, chaining its plugin: the ZDS and CNI conf dirs."""
+    d = node.dir
     # The node agent's container, as deploy/ runs it: the ZDS directory and the node's CNI directories.
     zds_dir, bin_dir, conf_dir = d / "run-ztunnel", d / "opt-cni-bin", d / "etc-cni-net.d"
     for path in (zds_dir, bin_dir, conf_dir):
@@ -396,7 +413,7 @@ def mesh(node: Node, image: str) -> Mesh:
         check=False,
     )
     assert version.returncode == 0 and "1.0.0" in json.loads(version.stdout)["supportedVersions"], version
-    return Mesh(node, token, root, zds_dir, conf_dir, cp_log)
+    return zds_dir, conf_dir
 
 
 def read_only_root(command: list[str]) -> list[str]:

@@ -3,7 +3,8 @@
 The test speaks ZDS from the agent's side with `xds.zds` and hands over real pod namespaces to a
 `ztunnel proxy` process (its supervisor and workers); what it checks is what an operator sees: listeners inside the pod's namespace (marked, reuse-port), the
 acks, readiness, `/config_dump`, the `workload_manager_*` metrics, and the exit on a protocol error.
-The full node (the real agent, the CNI plugins, traffic) is in `test_inpod_node.py`.
+The full node (the real agent, the CNI plugins, traffic) is in `test_inpod_node.py` and
+`test_inpod_workers.py`.
 """
 
 from __future__ import annotations

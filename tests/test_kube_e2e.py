@@ -14,19 +14,16 @@ import os
 import random
 import re
 import socket
-import socketserver
 import subprocess
 import sys
-import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.liveproxy import Output, echo_server, exchange, live_proxy, proxy_env, socks5_reply
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(180)
@@ -120,84 +117,11 @@ spec:
 """
 
 
-class _Echo(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        try:
-            while data := self.request.recv(65536):
-                self.request.sendall(data)
-        except OSError:
-            pass
-
-
-class _EchoServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-class Output:
-    """A process's output, collected by a thread as it comes."""
-
-    def __init__(self, stream: Any) -> None:
-        self.lines: list[str] = []
-        threading.Thread(target=self._drain, args=(stream,), daemon=True).start()
-
-    def _drain(self, stream: Any) -> None:
-        for line in stream:
-            self.lines.append(line.decode(errors="replace") if isinstance(line, bytes) else line)
-
-    def text(self) -> str:
-        return "".join(self.lines)
-
-
-@dataclass
-class Proxy:
-    ip: str
-    process: subprocess.Popen[bytes]
-    output: Output
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.ip}:15021/healthz/ready", timeout=5) as r:
-                return bool(r.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
-
-def launch(env: dict[str, str], ip: str) -> Proxy:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ztunnel", "proxy"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    return Proxy(ip, process, Output(process.stdout))
-
-
-def wait_ready(proxy: Proxy) -> None:
-    eventually(
-        lambda: proxy.ready() or proxy.process.poll() is not None,
-        lambda: f"readiness of {proxy.ip}\n{proxy.output.text()[-3000:]}",
-        timeout=30,
-    )
-    assert proxy.process.poll() is None, proxy.output.text()
-
-
-def stop(proxy: Proxy) -> None:
-    if proxy.process.poll() is None:
-        proxy.process.terminate()
-        try:
-            proxy.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proxy.process.kill()
-            proxy.process.wait()
-    sys.stdout.write(f"--- proxy {proxy.ip} output (tail) ---\n{proxy.output.text()[-3000:]}\n")
-
-
 @dataclass
 class Mesh:
     manifests: Path
     cp: subprocess.Popen[str]
     cp_output: Output
-    server: Proxy
-    client: Proxy
-    intruder: Proxy
 
 
 def free_port(host: str) -> int:
@@ -213,35 +137,24 @@ def write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def proxy_env(name: str, ip: str, control_plane: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZTUNNEL_", "PROXY_", "XDS_", "CA_"))}
-    env.update(
-        PROXY_MODE="dedicated",
-        PROXY_WORKLOAD_INFO=f"demo/{name}/{name}",
+def env_of(name: str, ip: str, control_plane: str) -> dict[str, str]:
+    """A dedicated proxy of the pod `demo/name` fed by the control plane (the server with 2 workers)."""
+    return proxy_env(
+        f"demo/{name}/{name}",
+        ip,
+        "",
         INSTANCE_IP=ip,
         ZTUNNEL_WORKER_THREADS="2" if name == "server" else "1",
         XDS_ADDRESS=control_plane,
         CA_ADDRESS=control_plane,
-        PROXY_BIND_ADDRESS=ip,
-        UNSTABLE_ENABLE_SOCKS5="true",
-        SOCKS5_ADDRESS=f"{ip}:15080",
-        ADMIN_ADDRESS=f"{ip}:15000",
-        STATS_ADDRESS=f"{ip}:15020",
-        READINESS_ADDRESS=f"{ip}:15021",
-        CONNECTION_TERMINATION_DEADLINE="1s",
+        FAKE_CA="false",
     )
-    return env
 
 
 @pytest.fixture(scope="module")
 def echo() -> Iterator[None]:
-    server = _EchoServer((SERVER, APP_PORT), _Echo)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with echo_server(SERVER, APP_PORT):
         yield
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
@@ -259,19 +172,16 @@ def mesh(echo: None, tmp_path: Path) -> Iterator[Mesh]:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     cp_output = Output(cp.stdout)
-    eventually(lambda: "root certificate:" in cp_output.text() or cp.poll() is not None, "the control plane")
-    assert cp.poll() is None, cp_output.text()
-    proxies = [
-        launch(proxy_env(name, ip, f"http://{address}"), ip)
-        for name, ip in (("server", SERVER), ("client", CLIENT), ("intruder", INTRUDER))
-    ]
     try:
-        for proxy in proxies:
-            wait_ready(proxy)
-        yield Mesh(manifests, cp, cp_output, *proxies)
+        eventually(
+            lambda: "root certificate:" in cp_output.text() or cp.poll() is not None, "the control plane"
+        )
+        assert cp.poll() is None, cp_output.text()
+        with ExitStack() as stack:
+            for name, ip in (("server", SERVER), ("client", CLIENT), ("intruder", INTRUDER)):
+                stack.enter_context(live_proxy(env_of(name, ip, f"http://{address}")))
+            yield Mesh(manifests, cp, cp_output)
     finally:
-        for proxy in proxies:
-            stop(proxy)
         cp.terminate()
         cp.wait(timeout=10)
         sys.stdout.write(f"--- control plane output ---\n{cp_output.text()}\n")
@@ -279,17 +189,7 @@ def mesh(echo: None, tmp_path: Path) -> Iterator[Mesh]:
 
 def connect(proxy_ip: str, target: tuple[str, int] = (SERVER, APP_PORT)) -> tuple[socket.socket, int]:
     """A SOCKS5 CONNECT through a proxy to the server pod's app; the reply code (0: connected)."""
-    s = socket.create_connection((proxy_ip, 15080), timeout=10)
-    s.sendall(
-        b"\x05\x01\x00" + b"\x05\x01\x00\x01" + socket.inet_aton(target[0]) + target[1].to_bytes(2, "big")
-    )
-    reply = b""
-    while len(reply) < 12:
-        chunk = s.recv(12 - len(reply))
-        if not chunk:
-            raise ConnectionError(f"closed during the SOCKS5 handshake: {reply!r}")
-        reply += chunk
-    return s, reply[3]
+    return socks5_reply(proxy_ip, *target)
 
 
 def echoed(proxy_ip: str, payload: bytes, target: tuple[str, int] = (SERVER, APP_PORT)) -> bool:
@@ -298,15 +198,10 @@ def echoed(proxy_ip: str, payload: bytes, target: tuple[str, int] = (SERVER, APP
     with s:
         if code != 0:
             return False
-        s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)
-        got = b""
         try:
-            while chunk := s.recv(65536):
-                got += chunk
+            return exchange(s, payload) == payload
         except OSError:
             return False
-        return got == payload
 
 
 def denied(proxy_ip: str) -> bool:

@@ -1,19 +1,24 @@
-"""The workload/service/policy store and its lookups."""
+"""The workload/service store and its lookups: endpoints, removal, addresses, VIPs and host names,
+the proxy's own workload, the listeners of its changes."""
 
 from __future__ import annotations
 
-import ipaddress
-import json
 from dataclasses import replace
-from typing import Any
 
 import pytest
 
-from policy import Allow, Connection, Deny, authorize
-from policy.model import Action, Authorization, Match, Scope, StringMatch, StringMatchKind
-from xds.localconfig import LocalConfig, parse_local_config
+from policy.model import Scope
+from tests.workloads import (
+    SVC,
+    VIP,
+    cidr_service,
+    ip,
+    pol,
+    service,
+    uids,
+    workload,
+)
 from xds.model import (
-    CidrVip,
     Endpoint,
     HealthPolicy,
     LoadBalancer,
@@ -26,60 +31,6 @@ from xds.model import (
     WorkloadStatus,
 )
 from ztunnel.state import ProxyState
-
-SVC = "ns/svc.example"
-
-
-def ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    return ipaddress.ip_address(text)
-
-
-def workload(
-    uid: str,
-    *ips: str,
-    services: dict[str, dict[int, int]] | None = None,
-    status: WorkloadStatus = WorkloadStatus.HEALTHY,
-    namespace: str = "ns",
-    **kwargs: Any,
-) -> Workload:
-    memberships = tuple((key, tuple(ports.items())) for key, ports in (services or {}).items())
-    base = Workload(
-        uid=uid, namespace=namespace, addresses=tuple(ip(a) for a in ips), services=memberships, status=status
-    )
-    return replace(base, **kwargs)
-
-
-def service(
-    name: str = "svc",
-    namespace: str = "ns",
-    vips: tuple[str, ...] = ("10.96.0.1",),
-    hostname: str | None = None,
-    **kwargs: Any,
-) -> Service:
-    base = Service(
-        name=name,
-        namespace=namespace,
-        hostname=hostname or f"{name}.example",
-        vips=tuple(NetworkAddress("", ip(v)) for v in vips),
-        ports=((80, 8080),),
-    )
-    return replace(base, **kwargs)
-
-
-def cidr_service(name: str, namespace: str, cidr: str, canonical: bool = False) -> Service:
-    return service(
-        name,
-        namespace,
-        vips=(),
-        hostname=f"{name}.{namespace}.example",
-        cidr_vips=(CidrVip("", ipaddress.ip_network(cidr)),),
-        canonical=canonical,
-    )
-
-
-def uids(endpoints: list[Endpoint]) -> list[str]:
-    return [ep.workload_uid for ep in endpoints]
-
 
 # --- endpoints -------------------------------------------------------------------------------------
 
@@ -264,8 +215,6 @@ def test_ipv6_workload_address() -> None:
 
 # --- services by VIP and hostname ------------------------------------------------------------------
 
-VIP = ip("10.96.0.1")
-
 
 def selected(state: ProxyState, client_namespace: str | None) -> str | None:
     found = state.service_for_vip("", VIP, client_namespace)
@@ -405,119 +354,6 @@ def test_find_local_workload_only_on_this_node() -> None:
         assert found is not None and found.uid == "elsewhere"
 
 
-# --- policies --------------------------------------------------------------------------------------
-
-MATCH_ALL = (((),),)
-
-
-def pol(name: str, namespace: str, scope: Scope) -> Authorization:
-    return Authorization(name=name, namespace=namespace, scope=scope, rules=MATCH_ALL)
-
-
-def keys(policies: list[Authorization]) -> set[str]:
-    return {p.key for p in policies}
-
-
-def test_policies_for_namespace_global_and_listed() -> None:
-    state = ProxyState()
-    state.upsert_policy(pol("ns-wide", "ns1", Scope.NAMESPACE))
-    state.upsert_policy(pol("other-ns", "ns2", Scope.NAMESPACE))
-    state.upsert_policy(pol("mesh-wide", "istio-system", Scope.GLOBAL))
-    state.upsert_policy(pol("selected", "ns1", Scope.WORKLOAD_SELECTOR))
-    state.upsert_policy(pol("strict", "istio-system", Scope.WORKLOAD_SELECTOR))
-
-    plain = workload("w", namespace="ns1")
-    assert keys(state.policies_for(plain)) == {"ns1/ns-wide", "istio-system/mesh-wide"}
-
-    listed = workload(
-        "w2", namespace="ns1", authorization_policies=("istio-system/strict", "ns2/other-ns", "ns1/missing")
-    )
-    assert keys(state.policies_for(listed)) == {
-        "ns1/ns-wide",
-        "istio-system/mesh-wide",
-        "istio-system/strict",
-        "ns2/other-ns",
-    }
-
-
-def test_listing_a_policy_also_implied_yields_it_once() -> None:
-    state = ProxyState()
-    state.upsert_policy(pol("p", "ns1", Scope.NAMESPACE))
-    w = workload("w", namespace="ns1", authorization_policies=("ns1/p",))
-    assert [p.key for p in state.policies_for(w)] == ["ns1/p"]
-
-
-def test_case44_policy_reinserted_with_another_scope_leaves_namespace_index() -> None:
-    state = ProxyState()
-    state.upsert_policy(pol("p", "ns1", Scope.NAMESPACE))
-    w = workload("w", namespace="ns1")
-    assert keys(state.policies_for(w)) == {"ns1/p"}
-    state.upsert_policy(pol("p", "ns1", Scope.WORKLOAD_SELECTOR))
-    assert state.policies_for(w) == []
-    state.upsert_policy(pol("p", "ns1", Scope.GLOBAL))
-    assert keys(state.policies_for(workload("w3", namespace="ns9"))) == {"ns1/p"}
-    state.upsert_policy(pol("p", "ns1", Scope.NAMESPACE))
-    assert state.policies_for(workload("w3", namespace="ns9")) == []
-
-
-def test_remove_policy() -> None:
-    state = ProxyState()
-    state.upsert_policy(pol("p", "ns1", Scope.NAMESPACE))
-    assert state.remove_policy("ns1/p")
-    assert not state.remove_policy("ns1/p")
-    assert state.policies_for(workload("w", namespace="ns1")) == []
-    assert state.policy("ns1/p") is None
-
-
-def test_end_to_end_decisions_cases_37_to_40() -> None:
-    def principal(sa: str) -> StringMatch:
-        return StringMatch(StringMatchKind.EXACT, f"cluster.local/ns/default/sa/{sa}")
-
-    state = ProxyState()
-    state.upsert_policy(
-        Authorization(
-            "foo",
-            "ns1",
-            Scope.NAMESPACE,
-            Action.ALLOW,
-            (((Match(principals=(principal("defaultacct"),)),),),),
-        )
-    )
-    state.upsert_policy(
-        Authorization(
-            "deny", "ns1", Scope.NAMESPACE, Action.DENY, (((Match(principals=(principal("denyacct"),)),),),)
-        )
-    )
-    state.upsert_policy(Authorization("dry-run-allow", "ns1", Scope.NAMESPACE, Action.ALLOW, MATCH_ALL, True))
-    state.upsert_policy(Authorization("dry-run-deny", "ns1", Scope.NAMESPACE, Action.DENY, MATCH_ALL, True))
-
-    def decide(namespace: str, sa: str) -> Allow | Deny:
-        conn = Connection(
-            src_ip=ip("10.0.0.1"),
-            src_port=1234,
-            dst_ip=ip("10.0.0.2"),
-            dst_port=8080,
-            src_principal=f"spiffe://cluster.local/ns/default/sa/{sa}",
-            src_namespace="default",
-            src_service_account=sa,
-        )
-        return authorize(state.policies_for(workload("dst", "10.0.0.2", namespace=namespace)), conn)
-
-    assert isinstance(decide("ns2", "not-defaultacct"), Allow)
-    assert isinstance(decide("ns1", "defaultacct"), Allow)
-    assert decide("ns1", "not-defaultacct") == Deny(
-        "allow policies exist, but none allowed",
-        None,
-        (
-            "dry-run: deny policy match policy=ns1/dry-run-deny",
-            "dry-run: allow policy match policy=ns1/dry-run-allow",
-        ),
-    )
-    assert decide("ns1", "denyacct") == Deny(
-        "explicitly denied by: ns1/deny", "ns1/deny", ("dry-run: deny policy match policy=ns1/dry-run-deny",)
-    )
-
-
 # --- listeners -------------------------------------------------------------------------------------
 
 
@@ -558,103 +394,3 @@ def test_failing_listener_does_not_stop_the_others() -> None:
     state.upsert_service(service())
     assert calls == ["ok"]
     assert state.service_by_key(SVC) is not None
-
-
-# --- the local config ------------------------------------------------------------------------------
-
-LOCAL = """
-workloads:
-  - uid: c//v1/Pod/demo/server
-    name: server
-    namespace: demo
-    serviceAccount: server-sa
-    workloadIps: ["127.0.0.2"]
-    protocol: HBONE
-    services:
-      "demo/server.demo.svc.cluster.local": {80: 8080}
-      "demo/not-yet.demo.svc.cluster.local": {80: 8080}
-services:
-  - name: server
-    namespace: demo
-    hostname: server.demo.svc.cluster.local
-    vips: ["/10.96.1.1"]
-    ports: {80: 8080}
-policies:
-  - name: only-client
-    namespace: demo
-    scope: Namespace
-    action: Allow
-    dryRun: false
-    rules:
-      - - - principals: [!Exact "cluster.local/ns/demo/sa/client-sa"]
-"""
-
-
-def test_apply_local_config_replaces_everything() -> None:
-    state = ProxyState()
-    state.upsert_workload(workload("old", "10.0.0.9", services={"old/old.example": {1: 1}}))
-    state.upsert_service(service("old", "old"))
-    state.upsert_policy(pol("old", "demo", Scope.NAMESPACE))
-    policy_changes: list[str] = []
-    state.subscribe_policies(lambda: policy_changes.append("policy"))
-
-    state.apply_local_config(parse_local_config(LOCAL))
-    assert [w.uid for w in state.workloads()] == ["c//v1/Pod/demo/server"]
-    assert state.workload_by_addr("", ip("10.0.0.9")) is None
-    assert [s.key for s in state.services()] == ["demo/server.demo.svc.cluster.local"]
-    assert state.services_by_vip("", VIP) == []
-    assert [p.key for p in state.policies()] == ["demo/only-client"]
-    assert uids(state.endpoints("demo/server.demo.svc.cluster.local")) == ["c//v1/Pod/demo/server"]
-    assert list(state.dump()["stagedServices"]) == ["demo/not-yet.demo.svc.cluster.local"]
-    assert policy_changes == ["policy"]
-
-    state.apply_local_config(LocalConfig())
-    assert (state.workloads(), state.services(), state.policies()) == ([], [], [])
-    assert state.dump() == {"workloads": [], "services": [], "policies": [], "stagedServices": {}}
-
-
-def test_dump_is_json_and_parses_back_as_a_local_config() -> None:
-    state = ProxyState()
-    cfg = parse_local_config(LOCAL)
-    state.apply_local_config(cfg)
-    state.upsert_service(cidr_service("cidr", "demo", "10.0.0.0/8"))
-    dump = state.dump()
-    assert json.loads(json.dumps(dump)) == dump
-
-    (w,) = dump["workloads"]
-    assert w["uid"] == "c//v1/Pod/demo/server"
-    assert w["workloadIps"] == ["127.0.0.2"]
-    assert w["protocol"] == "HBONE"
-    assert w["trustDomain"] == ""
-    assert dump["services"][0]["endpoints"] == {
-        "c//v1/Pod/demo/server": {
-            "workloadUid": "c//v1/Pod/demo/server",
-            "port": {"80": 8080},
-            "status": "Healthy",
-        }
-    }
-    assert dump["services"][1]["cidrVips"] == [{"network": "", "cidr": "10.0.0.0/8"}]
-    assert dump["policies"][0]["rules"][0][0][0]["principals"] == [
-        {"Exact": "cluster.local/ns/demo/sa/client-sa"}
-    ]
-
-    staged = dump.pop("stagedServices")
-    assert list(staged) == ["demo/not-yet.demo.svc.cluster.local"]
-    again = parse_local_config(json.dumps(dump))
-    assert again.workloads == cfg.workloads
-    assert again.policies == cfg.policies
-
-
-def test_unknown_listed_policy_is_skipped_and_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:
-    state = ProxyState()
-    w = workload("w1", "10.0.0.1", authorization_policies=("ns/not-yet",))
-    state.upsert_workload(w)
-    with caplog.at_level("WARNING", logger="ztunnel.state"):
-        for _ in range(3):  # as for three connections
-            assert state.policies_for(w) == []
-    assert [r.getMessage() for r in caplog.records] == [
-        "workload w1 names unknown policy ns/not-yet, skipping it"
-    ]
-    known = Authorization(name="not-yet", namespace="ns", scope=Scope.WORKLOAD_SELECTOR)
-    state.upsert_policy(known)
-    assert state.policies_for(w) == [known]

@@ -2,23 +2,19 @@
 
 `parse_local_config` reads the reference's format exactly (camelCase keys, string matches as the YAML
 tags `!Exact`, `!Prefix`, `!Suffix`, `!Presence`, plus our map form `{Exact: x}`) into the values of
-`xds.model` and `policy.model`. Every error names the file, the key path and the reason. The
-`*_to_dict` functions render model values in the same format; `/config_dump` shows them, and what they
-produce parses back to equal values.
+`xds.model` and `policy.model`. Every error names the file, the key path and the reason. The YAML
+itself is read by `localyaml.py`; `render.py` writes model values back in this format.
 """
 
 from __future__ import annotations
 
-import base64
-import datetime
 import functools
 import ipaddress
 import json
 import os
-import re
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, TypeVar
 
 import yaml
 
@@ -32,6 +28,8 @@ from policy.model import (
     StringMatch,
     StringMatchKind,
 )
+from xds import localyaml
+from xds.localyaml import Tagged, WrittenFloat, WrittenInt, plain
 from xds.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
@@ -123,8 +121,7 @@ def load_local_config(path: str | os.PathLike[str]) -> LocalConfig:
 
 def parse_local_config(text: str, source: str = "<inline>") -> LocalConfig:
     try:
-        _check_shape(text)
-        document = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+        document = localyaml.load(text)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -132,243 +129,13 @@ def parse_local_config(text: str, source: str = "<inline>") -> LocalConfig:
     except yaml.YAMLError as e:
         raise LocalConfigError(f"{source}: invalid YAML: {e}") from None
     except (ValueError, TypeError, AttributeError, IndexError, OverflowError, RecursionError) as e:
-        # A PyYAML constructor that fails in its own way (`_Loader.construct_object` names most).
+        # A PyYAML constructor that fails in its own way (`StrictLoader.construct_object` names most).
         raise LocalConfigError(f"{source}: invalid YAML: cannot read a value: {e}") from None
     try:
         return _local_config(document)
     except _Invalid as e:
         prefix = f"{source}: {e.path}: " if e.path else f"{source}: "
         raise LocalConfigError(prefix + e.reason) from None
-
-
-# --- YAML loading -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Tagged:
-    """A value written with a local tag (`!Exact "x"`); only string matches may carry one."""
-
-    tag: str
-    value: object
-
-
-# Bounds checked on the parser's events before anything is built, so that neither PyYAML's recursive
-# composer nor our readers meet a document nested deeper than any real configuration (one is about
-# ten levels deep), and a few hundred bytes of aliases cannot stand for millions of values.
-MAX_DEPTH = 100
-MAX_ALIASED_NODES = 100_000
-
-
-def _shape_error(problem: str, event: yaml.Event) -> yaml.MarkedYAMLError:
-    return yaml.MarkedYAMLError(problem=problem, problem_mark=cast(yaml.Mark, event.start_mark))
-
-
-def _check_shape(text: str) -> None:
-    """Refuse, as a marked YAML error, nesting deeper than `MAX_DEPTH`, an alias inside its own
-    anchor (a recursive value), and aliases that together expand to more than `MAX_ALIASED_NODES`."""
-    sizes: dict[str, int] = {}  # anchor -> the number of nodes its value expands to
-    open_anchors: set[str] = set()
-    stack: list[tuple[str | None, int]] = []  # open collections: (anchor, node count at the start)
-    count = aliased = 0
-    for event in yaml.parse(text, Loader=_Loader):
-        if isinstance(event, yaml.ScalarEvent):
-            count += 1
-            if event.anchor is not None:
-                sizes[event.anchor] = 1
-        elif isinstance(event, yaml.CollectionStartEvent):
-            if len(stack) >= MAX_DEPTH:
-                raise _shape_error(f"nested deeper than {MAX_DEPTH} levels", event)
-            stack.append((event.anchor, count))
-            count += 1
-            if event.anchor is not None:
-                open_anchors.add(event.anchor)
-        elif isinstance(event, yaml.CollectionEndEvent):
-            anchor, start = stack.pop()
-            if anchor is not None:
-                sizes[anchor] = count - start
-                open_anchors.discard(anchor)
-        elif isinstance(event, yaml.AliasEvent) and event.anchor is not None:
-            if event.anchor in open_anchors:
-                raise _shape_error(f"recursive alias *{event.anchor} (inside its own anchor)", event)
-            size = sizes.get(event.anchor, 1)  # an undefined one is reported by the composer
-            count += size
-            aliased += size
-            if aliased > MAX_ALIASED_NODES:
-                raise _shape_error(f"aliases expand to more than {MAX_ALIASED_NODES} values", event)
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML speaks YAML 1.1; the reference's parser speaks 1.2 and rejects duplicate keys.
-
-    So `no`/`on` stay strings, `010` is ten, no timestamps appear, and a repeated key is an error.
-    """
-
-    yaml_implicit_resolvers: dict[Any, Any] = {}
-
-    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
-        # The scanner keeps a possible simple key per open `[`/`{` and re-walks them all for every
-        # token it reads ahead: thousands of open brackets cost seconds before the first event.
-        if self.flow_level >= MAX_DEPTH:
-            raise yaml.scanner.ScannerError(
-                None, None, f"nested deeper than {MAX_DEPTH} levels", self.get_mark()
-            )
-        super().fetch_flow_collection_start(TokenClass)
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
-        seen: set[Hashable] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                hash(key)
-            except TypeError:  # a list or mapping, also one inside a tag (`!Exact [1]`)
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping",
-                    node.start_mark,
-                    "found unhashable key",
-                    key_node.start_mark,
-                ) from None
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping",
-                    node.start_mark,
-                    f"duplicate key {key!r}",
-                    key_node.start_mark,
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
-        # PyYAML's constructors for explicit tags fail on bad text with whatever they hit (`!!float ''`
-        # an IndexError, `!!timestamp nope` an AttributeError, `!!bool ''` a KeyError): name the value.
-        try:
-            return super().construct_object(node, deep)
-        except (ValueError, TypeError, AttributeError, LookupError, OverflowError):
-            what = f"value {node.value!r}" if isinstance(node, yaml.ScalarNode) else "collection"
-            raise yaml.constructor.ConstructorError(
-                None, None, f"invalid {node.tag} {what}", node.start_mark
-            ) from None
-
-
-class _Int(int):
-    """An int that remembers how it was written: a string field takes the text (`canonicalRevision: 010`)."""
-
-    text = ""
-
-
-class _Float(float):
-    text = ""
-
-
-def _scalar_only(node: yaml.Node) -> yaml.ScalarNode:
-    if not isinstance(node, yaml.ScalarNode):  # `!!int []`
-        raise yaml.constructor.ConstructorError(None, None, f"{node.tag} needs a scalar", node.start_mark)
-    return node
-
-
-def _construct_int(loader: yaml.SafeLoader, tagged: yaml.Node) -> int:
-    node = _scalar_only(tagged)
-    text = loader.construct_scalar(node)
-    digits = text.replace("_", "").lstrip("+-")
-    try:
-        magnitude = int(digits, 0) if digits[:2] in ("0o", "0x") else int(digits, 10)
-    except ValueError:
-        raise yaml.constructor.ConstructorError(
-            None, None, f"invalid integer {text!r}", node.start_mark
-        ) from None
-    number = _Int(-magnitude if text.startswith("-") else magnitude)
-    number.text = text
-    return number
-
-
-def _construct_float(loader: yaml.SafeLoader, tagged: yaml.Node) -> float:
-    node = _scalar_only(tagged)
-    number = _Float(loader.construct_yaml_float(node))
-    number.text = loader.construct_scalar(node)
-    return number
-
-
-def _text(value: str, node: yaml.Node) -> str:
-    """A string as written: `"\\ud83d\\ude00"` (how JSON, `/config_dump` too, escapes one character
-    above U+FFFF) is that one character, as in YAML 1.2; PyYAML reads two lone surrogates, which no
-    encoder takes. A lone surrogate is an error."""
-    try:
-        value.encode("utf-8")
-        return value
-    except UnicodeEncodeError:
-        pass
-    try:
-        return value.encode("utf-16", "surrogatepass").decode("utf-16")
-    except UnicodeDecodeError:
-        raise yaml.constructor.ConstructorError(
-            None, None, "string with an unpaired surrogate escape (\\ud800-\\udfff)", node.start_mark
-        ) from None
-
-
-def _construct_str(loader: yaml.SafeLoader, node: yaml.Node) -> str:
-    return _text(loader.construct_yaml_str(_scalar_only(node)), node)
-
-
-def _construct_tagged(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> _Tagged:
-    value: object
-    if isinstance(node, yaml.ScalarNode):
-        value = _text(loader.construct_scalar(node), node)
-    elif isinstance(node, yaml.SequenceNode):
-        value = loader.construct_sequence(node, deep=True)
-    else:
-        assert isinstance(node, yaml.MappingNode)
-        value = loader.construct_mapping(node, deep=True)
-    return _Tagged(suffix, value)
-
-
-# The YAML 1.2 core schema; the int resolver comes before the float one so that `80` is an int.
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
-)
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-    ),
-    list("-+.0123456789"),
-)
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"), ["~", "n", "N", ""]
-)
-_Loader.add_implicit_resolver("tag:yaml.org,2002:merge", re.compile(r"^(?:<<)$"), ["<"])
-_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
-_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
-_Loader.add_constructor("tag:yaml.org,2002:str", _construct_str)
-_Loader.add_multi_constructor("!", _construct_tagged)
-
-
-def _plain(value: object) -> Any:
-    """The document as JSON values: tags become the map form, other YAML-only types strings."""
-    if isinstance(value, _Tagged):
-        inner = [] if value.tag == StringMatchKind.PRESENCE.value else _plain(value.value)
-        return {value.tag: inner}
-    if isinstance(value, dict):
-        return {
-            k if isinstance(k, str | int | float | bool) or k is None else str(k): _plain(v)
-            for k, v in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode("ascii")
-    if isinstance(value, datetime.date):
-        return value.isoformat()
-    if isinstance(value, _Int):
-        return int(value)
-    if isinstance(value, _Float):
-        return float(value)
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return str(value)
 
 
 # --- reading the document ---------------------------------------------------------------------
@@ -388,7 +155,7 @@ def _fail(path: str, reason: str) -> NoReturn:
 def _describe(value: object) -> str:
     if value is None:
         return "null"
-    if isinstance(value, _Tagged):
+    if isinstance(value, Tagged):
         return f"a value tagged !{value.tag}"
     if isinstance(value, bool):
         return f"the boolean {str(value).lower()}"
@@ -438,7 +205,7 @@ def _string(value: object, path: str) -> str:
     # The reference's parser reads any plain scalar as the text written (`canonicalRevision: 1.10`).
     if isinstance(value, str):
         return value
-    if isinstance(value, _Int | _Float):
+    if isinstance(value, WrittenInt | WrittenFloat):
         return value.text
     if isinstance(value, bool):
         return str(value).lower()
@@ -459,7 +226,7 @@ def _unsigned(value: object, path: str, bits: int, what: str) -> int:
         _fail(path, f"expected {what}, got {_describe(value)}")
     if not 0 <= value < 1 << bits:
         _fail(path, f"invalid {what} {value} (expected 0..{(1 << bits) - 1})")
-    return int(value)  # not the _Int that remembers its text
+    return int(value)  # not the WrittenInt that remembers its text
 
 
 def _port(value: object, path: str) -> int:
@@ -697,7 +464,7 @@ _STRING_MATCH_FORMS = "!Exact, !Prefix, !Suffix or !Presence"
 
 def _string_match(value: object, path: str) -> StringMatch:
     """`!Exact "x"` (the reference's form) or `{Exact: "x"}` (ours)."""
-    if isinstance(value, _Tagged):
+    if isinstance(value, Tagged):
         kind = STRING_MATCH_KINDS.get(value.tag)
         if kind is None:
             _fail(path, f"unknown string match tag '!{value.tag}' (expected {_STRING_MATCH_FORMS})")
@@ -775,133 +542,7 @@ def _local_config(document: object) -> LocalConfig:
         workloads=obj.get("workloads", _list_of(_workload), ()),
         services=obj.get("services", _list_of(_service), ()),
         policies=obj.get("policies", _list_of(_policy), ()),
-        raw=_plain(document),
+        raw=plain(document),
     )
     obj.refuse_unknown()
     return config
-
-
-# --- rendering model values in the same format ------------------------------------------------
-
-
-def _name(table: Mapping[str, E], value: E) -> str:
-    return next(name for name, member in table.items() if member == value)
-
-
-def _port_map_dict(ports: Iterable[tuple[int, int]]) -> dict[str, int]:
-    # String keys: the dict is then equal to its own JSON round trip.
-    return {str(svc): target for svc, target in ports}
-
-
-def gateway_to_dict(gateway: GatewayAddress | None) -> dict[str, Any] | None:
-    if gateway is None:
-        return None
-    return {"destination": str(gateway.destination), "hboneMtlsPort": gateway.hbone_mtls_port}
-
-
-def endpoint_to_dict(endpoint: Endpoint) -> dict[str, Any]:
-    return {
-        "workloadUid": endpoint.workload_uid,
-        "port": _port_map_dict(endpoint.port),
-        "status": _name(STATUSES, endpoint.status),
-    }
-
-
-def workload_to_dict(w: Workload) -> dict[str, Any]:
-    tunnel = w.application_tunnel
-    return {
-        "uid": w.uid,
-        "name": w.name,
-        "namespace": w.namespace,
-        "workloadIps": [str(ip) for ip in w.addresses],
-        "hostname": w.hostname,
-        "network": w.network,
-        "protocol": _name(PROTOCOLS, w.tunnel_protocol),
-        "trustDomain": w.trust_domain,
-        "serviceAccount": w.service_account,
-        "waypoint": gateway_to_dict(w.waypoint),
-        "networkGateway": gateway_to_dict(w.network_gateway),
-        "node": w.node,
-        "canonicalName": w.canonical_name,
-        "canonicalRevision": w.canonical_revision,
-        "workloadType": w.workload_type,
-        "workloadName": w.workload_name,
-        "nativeTunnel": w.native_tunnel,
-        "applicationTunnel": None
-        if tunnel is None
-        else {"protocol": _name(APP_TUNNEL_PROTOCOLS, tunnel.protocol), "port": tunnel.port},
-        "services": {key: _port_map_dict(ports) for key, ports in w.services},
-        "authorizationPolicies": list(w.authorization_policies),
-        "status": _name(STATUSES, w.status),
-        "clusterId": w.cluster_id,
-        "locality": {"region": w.locality.region, "zone": w.locality.zone, "subzone": w.locality.subzone},
-        "networkMode": _name(NETWORK_MODES, w.network_mode),
-        "capacity": w.capacity,
-    }
-
-
-def service_to_dict(s: Service, endpoints: Iterable[Endpoint] | None = None) -> dict[str, Any]:
-    """`endpoints` replaces the service's own list (the store shows the endpoints it has merged)."""
-    lb = s.load_balancer
-    return {
-        "name": s.name,
-        "namespace": s.namespace,
-        "hostname": s.hostname,
-        "vips": [str(vip) for vip in s.vips],
-        "cidrVips": [{"network": vip.network, "cidr": str(vip.cidr)} for vip in s.cidr_vips],
-        "ports": _port_map_dict(s.ports),
-        "endpoints": {
-            ep.workload_uid: endpoint_to_dict(ep) for ep in (s.endpoints if endpoints is None else endpoints)
-        },
-        "subjectAltNames": list(s.subject_alt_names),
-        "waypoint": gateway_to_dict(s.waypoint),
-        "weightedWaypoints": [
-            {"destination": gateway_to_dict(ww.destination), "weight": ww.weight}
-            for ww in s.weighted_waypoints
-        ],
-        "loadBalancer": None
-        if lb is None
-        else {
-            "routingPreferences": [_name(ROUTING_PREFERENCES, scope) for scope in lb.routing_preferences],
-            "mode": _name(LOAD_BALANCING_MODES, lb.mode),
-            "healthPolicy": _name(HEALTH_POLICIES, lb.health_policy),
-        },
-        "ipFamilies": None if s.ip_families is IPFamilies.AUTOMATIC else _name(IP_FAMILIES, s.ip_families),
-        "canonical": s.canonical,
-        "visibility": _name(VISIBILITIES, s.visibility),
-    }
-
-
-def string_match_to_dict(m: StringMatch) -> dict[str, Any]:
-    return {m.kind.value: [] if m.kind is StringMatchKind.PRESENCE else m.value}
-
-
-def match_to_dict(m: Match) -> dict[str, Any]:
-    def service_accounts(items: Iterable[ServiceAccountMatch]) -> list[dict[str, str]]:
-        return [{"namespace": sa.namespace, "serviceAccount": sa.service_account} for sa in items]
-
-    return {
-        "namespaces": [string_match_to_dict(x) for x in m.namespaces],
-        "notNamespaces": [string_match_to_dict(x) for x in m.not_namespaces],
-        "principals": [string_match_to_dict(x) for x in m.principals],
-        "notPrincipals": [string_match_to_dict(x) for x in m.not_principals],
-        "sourceIps": [str(net) for net in m.source_ips],
-        "notSourceIps": [str(net) for net in m.not_source_ips],
-        "destinationIps": [str(net) for net in m.destination_ips],
-        "notDestinationIps": [str(net) for net in m.not_destination_ips],
-        "destinationPorts": list(m.destination_ports),
-        "notDestinationPorts": list(m.not_destination_ports),
-        "serviceAccounts": service_accounts(m.service_accounts),
-        "notServiceAccounts": service_accounts(m.not_service_accounts),
-    }
-
-
-def policy_to_dict(p: Authorization) -> dict[str, Any]:
-    return {
-        "name": p.name,
-        "namespace": p.namespace,
-        "scope": _name(SCOPES, p.scope),
-        "action": _name(ACTIONS, p.action),
-        "rules": [[[match_to_dict(m) for m in clause] for clause in rule] for rule in p.rules],
-        "dryRun": p.dry_run,
-    }

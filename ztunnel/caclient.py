@@ -7,7 +7,7 @@ so the request carries `ImpersonatedIdentity` in its metadata and the returned l
 identity asked for. The response chain is leaf, intermediates, and last the trust bundle (which may
 hold several roots). Every failure raises `CaError` with a message naming the CA and the reason.
 
-The channel, TLS roots and per-call headers are those of the xDS client (`xds.client`); with https the
+The channel, TLS roots and per-call headers are those of the xDS client (`xds.channel`); with https the
 root certificate is read again before each request and the channel rebuilt when it changed.
 """
 
@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate, uri_sans
-from xds.client import (
+from xds.channel import (
     AuthToken,
     ControlPlaneAddress,
     ControlPlaneError,

@@ -78,7 +78,8 @@ def _control_plane(args: argparse.Namespace) -> int:
 
 
 def _cni_agent(args: argparse.Namespace) -> int:
-    from cni.agent import AgentError, run_agent
+    from cni.agent import AgentError
+    from cni.daemon import run_agent
 
     if not _setup_logging("cni-agent"):
         return 1

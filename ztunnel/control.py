@@ -43,7 +43,8 @@ from ztunnel.metrics import Metrics
 from ztunnel.state import ProxyState
 
 if TYPE_CHECKING:
-    from xds.client import AuthToken, XdsClient
+    from xds.channel import AuthToken
+    from xds.client import XdsClient
     from ztunnel.caclient import GrpcCaClient
     from ztunnel.inpod.manager import PodRuntime, WorkloadProxyManager
 
@@ -164,7 +165,7 @@ class ControlRuntime:
         if not (self.config.xds_address or self.secrets is None):
             return None
         # gRPC and the protocol modules cost ~15 MB of RSS: loaded only when a control plane is used.
-        from xds.client import AuthToken
+        from xds.channel import AuthToken
 
         return AuthToken.from_setting(self.config.auth_token)
 
@@ -187,7 +188,8 @@ class ControlRuntime:
         return SecretManager(self._ca, tls=self.tls)
 
     def _start_xds(self, address: str, token: AuthToken | None, on_synced: Callable[[], None]) -> None:
-        from xds.client import XdsClient, node_from
+        from xds.channel import node_from
+        from xds.client import XdsClient
 
         cfg = self.config
         self.xds = xds = XdsClient(

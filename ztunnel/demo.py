@@ -424,129 +424,171 @@ async def mesh_name(frontend: DemoProxy) -> tuple[list[list[str]], bool]:
     return rows, resolved and reached
 
 
-def run_demo(*, keep: bool = False, kube: bool = False) -> int:
-    workdir = Path(tempfile.mkdtemp(prefix="ztunnel-demo-"))
-    config_path = workdir / "mesh.yaml"
-    if kube:
-        config_path = workdir / "manifests"
-        config_path.mkdir()
-        (config_path / "mesh.yaml").write_text(KUBE_MESH)
-        (config_path / "policy.yaml").write_text(KUBE_ONLY_FRONTEND)
-    else:
-        config_path.write_text(LOCAL_CONFIG)
+@dataclass
+class DemoMesh:
+    """The demo's files: what the control plane serves, and the edit that denies the frontend."""
 
-    def deny() -> str:
-        if kube:
-            (config_path / "deny-frontend.yaml").write_text(KUBE_DENY_FRONTEND)
+    workdir: Path
+    kube: bool
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / ("manifests" if self.kube else "mesh.yaml")
+
+    def write(self) -> None:
+        if self.kube:
+            self.config_path.mkdir()
+            (self.config_path / "mesh.yaml").write_text(KUBE_MESH)
+            (self.config_path / "policy.yaml").write_text(KUBE_ONLY_FRONTEND)
+        else:
+            self.config_path.write_text(LOCAL_CONFIG)
+
+    def deny(self) -> str:
+        if self.kube:
+            (self.config_path / "deny-frontend.yaml").write_text(KUBE_DENY_FRONTEND)
             return "AuthorizationPolicy file added"
-        config_path.write_text(LOCAL_CONFIG + DENY_FRONTEND)
+        self.config_path.write_text(LOCAL_CONFIG + DENY_FRONTEND)
         return "control plane file edited"
 
+    def editable(self) -> Path:
+        return self.config_path / "policy.yaml" if self.kube else self.config_path
+
+
+def start_control_plane(mesh: DemoMesh) -> subprocess.Popen[bytes]:
+    log_path = mesh.workdir / "control-plane.log"
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "ztunnel", "control-plane",
+            "--kube" if mesh.kube else "--config", str(mesh.config_path),
+            "--listen", CONTROL_PLANE, "--ca-dir", str(mesh.workdir / "ca"),
+        ],
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_control_plane(process, log_path)
+    except BaseException:
+        stop_process(process)
+        raise
+    return process
+
+
+def start_proxy_process(proxy: DemoProxy, workdir: Path) -> None:
+    proxy.log_path = workdir / f"{proxy.name}.log"
+    proxy.process = subprocess.Popen(
+        [sys.executable, "-m", "ztunnel", "proxy"],
+        env=proxy.env(f"http://{CONTROL_PLANE}"),
+        stdout=proxy.log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def stop_proxies(proxies: list[DemoProxy]) -> None:
+    """Drain each proxy as an operator would (`/quitquitquit`), then wait for it."""
+    for p in proxies:
+        if p.process and p.process.poll() is None:
+            try:
+                http_post(f"http://{p.ip}:15000/quitquitquit")
+            except OSError:
+                p.process.terminate()
+    for p in proxies:
+        if p.process:
+            try:
+                p.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.process.kill()
+
+
+def server_metrics(server: DemoProxy) -> tuple[list[list[str]], float]:
+    """The server proxy's traffic metrics as seen by the destination, and the connections it opened."""
+    rows = [["metric (server proxy, reporter=destination)", "source_principal", "flags", "value"]]
+    samples = scrape(server)
+    for name, labels, value in samples:
+        if labels.get("reporter") == "destination":
+            principal = labels.get("source_principal", "")
+            rows.append([name, principal, labels.get("response_flags", ""), f"{value:g}"])
+    opened = sum(v for n, _, v in samples if n == "istio_tcp_connections_opened_total")
+    return rows, opened
+
+
+async def keep_running(mesh: DemoMesh, server: DemoProxy) -> None:
+    print(f"\ncontrol plane file, logs and proxy output: {mesh.workdir}")
+    print(
+        "\nThe demo keeps running. Try:\n"
+        f"  curl --socks5 127.0.0.2:15080 telnet://{server.ip}:{APP_PORT}   (frontend)\n"
+        f"  curl --socks5 127.0.0.4:15080 telnet://{server.ip}:{APP_PORT}   (intruder: denied)\n"
+        f"  $EDITOR {mesh.editable()}   (the control plane pushes every change)\n"
+        "  curl -s 127.0.0.3:15000/config_dump | less\n"
+        "  curl -s 127.0.0.3:15020/metrics | grep istio_tcp\n"
+        "Press Ctrl-C to stop."
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+
+
+async def show(mesh: DemoMesh, server: DemoProxy, frontend: DemoProxy, intruder: DemoProxy) -> bool:
+    """The demo's steps, each printed as a table; whether everything behaved."""
+    source = "Kubernetes manifests" if mesh.kube else "a local-config file"
+    print(
+        f"ztunnel demo: a control plane on {CONTROL_PLANE} (xDS and CA, from {source}) and three"
+        " dedicated proxies on loopback\n"
+    )
+    rows, ok = await drive(server, [frontend, intruder])
+    print(table(rows))
+    print()
+    named, named_ok = await mesh_name(frontend)
+    print(table(named))
+    print()
+    change, changed_ok = await live_policy_change(server, frontend, mesh.deny)
+    print(table(change))
+    await asyncio.sleep(0.3)  # let the server proxy finish its records
+    metrics, opened = server_metrics(server)
+    print()
+    print(table(metrics) if len(metrics) > 1 else "no traffic metrics on the server proxy")
+    return ok and named_ok and changed_ok and opened >= 3
+
+
+async def demo_main(mesh: DemoMesh, *, keep: bool) -> int:
     server = DemoProxy("server", "127.0.0.3")
     frontend, intruder = DemoProxy("frontend", "127.0.0.2"), DemoProxy("intruder", "127.0.0.4")
     proxies = [server, frontend, intruder]
-    cp_log = workdir / "control-plane.log"
+    echo = await echo_server(server.ip, APP_PORT)
     control_plane: subprocess.Popen[bytes] | None = None
-
-    async def main() -> int:
-        nonlocal control_plane
-        echo = await echo_server(server.ip, APP_PORT)
-        try:
-            control_plane = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "ztunnel",
-                    "control-plane",
-                    "--kube" if kube else "--config",
-                    str(config_path),
-                    "--listen",
-                    CONTROL_PLANE,
-                    "--ca-dir",
-                    str(workdir / "ca"),
-                ],
-                stdout=cp_log.open("wb"),
-                stderr=subprocess.STDOUT,
-            )
-            await asyncio.to_thread(wait_control_plane, control_plane, cp_log)
-            for p in proxies:
-                p.log_path = workdir / f"{p.name}.log"
-                p.process = subprocess.Popen(
-                    [sys.executable, "-m", "ztunnel", "proxy"],
-                    env=p.env(f"http://{CONTROL_PLANE}"),
-                    stdout=p.log_path.open("wb"),
-                    stderr=subprocess.STDOUT,
-                )
-            for p in proxies:
-                await asyncio.to_thread(wait_ready, p)
-            source = "Kubernetes manifests" if kube else "a local-config file"
-            print(
-                f"ztunnel demo: a control plane on {CONTROL_PLANE} (xDS and CA, from {source}) and three"
-                " dedicated proxies on loopback\n"
-            )
-            rows, ok = await drive(server, [frontend, intruder])
-            print(table(rows))
-            print()
-            named, named_ok = await mesh_name(frontend)
-            ok &= named_ok
-            print(table(named))
-            print()
-            change, changed_ok = await live_policy_change(server, frontend, deny)
-            ok &= changed_ok
-            print(table(change))
-            await asyncio.sleep(0.3)  # let the server proxy finish its records
-            metrics = [["metric (server proxy, reporter=destination)", "source_principal", "flags", "value"]]
-            samples = scrape(server)
-            for name, labels, value in samples:
-                if labels.get("reporter") == "destination":
-                    principal = labels.get("source_principal", "")
-                    metrics.append([name, principal, labels.get("response_flags", ""), f"{value:g}"])
-            print()
-            print(table(metrics) if len(metrics) > 1 else "no traffic metrics on the server proxy")
-            opened = sum(v for n, _, v in samples if n == "istio_tcp_connections_opened_total")
-            ok &= opened >= 3
-            if keep:
-                print(f"\ncontrol plane file, logs and proxy output: {workdir}")
-                print(
-                    "\nThe demo keeps running. Try:\n"
-                    f"  curl --socks5 127.0.0.2:15080 telnet://{server.ip}:{APP_PORT}   (frontend)\n"
-                    f"  curl --socks5 127.0.0.4:15080 telnet://{server.ip}:{APP_PORT}   (intruder: denied)\n"
-                    f"  $EDITOR {config_path / 'policy.yaml' if kube else config_path}"
-                    "   (the control plane pushes every change)\n"
-                    "  curl -s 127.0.0.3:15000/config_dump | less\n"
-                    "  curl -s 127.0.0.3:15020/metrics | grep istio_tcp\n"
-                    "Press Ctrl-C to stop."
-                )
-                stop = asyncio.Event()
-                loop = asyncio.get_running_loop()
-                loop.add_signal_handler(signal.SIGINT, stop.set)
-                loop.add_signal_handler(signal.SIGTERM, stop.set)
-                await stop.wait()
-            print("\nresult:", "everything behaved" if ok else "SOMETHING MISBEHAVED")
-            return 0 if ok else 1
-        finally:
-            for p in proxies:
-                if p.process and p.process.poll() is None:
-                    try:
-                        http_post(f"http://{p.ip}:15000/quitquitquit")
-                    except OSError:
-                        p.process.terminate()
-            for p in proxies:
-                if p.process:
-                    try:
-                        p.process.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        p.process.kill()
-            if control_plane is not None and control_plane.poll() is None:
-                control_plane.terminate()
-                try:
-                    control_plane.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    control_plane.kill()
-            echo.close()
-
     try:
-        return asyncio.run(main())
+        control_plane = await asyncio.to_thread(start_control_plane, mesh)
+        for p in proxies:
+            start_proxy_process(p, mesh.workdir)
+        for p in proxies:
+            await asyncio.to_thread(wait_ready, p)
+        ok = await show(mesh, server, frontend, intruder)
+        if keep:
+            await keep_running(mesh, server)
+        print("\nresult:", "everything behaved" if ok else "SOMETHING MISBEHAVED")
+        return 0 if ok else 1
+    finally:
+        stop_proxies(proxies)
+        if control_plane is not None:
+            stop_process(control_plane)
+        echo.close()
+
+
+def run_demo(*, keep: bool = False, kube: bool = False) -> int:
+    mesh = DemoMesh(Path(tempfile.mkdtemp(prefix="ztunnel-demo-")), kube)
+    mesh.write()
+    try:
+        return asyncio.run(demo_main(mesh, keep=keep))
     except RuntimeError as e:
         print(f"ztunnel demo: {e}", file=sys.stderr)
         return 1
@@ -555,4 +597,4 @@ def run_demo(*, keep: bool = False, kube: bool = False) -> int:
         return 1
     finally:
         if not keep and os.environ.get("ZTUNNEL_DEMO_KEEP_LOGS") != "1":
-            shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(mesh.workdir, ignore_errors=True)

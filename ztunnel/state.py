@@ -15,10 +15,6 @@ from typing import Any
 from policy.model import Authorization, Scope
 from xds.localconfig import (
     LocalConfig,
-    endpoint_to_dict,
-    policy_to_dict,
-    service_to_dict,
-    workload_to_dict,
 )
 from xds.model import (
     Endpoint,
@@ -33,6 +29,12 @@ from xds.model import (
     Visibility,
     Workload,
     WorkloadStatus,
+)
+from xds.render import (
+    endpoint_to_dict,
+    policy_to_dict,
+    service_to_dict,
+    workload_to_dict,
 )
 
 log = logging.getLogger("ztunnel.state")

@@ -28,11 +28,13 @@ from xds.localconfig import (
     LocalConfig,
     LocalConfigError,
     parse_local_config,
+)
+from xds.model import ConversionError, Service, Workload
+from xds.render import (
     policy_to_dict,
     service_to_dict,
     workload_to_dict,
 )
-from xds.model import ConversionError, Service, Workload
 
 KEYS = [
     "workloads", "services", "policies", "uid", "name", "namespace", "workloadIps", "protocol", "services",

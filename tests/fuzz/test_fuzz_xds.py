@@ -20,7 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from xds import convert
-from xds.client import XdsClient, node_from
+from xds.channel import node_from
+from xds.client import XdsClient
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
 from xds.gen.istio.security import authorization_pb2
 from xds.gen.istio.workload import workload_pb2

@@ -52,9 +52,9 @@ class WorkerPods:
             return None
         del self._pods[pod.uid]
         self._workers.tell_all(PodDel(pod.uid))  # undone where it did start; the NACK goes now
-        # The agent reads the reference's one cause ("Address already in use"): the workers' errors
-        # are named one by one only when they differ.
-        if len(set(failed.values())) == 1:
+        # Every worker failing alike is the reference's one cause ("Address already in use"); else
+        # the workers that failed are named.
+        if len(failed) == len(results) and len(set(failed.values())) == 1:
             return next(iter(failed.values()))
         return "; ".join(f"worker {i}: {e}" for i, e in failed.items())
 
