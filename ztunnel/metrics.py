@@ -7,6 +7,9 @@ counter cells once and then adds to a plain attribute per chunk (no lock, no lab
 safe because each data-plane event loop owns its `Metrics`; it also keeps `_created` samples, which
 the reference does not emit, out of the output.
 
+The traffic series of a workload gone from the state are forgotten by `drop_series` (never one
+that counts an open connection: each series keeps a count of those); `ztunnel.series` decides when.
+
 `response_flags` is decided only when a connection closes, so the opened and byte counters carry
 `response_flags="-"` (as the reference, which records them with the flags of a fresh connection) and
 only `closed` and `failed` carry the final flag.
