@@ -172,3 +172,41 @@ def exchange(s: socket.socket, payload: bytes) -> bytes:
     while chunk := s.recv(65536):
         got += chunk
     return got
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, as the kernel lists them now (a proxy: its supervisor, fork
+    server and workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def open_fds(pids: list[int]) -> int:
+    """The file descriptors the kernel lists for `pids`, summed."""
+    total = 0
+    for p in pids:
+        try:
+            total += len(os.listdir(f"/proc/{p}/fd"))
+        except OSError:
+            pass
+    return total
+
+
+def proportional_memory(pids: list[int]) -> float:
+    """`Pss` of `pids` (bytes), summed: what they occupy together, shared pages once."""
+    total = 0.0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total += next(float(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+        except (OSError, StopIteration):
+            pass
+    return total

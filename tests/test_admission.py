@@ -29,10 +29,11 @@ from ztunnel.admission import (
     InboundRequest,
     Reject,
     admit,
+    forwarded_host,
     is_self_call,
 )
 from ztunnel.proxy.socks5_listener import reply_for
-from ztunnel.proxy.upstream import NETWORK_POLICY_HINT, FailureKind, classify_upstream_error
+from ztunnel.proxy.upstream import DUMP_PROTOCOL, NETWORK_POLICY_HINT, FailureKind, classify_upstream_error
 from ztunnel.route import Protocol
 from ztunnel.socks5_codec import Reply
 from ztunnel.state import ProxyState
@@ -311,15 +312,21 @@ def test_self_call_guard(dst: str, port: int, ours: bool, expected: bool) -> Non
         (
             H2HandshakeError("no settings"),
             Protocol.HBONE,
-            "CONNECT",
+            "H2_HANDSHAKE_FAILURE",
             FailureKind.FAILED,
             Reply.GENERAL_FAILURE,
         ),
-        (StreamReset(2), Protocol.HBONE, "CONNECT", FailureKind.UNREACHABLE, Reply.HOST_UNREACHABLE),
+        (
+            StreamReset(2),
+            Protocol.HBONE,
+            "H2_HANDSHAKE_FAILURE",
+            FailureKind.UNREACHABLE,
+            Reply.HOST_UNREACHABLE,
+        ),
         (
             ConnectionClosed("goaway"),
             Protocol.HBONE,
-            "CONNECT",
+            "H2_HANDSHAKE_FAILURE",
             FailureKind.UNREACHABLE,
             Reply.HOST_UNREACHABLE,
         ),
@@ -350,3 +357,25 @@ def test_a_tls_error_named_otherwise_is_still_a_tls_failure() -> None:
         pass
 
     assert classify_upstream_error(PeerRefusedCertificate("bad"), Protocol.HBONE).flags == "TLS_FAILURE"
+
+
+@pytest.mark.parametrize(
+    ("header", "host"),
+    [
+        ('for="10.0.0.1:4000";host=b.ns.svc.cluster.local', "b.ns.svc.cluster.local"),
+        ('for="10.0.0.1:4000"; Host="b.ns.svc"', "b.ns.svc"),
+        ('for="10.0.0.1:4000"', None),
+        ("host=", None),
+        (None, None),
+    ],
+)
+def test_the_forwarded_host_is_the_service_the_client_addressed(header: str | None, host: str | None) -> None:
+    assert forwarded_host(header) == host
+
+
+def test_workload_state_spells_the_protocols_as_the_reference() -> None:
+    assert {p.name: DUMP_PROTOCOL[p] for p in Protocol} == {
+        "TCP": "TCP",
+        "HBONE": "HBONE",
+        "DOUBLE_HBONE": "DOUBLEHBONE",
+    }

@@ -51,6 +51,7 @@ def test_defaults_of_an_empty_environment() -> None:
     assert c.packet_mark == 1337
     assert c.pool_max_streams_per_connection == 100
     assert c.pool_unused_release_timeout == 300.0
+    assert c.metrics_stale_series_grace_period == 300.0
     assert c.http2_stream_window_size == 4 * 1024 * 1024
     assert c.http2_connection_window_size == 16 * 1024 * 1024
     assert c.http2_frame_size == 1024 * 1024
@@ -219,7 +220,10 @@ def test_duration_variables() -> None:
         KEEPALIVE_TIME="1m",
         KEEPALIVE_INTERVAL="10s",
         CONNECTION_TERMINATION_DEADLINE="500ms",
+        METRICS_STALE_SERIES_GRACE_PERIOD="1m30s",
     )
+    assert c.metrics_stale_series_grace_period == 90
+    assert cfg(METRICS_STALE_SERIES_GRACE_PERIOD="0").metrics_stale_series_grace_period == 0
     assert c.secret_ttl == 43200
     assert c.pool_unused_release_timeout == 30
     assert c.keepalive_time == 60

@@ -355,7 +355,13 @@ CONNECTION_DUMP: dict[str, Any] = {
                         "originalDst": "b.ns.svc",
                         "actualDst": "10.0.0.2:80",
                         "protocol": "HBONE",
-                    }
+                    },
+                    {
+                        "src": "10.0.0.1:40002",
+                        "originalDst": None,  # addressed to the pod, or plaintext
+                        "actualDst": "10.0.0.2:80",
+                        "protocol": "TCP",
+                    },
                 ],
                 "outbound": [],
             },
@@ -378,6 +384,12 @@ CONNECTION_DUMP: dict[str, Any] = {
                         "actualDst": "192.0.2.1:443",
                         "protocol": "TCP",
                     },
+                    {
+                        "src": "10.0.0.1:40003",
+                        "originalDst": "10.96.0.2:80",
+                        "actualDst": "192.0.2.9:15008",
+                        "protocol": "DOUBLEHBONE",
+                    },
                 ],
             },
         },
@@ -394,17 +406,21 @@ def test_connections_name_the_addresses_they_know() -> None:
     assert connections() == [
         {"WORKLOAD": "a.ns", "DIRECTION": "Outbound", "LOCAL": "a.ns:40000", "REMOTE": "b.ns:15008", "REMOTE TARGET": "b.ns.svc:80", "PROTOCOL": "HBONE"},
         {"WORKLOAD": "a.ns", "DIRECTION": "Outbound", "LOCAL": "a.ns:40001", "REMOTE": "192.0.2.1:443", "REMOTE TARGET": "192.0.2.1:443", "PROTOCOL": "TCP"},
+        {"WORKLOAD": "a.ns", "DIRECTION": "Outbound", "LOCAL": "a.ns:40003", "REMOTE": "192.0.2.9:15008", "REMOTE TARGET": "b.ns.svc:80", "PROTOCOL": "DOUBLEHBONE"},
         {"WORKLOAD": "b.ns", "DIRECTION": "Inbound", "LOCAL": "b.ns:80", "REMOTE": "a.ns:40000", "REMOTE TARGET": "b.ns.svc", "PROTOCOL": "HBONE"},
+        {"WORKLOAD": "b.ns", "DIRECTION": "Inbound", "LOCAL": "b.ns:80", "REMOTE": "a.ns:40002", "REMOTE TARGET": "", "PROTOCOL": "TCP"},
     ]  # fmt: skip
     raw = connections(raw=True)
     assert [(r["LOCAL"], r["REMOTE"]) for r in raw] == [
         ("10.0.0.1:40000", "10.0.0.2:15008"),
         ("10.0.0.1:40001", "192.0.2.1:443"),
+        ("10.0.0.1:40003", "192.0.2.9:15008"),
         ("10.0.0.2:80", "10.0.0.1:40000"),
+        ("10.0.0.2:80", "10.0.0.1:40002"),
     ]
-    assert [r["DIRECTION"] for r in connections(direction="inbound")] == ["Inbound"]
-    assert [r["WORKLOAD"] for r in connections(workload="b.ns")] == ["b.ns"]
-    assert [r["WORKLOAD"] for r in connections(workload="A", namespace="ns")] == ["a.ns", "a.ns"]
+    assert [r["DIRECTION"] for r in connections(direction="inbound")] == ["Inbound", "Inbound"]
+    assert [r["WORKLOAD"] for r in connections(workload="b.ns")] == ["b.ns", "b.ns"]
+    assert [r["WORKLOAD"] for r in connections(workload="A", namespace="ns")] == ["a.ns"] * 3
     assert connections(namespace="other") == []
 
 
@@ -487,8 +503,9 @@ def test_connections_of_an_in_pod_node_through_both_workers(mesh: Any) -> None:
     for r in inbound:
         assert (r["LOCAL"], r["PROTOCOL"]) == ("server.default:8080", "HBONE"), r
         assert r["REMOTE"].startswith("client.default:"), r
-        # As istioctl: the inbound target is printed as the proxy dumps it, not looked up.
-        assert r["REMOTE TARGET"] == f"{server.ip}:8080", r
+        # The client addressed the pod, not a service: no `forwarded` host, so no target (the
+        # dump's `originalDst` is null, as the reference writes it).
+        assert r["REMOTE TARGET"] == "", r
     raw = rows("--raw", "--direction", "inbound")
     assert len(raw) == 3 and {r["LOCAL"] for r in raw} == {f"{server.ip}:8080"}, raw
     assert {r["WORKLOAD"] for r in rows("--workload-namespace", "other")} == set()

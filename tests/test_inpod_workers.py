@@ -72,6 +72,10 @@ def test_two_workers_a_policy_push_closes_held_connections_in_every_worker(mesh:
     # workloadState lists the server pod's held connections, gathered from both workers.
     held = zt.config_dump()["workloadState"][server.uid]["connections"]["inbound"]
     assert len(held) == n and {c["src"].rpartition(":")[0] for c in held} == {client.ip}, held
+    # As the reference: the service the client addressed (none: it dialled the pod) and HBONE.
+    assert {(c["originalDst"], c["actualDst"], c["protocol"]) for c in held} == {
+        (None, f"{server.ip}:8080", "HBONE")
+    }, held
 
     other = node.add_pod("other", service_account="other")
     mesh.push(mesh_yaml([client, server, other], allow_to=server, allowed=other))

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +41,9 @@ from tests.liveproxy import (
     exchange,
     live_proxy,
     loopback_net,
+    open_fds,
+    process_tree,
+    proportional_memory,
     proxy_env,
     socks5,
     socks5_reply,
@@ -376,7 +379,7 @@ def test_only_annotated_pods_are_scraped_with_their_pod_labels(scene: Scene) -> 
 
 def test_every_dashboard_query_shows_what_the_traffic_did(scene: Scene) -> None:
     queries = dashboard_queries()
-    checks = expectations()
+    checks = expectations(scene)
     assert set(queries) == set(checks) | set(EXPECTED_EMPTY), "every query checked, every check a query"
     last: dict[str, Any] = {}
 
@@ -433,7 +436,37 @@ def _xds(series: dict[frozenset[tuple[str, str]], float]) -> None:
             assert got.get((pod, url), 0) >= 1, f"want a message of {url} for {pod}"
 
 
-def expectations() -> dict[str, Any]:
+def _per_pod_near(
+    scene: Scene,
+    reading: Callable[[list[int]], float],
+    *,
+    rel: float = 0.0,
+    abs_: float = 0.0,
+    low: float = 0,
+) -> Any:
+    """Each pod's value is what the test reads of its proxy's processes itself (within a margin)."""
+    proxies = {"ztunnel-client": scene.client, "ztunnel-server": scene.server}
+
+    def check(series: dict[frozenset[tuple[str, str]], float]) -> None:
+        got = by(series, "pod")
+        assert set(got) == {(p,) for p in PODS}, got
+        for (pod,), v in got.items():
+            want = reading(process_tree(proxies[pod].process.pid))
+            assert v >= low and v == pytest.approx(want, rel=rel, abs=abs_), f"{pod}: want {want}"
+
+    return check
+
+
+def _per_worker(low: float, high: float) -> Any:
+    def check(series: dict[frozenset[tuple[str, str]], float]) -> None:
+        got = by(series, "pod", "worker")
+        assert set(got) == {(p, w) for p in PODS for w in ("0", "1")}, got
+        assert all(low <= v <= high for v in got.values()), f"want {low}..{high}"
+
+    return check
+
+
+def expectations(scene: Scene) -> dict[str, Any]:
     both = {("source",): OPENED, ("destination",): OPENED}
     return {
         "Connections opened/A": _eq(both, "reporter"),
@@ -461,10 +494,16 @@ def expectations() -> dict[str, Any]:
         "Throughput/B": _positive_by_reporter,
         "DNS requests/A": _eq({("ztunnel-client", "a"): DNS_QUERIES}, "pod", "request_query_type"),
         "xDS messages/A": _xds,
-        "Memory/A": _per_pod(10e6, 2e9),
+        # The whole proxy of each pod (supervisor, fork server, workers), as the kernel lists it:
+        # the client's held sockets and the server's connections to the app among its descriptors.
+        "Memory/A": _per_pod_near(scene, proportional_memory, rel=0.2),
         "CPU/A": _per_pod(0.0, 2.0),
-        "File descriptors/A": _per_pod(5, 10_000),
+        "File descriptors/A": _per_pod_near(scene, open_fds, abs_=4, low=HELD + 4 * 3),
         "Versions/A": lambda series: _eq({("unknown",): 2}, "tag")(series),
+        # Each worker of each pod (two per proxy), idle loops between the test's bursts.
+        "Event loop lag (p99)/A": _per_worker(0.0, 0.5),
+        "Event loop tasks/A": _per_worker(2, 1000),  # its own channel reader and pusher at least
+        "Event loop busy/A": _per_worker(0.0, 1.0),  # one thread: at most a second per second
     }
 
 
@@ -479,7 +518,9 @@ def test_the_dashboard_is_grafana_json_of_this_projects_metrics() -> None:
             continue
         assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
         assert p["targets"] and p["description"], p["title"]
-    names = {m for e in dashboard_queries().values() for m in re.findall(r"\b(istio_\w+|process_\w+)", e)}
+    found = (re.findall(r"\b((?:istio|process|ztunnel)_\w+)", e) for e in dashboard_queries().values())
+    # A histogram's samples are documented under its family's name.
+    names = {re.sub(r"_(bucket|sum|count)$", "", m) for ms in found for m in ms}
     documented = (ROOT / "docs" / "operations.md").read_text()
     # Every family it plots is one docs/operations.md lists (`process_*` as a group).
     missing = {n for n in names if f"`{n}`" not in documented and not n.startswith("process_")}

@@ -194,17 +194,23 @@ def admit(
     return Admit(plan, decision.notes)
 
 
+def forwarded_host(forwarded: str | None) -> str | None:
+    """The `host=` of a `forwarded` header (the service the client addressed), if it has one."""
+    host = None
+    for part in (forwarded or "").split(";"):
+        k, _, v = part.strip().partition("=")
+        if k.strip().lower() == "host":
+            host = v.strip().strip('"') or None
+    return host
+
+
 def inbound_service(
     state: AdmissionState, local: Workload, port: int, forwarded: str | None
 ) -> Service | None:
     """The service a connection was meant for, for telemetry only: the `forwarded` header's `host=`
     among our services, else the first of ours with that target port."""
     services = state.services_of_workload(local)
-    host = None
-    for part in (forwarded or "").split(";"):
-        k, _, v = part.strip().partition("=")
-        if k.lower() == "host":
-            host = v.strip('"')
+    host = forwarded_host(forwarded)
     for svc in services:
         if host and svc.hostname == host:
             return svc

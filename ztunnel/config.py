@@ -117,6 +117,7 @@ class Config:
 
     pool_max_streams_per_connection: int = 100
     pool_unused_release_timeout: float = 300.0
+    metrics_stale_series_grace_period: float = 300.0
     http2_stream_window_size: int = 4 * 1024 * 1024
     http2_connection_window_size: int = 16 * 1024 * 1024
     http2_frame_size: int = 1024 * 1024
@@ -376,6 +377,9 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
         user_timeout_enabled=env.parse("USER_TIMEOUT_ENABLED", parse_bool, False),
         pool_max_streams_per_connection=env.parse("POOL_MAX_STREAMS_PER_CONNECTION", int_parser(1), 100),
         pool_unused_release_timeout=env.parse("POOL_UNUSED_RELEASE_TIMEOUT", parse_duration, 300.0),
+        metrics_stale_series_grace_period=env.parse(
+            "METRICS_STALE_SERIES_GRACE_PERIOD", parse_duration, 300.0
+        ),
         # HTTP/2 limits (RFC 9113 §6.5.2, §6.9.1): windows up to 2^31-1, frames 16 KiB to 16 MiB-1.
         http2_stream_window_size=env.parse(
             "HTTP2_STREAM_WINDOW_SIZE", int_parser(1, 2**31 - 1), 4 * 1024 * 1024

@@ -7,6 +7,9 @@ counter cells once and then adds to a plain attribute per chunk (no lock, no lab
 safe because each data-plane event loop owns its `Metrics`; it also keeps `_created` samples, which
 the reference does not emit, out of the output.
 
+The traffic series of a workload gone from the state are forgotten by `drop_series` (never one
+that counts an open connection: each series keeps a count of those); `ztunnel.series` decides when.
+
 `response_flags` is decided only when a connection closes, so the opened and byte counters carry
 `response_flags="-"` (as the reference, which records them with the flags of a fresh connection) and
 only `closed` and `failed` carry the final flag.
@@ -15,8 +18,10 @@ Exposition is our own (OpenMetrics text, see `render_openmetrics`) because prome
 labels alphabetically while the reference's order is fixed
 (the traffic labels in the order Istio's ztunnel emits them, `docs/operations.md`).
 
-Runtime families: `process_*` come from prometheus_client's process collector; the reference's
-`tokio_*` event-loop gauges have no equivalent here.
+Runtime families: `process_*` come from prometheus_client's process collector here (a proxy's
+supervisor sums them over its processes, `ztunnel.workers.processes`); the reference's `tokio_*`
+runtime families have the workers' `ztunnel_event_loop_*` as their counterpart
+(`ztunnel.workers.loop_metrics`).
 """
 
 from __future__ import annotations
@@ -84,6 +89,30 @@ TRAFFIC_LABEL_NAMES: tuple[str, ...] = (*_FIELDS[:_FLAGS_AT], "response_flags", 
 _label_values = operator.attrgetter(*_FIELDS)
 
 
+# Where a series names its workloads: (namespace, workload) of the source, then of the destination.
+WORKLOAD_LABELS = tuple(
+    (TRAFFIC_LABEL_NAMES.index(f"{side}_workload_namespace"), TRAFFIC_LABEL_NAMES.index(f"{side}_workload"))
+    for side in ("source", "destination")
+)
+WorkloadKey = tuple[str, str]  # (namespace, workload name)
+
+
+def named_workloads(values: tuple[str, ...]) -> list[WorkloadKey]:
+    """The workloads a traffic series names (its `unknown` sides left out)."""
+    out = []
+    for ns_at, name_at in WORKLOAD_LABELS:
+        if values[name_at] != UNKNOWN:
+            out.append((values[ns_at], values[name_at]))
+    return out
+
+
+def _base(values: tuple[str, ...]) -> tuple[str, ...]:
+    """A series' label values with the flags of a fresh connection (the opened series')."""
+    if values[_FLAGS_AT] == NO_FLAGS:
+        return values
+    return (*values[:_FLAGS_AT], NO_FLAGS, *values[_FLAGS_AT + 1 :])
+
+
 def _values(labels: TrafficLabels, flags: str) -> tuple[str, ...]:
     vals = tuple(v or UNKNOWN for v in _label_values(labels))
     return (*vals[:_FLAGS_AT], flags, *vals[_FLAGS_AT:])
@@ -119,6 +148,10 @@ class _CounterFamily:
             cell = self.cells[values] = CounterCell()
         return cell
 
+    def forget(self, values: tuple[str, ...]) -> None:
+        self.cells.pop(values, None)
+        self._keys.pop(values, None)
+
     def family(self) -> CounterMetricFamily:
         fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, cell in list(self.cells.items()):
@@ -151,6 +184,8 @@ class ConnectionMetrics:
         # (a held connection keeps it until it closes).
         self._values = metrics._opened.key(_values(labels, NO_FLAGS))
         metrics._opened.cell(self._values).inc()
+        carried = metrics._carried
+        carried[self._values] = carried.get(self._values, 0) + 1
         self.received_cell = metrics._received.cell(self._values)
         self.sent_cell = metrics._sent.cell(self._values)
 
@@ -167,6 +202,10 @@ class ConnectionMetrics:
         if self._closed:
             return
         self._closed = True
+        carried = self._metrics._carried
+        left = carried.pop(self._values, 1) - 1
+        if left:
+            carried[self._values] = left
         values = (*self._values[:_FLAGS_AT], response_flags, *self._values[_FLAGS_AT + 1 :])
         self._metrics._closed.cell(values).inc()
         if response_flags != NO_FLAGS:
@@ -206,7 +245,7 @@ DNS_LABEL_NAMES = (
 DNS_UPSTREAM_BUCKETS = (0.0005, 0.001, 0.01, 0.1, 1.0, 5.0)
 
 
-class _HistogramFamily:
+class HistogramFamily:
     """A histogram without `_created` samples (as `_CounterFamily` for counters)."""
 
     def __init__(
@@ -270,7 +309,7 @@ class DnsMetrics:
                 "hostname",
             ),
         )
-        self.upstream_duration = _HistogramFamily(
+        self.upstream_duration = HistogramFamily(
             "istio_dns_upstream_request_duration_seconds",
             "Total time in seconds taken to get a DNS response from upstream (unstable)",
             DNS_LABEL_NAMES,
@@ -389,9 +428,9 @@ class Metrics:
             "The total number of TCP connections that failed to establish (unstable)",
             TRAFFIC_LABEL_NAMES,
         )
-        self.registry.register(
-            _TrafficCollector((self._opened, self._closed, self._received, self._sent, self._failed))
-        )
+        self._traffic = (self._opened, self._closed, self._received, self._sent, self._failed)
+        self.registry.register(_TrafficCollector(self._traffic))
+        self._carried: dict[tuple[str, ...], int] = {}  # open connections per series (opened's key)
         self.xds = XdsCounters()
         self.registry.register(
             _TrafficCollector((self.xds.terminations, self.xds.messages, self.xds.message_bytes))
@@ -416,6 +455,22 @@ class Metrics:
     def open_connection(self, labels: TrafficLabels) -> ConnectionMetrics:
         """Count an opened connection and return its pre-resolved counters."""
         return ConnectionMetrics(self, labels)
+
+    def series_workloads(self) -> set[WorkloadKey]:
+        """Every workload the traffic series name."""
+        return {w for values in self._opened.cells for w in named_workloads(values)}
+
+    def drop_series(self, stale: set[WorkloadKey]) -> int:
+        """Forget the traffic series naming a workload of `stale` that carry no open connection
+        (every family's: opened, closed with any flag, bytes, failed); how many were dropped."""
+        dropped = 0
+        for family in self._traffic:
+            for values in list(family.cells):
+                if self._carried.get(_base(values)) or not any(w in stale for w in named_workloads(values)):
+                    continue
+                family.forget(values)
+                dropped += 1
+        return dropped
 
     def workload_manager(self) -> WorkloadManagerMetrics:
         """In-pod mode's families, registered on first use (a dedicated proxy does not show them)."""

@@ -18,7 +18,7 @@ from hbone.identity import Identity
 from hbone.server import ConnectRequest, HboneServer
 from xds.model import Workload
 from ztunnel import baggage
-from ztunnel.admission import InboundRequest, Reject, parse_ip, uri_of
+from ztunnel.admission import InboundRequest, Reject, forwarded_host, parse_ip, uri_of
 from ztunnel.logs import Bare
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.context import ProxyContext
@@ -88,7 +88,7 @@ class Inbound:
             mtls=True,
             spans=(span,),
             registry=ctx.connections,
-            dump_as=(req.authority, format_addr(*plan.app), "HBONE"),
+            dump_as=(forwarded_host(req.headers.get("forwarded")), format_addr(*plan.app), "HBONE"),
         )
         req.headers.clear()  # read by now; a held connection need not keep them
         log_policy_decision(decision, src_s, local_s, info=ctx.config.authz_policy_info_logging)

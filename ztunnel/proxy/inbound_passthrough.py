@@ -56,7 +56,7 @@ class InboundPassthrough:
             service=plan.service,
             spans=(("inbound", {"id": trace_id(None), "peer": Bare(src_s)}),),
             registry=ctx.connections,
-            dump_as=(dst_s, format_addr(*plan.app), "TCP"),
+            dump_as=(None, format_addr(*plan.app), "TCP"),
         )
         log_policy_decision(decision, src_s, dst_s, info=ctx.config.authz_policy_info_logging)
         if isinstance(decision, Reject):

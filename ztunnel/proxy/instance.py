@@ -219,15 +219,15 @@ class ProxyInstance:
         """This proxy's identity now: as its workload in the store says, else as configured."""
         return self.ctx.local.own_identity()
 
-    def connections_dump(self) -> dict[str, list[dict[str, str]]]:
+    def connections_dump(self) -> dict[str, list[dict[str, str | None]]]:
         """The open connections by direction, as `workloadState` lists a pod's."""
-        out: dict[str, list[dict[str, str]]] = {"inbound": [], "outbound": []}
+        out: dict[str, list[dict[str, str | None]]] = {"inbound": [], "outbound": []}
         for record in self.ctx.connections:
             dump = record.dump()
             if dump is not None:
                 out[record.direction].append(dump)
         for entries in out.values():
-            entries.sort(key=lambda e: (e["src"], e["originalDst"]))
+            entries.sort(key=lambda e: (e["src"] or "", e["originalDst"] or ""))
         return out
 
     async def serve(self) -> None:

@@ -186,11 +186,13 @@ class ConnectionRecord:
         mtls: bool = False,
         spans: Spans = (),
         registry: set[ConnectionRecord] | None = None,
-        dump_as: tuple[str, str, str] | None = None,
+        dump_as: tuple[str | None, str, str] | None = None,
     ) -> None:
         """`registry`: the proxy's set of open connections, this one is in it until `finish`;
         `dump_as`: what `/config_dump` lists of it besides `src`: `originalDst`, `actualDst` and
-        `protocol` (a tuple: a held connection keeps it)."""
+        `protocol` (a tuple: a held connection keeps it). As the reference, an inbound connection's
+        `originalDst` is the service its client addressed (the `forwarded` header's `host=`), or
+        None (JSON null): a plaintext one's always."""
         self.direction = direction
         self.src_addr = src_addr
         self.dst_addr = dst_addr
@@ -217,7 +219,7 @@ class ConnectionRecord:
                 spans,
             )
 
-    def dump(self) -> dict[str, str] | None:
+    def dump(self) -> dict[str, str | None] | None:
         """How `/config_dump` lists this connection (None: it does not)."""
         if self.dump_as is None:
             return None

@@ -5,7 +5,9 @@ route (`route()`), a workload hostname's address, then the connection by the rou
 plain TCP, an HBONE stream from the pool (to the workload, or to its waypoint with the original
 destination as `:authority`), or double HBONE through a network gateway (TLS + HTTP/2 inside a
 pooled stream). Failures are classified once, by type, into an `UpstreamFailure` naming the access
-log's error, its response flag and the kind of failure (what a SOCKS5 client is told).
+log's error, its response flag and the kind of failure (what a SOCKS5 client is told). As the
+reference, every HTTP/2-level failure of an HBONE upstream (no SETTINGS after TLS, a reset CONNECT
+stream, a closed or GOAWAY'd connection) is `H2_HANDSHAKE_FAILURE`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from dataclasses import dataclass
 
 from hbone.address import canonical_host, format_addr
 from hbone.client import HboneConnection
-from hbone.errors import CertificateRevoked, HboneError, HttpStatusError, TlsHandshakeError
+from hbone.errors import (
+    CertificateRevoked,
+    ConnectionClosed,
+    H2HandshakeError,
+    HboneError,
+    HttpStatusError,
+    StreamReset,
+    TlsHandshakeError,
+)
 from hbone.identity import Identity
 from hbone.inner import open_inner
 from hbone.pool import Pool, PoolKey
@@ -32,6 +42,9 @@ from ztunnel.metrics import UNKNOWN
 from ztunnel.proxy.context import CONNECT_TIMEOUT, ProxyContext
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, new_span_id, new_trace_id
 from ztunnel.route import NoRoute, Protocol, Route, pick_resolved, route
+
+# How `workloadState` spells an outbound connection's protocol (as the reference).
+DUMP_PROTOCOL = {Protocol.TCP: "TCP", Protocol.HBONE: "HBONE", Protocol.DOUBLE_HBONE: "DOUBLEHBONE"}
 
 NETWORK_POLICY_HINT = "connection timed out, maybe a NetworkPolicy is blocking HBONE port 15008"
 
@@ -87,7 +100,11 @@ def classify_upstream_error(e: BaseException, protocol: Protocol) -> UpstreamFai
         return UpstreamFailure(str(e), "CERT_REVOKED", FailureKind.FAILED)
     if isinstance(e, TlsHandshakeError):  # IdentityMismatch included
         return UpstreamFailure(str(e), "TLS_FAILURE", FailureKind.FAILED)
-    if isinstance(e, OSError):  # a reset stream or a closed HTTP/2 connection included
+    if isinstance(e, H2HandshakeError):  # TLS done, but no HTTP/2 connection came of it
+        return UpstreamFailure(str(e), "H2_HANDSHAKE_FAILURE", FailureKind.FAILED)
+    if isinstance(e, StreamReset | ConnectionClosed):  # the HTTP/2 layer failed the CONNECT
+        return UpstreamFailure(str(e), "H2_HANDSHAKE_FAILURE", FailureKind.UNREACHABLE)
+    if isinstance(e, OSError):
         return UpstreamFailure(describe(e), "CONNECT", FailureKind.UNREACHABLE)
     if isinstance(e, HboneError):
         return UpstreamFailure(str(e), "CONNECT", FailureKind.FAILED)
@@ -159,7 +176,7 @@ class Upstreams:
             mtls=mtls,
             spans=(("outbound", {"id": trace}),),
             registry=ctx.connections,
-            dump_as=(dst_s, next_hop_s, r.protocol.name),
+            dump_as=(dst_s, next_hop_s, DUMP_PROTOCOL[r.protocol]),
         )
         try:
             transport, inbox = await self._establish(r, src, local, own, trace, early)

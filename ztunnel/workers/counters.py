@@ -4,13 +4,14 @@ A worker takes a `traffic_snapshot` of its data-plane families (connections, DNS
 counters, histograms and gauges) and sends it as `Counters`. The supervisor keeps the latest report
 of each live worker in `TrafficSums`. When a worker is gone its counters and histograms stay in the
 totals for good (they count what happened), while its gauges leave with it (they say what is).
-`SummedMetrics` is the supervisor's `/metrics`: its own families (build info, process, xDS), with
-the sums in place of the data-plane families it has no traffic for.
+`SummedMetrics` is the supervisor's `/metrics`: its own families (build info, xDS, and `process_*`
+of the whole proxy, `processes.ProcessTreeCollector`), with the sums in place of the data-plane
+families it has no traffic for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
@@ -19,14 +20,24 @@ from prometheus_client.registry import Collector
 from ztunnel.metrics import (
     OPENMETRICS_CONTENT_TYPE,
     TEXT_CONTENT_TYPE,
+    UNKNOWN,
     Metrics,
+    WorkloadKey,
     render_openmetrics,
     wants_openmetrics,
 )
 from ztunnel.workers.messages import Snapshot
+from ztunnel.workers.processes import ProcessTreeCollector
 
 # The families the workers count (the supervisor shows their sums).
-DATA_PLANE_PREFIXES = ("istio_tcp_", "istio_dns_", "istio_on_demand_dns", "istio_crl_", "ztunnel_log_")
+DATA_PLANE_PREFIXES = (
+    "istio_tcp_",
+    "istio_dns_",
+    "istio_on_demand_dns",
+    "istio_crl_",
+    "ztunnel_log_",
+    "ztunnel_event_loop_",
+)
 KINDS = ("counter", "histogram", "gauge")
 
 LabelPairs = tuple[tuple[str, str], ...]
@@ -53,6 +64,17 @@ def traffic_snapshot(metrics: Metrics) -> Snapshot:
     return out
 
 
+def _named(labels: LabelPairs) -> list[WorkloadKey]:
+    """The workloads a series' labels name (as `metrics.named_workloads`)."""
+    d = dict(labels)
+    out = []
+    for side in ("source", "destination"):
+        name = d.get(f"{side}_workload", UNKNOWN)
+        if name != UNKNOWN:
+            out.append((d.get(f"{side}_workload_namespace", UNKNOWN), name))
+    return out
+
+
 class TrafficSums(Collector):
     """The latest report per live worker, plus what workers that are gone counted."""
 
@@ -74,6 +96,19 @@ class TrafficSums(Collector):
         for key, value in self.live.pop(worker, {}).items():
             if self.meta.get(key[0], ("counter", ""))[0] != "gauge":
                 self.retired[key] = self.retired.get(key, 0.0) + value
+
+    def retired_workloads(self) -> set[WorkloadKey]:
+        """The workloads the series of the workers that are gone name."""
+        return {w for _, _, labels in self.retired for w in _named(labels)}
+
+    def drop_retired(self, stale: set[WorkloadKey]) -> int:
+        """Forget what the workers that are gone counted in the series naming a workload of `stale`
+        that no live worker reports any more (a live one keeps its series while it carries them)."""
+        reported = {key for values in self.live.values() for key in values}
+        gone = [k for k in self.retired if k not in reported and any(w in stale for w in _named(k[2]))]
+        for key in gone:
+            del self.retired[key]
+        return len(gone)
 
     def totals(self) -> dict[SampleKey, float]:
         out = dict(self.retired)
@@ -126,10 +161,14 @@ class _SummedView(Collector):
 
 
 class SummedMetrics(Metrics):
-    """The supervisor's metrics: its own registry (build info, process, xDS), then the workers' sums."""
+    """The supervisor's metrics: its own registry (build info, xDS, `process_*` of every process of
+    the proxy: `pids` are those besides this one), then the workers' sums."""
 
-    def __init__(self, sums: TrafficSums, istio_version: str) -> None:
-        super().__init__(istio_version=istio_version)
+    def __init__(
+        self, sums: TrafficSums, istio_version: str, pids: Callable[[], Iterable[int]] = tuple
+    ) -> None:
+        super().__init__(istio_version=istio_version, process_metrics=False)
+        self.registry.register(ProcessTreeCollector(pids))
         self.sums = sums
         self._view = CollectorRegistry(auto_describe=False)
         self._view.register(_SummedView(self.registry, sums))

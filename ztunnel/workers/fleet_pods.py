@@ -74,10 +74,10 @@ class WorkerPods:
         """The pod's open connections in every worker (as of their last report: `/config_dump` asks
         for a fresh one first)."""
         reports = self._workers.pod_connections()
-        connections: dict[str, list[dict[str, str]]] = {"inbound": [], "outbound": []}
+        connections: dict[str, list[dict[str, str | None]]] = {"inbound": [], "outbound": []}
         for report in reports:
             for direction, entries in report.get(uid, {}).items():
                 connections.setdefault(direction, []).extend(entries)
         for entries in connections.values():
-            entries.sort(key=lambda e: (e.get("src", ""), e.get("originalDst", "")))
+            entries.sort(key=lambda e: (e.get("src") or "", e.get("originalDst") or ""))
         return {"workers": len(reports), "connections": connections}

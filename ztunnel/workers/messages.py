@@ -171,7 +171,7 @@ class PodResult:
 # A traffic snapshot (`counters.traffic_snapshot`): {family: {"type", "help", "samples"}}.
 Snapshot = dict[str, Any]
 # Each pod's open connections in one worker, as `workloadState` lists them: uid -> direction -> list.
-PodConnections = dict[str, dict[str, list[dict[str, str]]]]
+PodConnections = dict[str, dict[str, list[dict[str, str | None]]]]
 
 
 @dataclass(frozen=True)

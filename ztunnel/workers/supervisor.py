@@ -29,6 +29,7 @@ from ztunnel.admin import Readiness, ReadinessHandle
 from ztunnel.certificates import CertificateUnavailable, SecretManager
 from ztunnel.config import Config
 from ztunnel.control import ControlHooks, ControlRuntime, StartupError
+from ztunnel.series import StaleWorkloads, present_workloads, sweep_interval
 from ztunnel.workers import fleet as policy
 from ztunnel.workers.channel import Channel, close_fds
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
@@ -130,7 +131,7 @@ class Supervisor:
             config,
             ControlHooks(
                 state=self.state,
-                metrics=SummedMetrics(self.sums, config.istio_version),
+                metrics=SummedMetrics(self.sums, config.istio_version, self._helper_pids),
                 readiness=self.readiness,
                 shutdown=self.shutdown,
                 extra_dump=self._workers_dump,
@@ -147,6 +148,7 @@ class Supervisor:
         self.synced = False
         self.exit_code = 0  # 1 when the fork server is gone (the control runtime has its own)
         self._fork_channel = Channel(fork_server.sock)
+        self._fork_pid = fork_server.pid
         self._stop = asyncio.Event()
         self._proxy_ready: ReadinessHandle | None = self.readiness.register("proxy")
         self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -163,6 +165,10 @@ class Supervisor:
             Failed: self._on_failed,
             Pong: lambda slot, message: None,
         }
+
+    def _helper_pids(self) -> list[int]:
+        """The fork server and the workers alive now (the processes `process_*` sum with this one)."""
+        return [self._fork_pid, *(s.pid for s in self.slots if s.alive and s.pid is not None)]
 
     @property
     def secrets(self) -> SecretManager:
@@ -408,7 +414,11 @@ class Supervisor:
                 await self._claim_listeners()
             for slot in self.slots:
                 await self._spawn(slot)
-            background = [loop.create_task(self._wait_synced()), loop.create_task(self._heartbeat())]
+            background = [
+                loop.create_task(self._wait_synced()),
+                loop.create_task(self._heartbeat()),
+                loop.create_task(self._drop_stale_series()),
+            ]
             await asyncio.wait([self._started, stop], return_when=asyncio.FIRST_COMPLETED)
             if self._started.done():
                 self._started.result()  # a worker's start-up error stops start-up
@@ -427,6 +437,21 @@ class Supervisor:
             fork_reader.cancel()
             self._fork_channel.close()
         return self.exit_code or self.control.exit_code
+
+    async def _drop_stale_series(self) -> None:
+        """What workers that are gone counted for workloads gone from the state (the live workers
+        drop their own series)."""
+        grace = self.config.metrics_stale_series_grace_period
+        if grace <= 0:
+            return
+        stale = StaleWorkloads(grace)
+        while True:
+            await asyncio.sleep(sweep_interval(grace))
+            named = self.sums.retired_workloads()
+            present = present_workloads(self.state.workloads()) if named else set()
+            gone = stale.update(named, present, self.clock())
+            if gone:
+                self.sums.drop_retired(gone)
 
     async def _claim_listeners(self) -> None:
         try:

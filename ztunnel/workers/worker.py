@@ -28,10 +28,12 @@ from ztunnel.crl import CrlWatcher
 from ztunnel.inpod.netns import Netns, NetnsSocketFactory
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
+from ztunnel.series import StaleWorkloads, present_workloads, sweep_interval
 from ztunnel.sockets import SocketFactory, socket_options
 from ztunnel.state import ProxyState
 from ztunnel.workers.channel import Channel, close_fds
 from ztunnel.workers.counters import traffic_snapshot
+from ztunnel.workers.loop_metrics import EventLoopMetrics
 from ztunnel.workers.messages import (
     CertificateReply,
     CertificateRequest,
@@ -141,6 +143,8 @@ class WorkerRuntime:
         self.state = ProxyState(self.demands.demand if on_demand else None)
         # Only the traffic counters are reported to the parent: no /proc reads for process_* here.
         self.metrics = Metrics(config.istio_version, process_metrics=False)
+        self.loop_metrics = EventLoopMetrics(index)
+        self.metrics.registry.register(self.loop_metrics)
         self.ca = ParentCa(channel)
         # The CRL is a local file, not control-plane state: each worker watches it for its contexts.
         self.crl = CrlWatcher.load(config.crl_path, self.metrics) if config.crl_path else None
@@ -190,8 +194,10 @@ class WorkerRuntime:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        self.loop_metrics.start(loop)
         reader = loop.create_task(self._read())
         pusher = loop.create_task(self._push_counters())
+        janitor = loop.create_task(self._drop_stale_series())
         try:
             while True:
                 message, fds = await self.actions.get()
@@ -200,6 +206,8 @@ class WorkerRuntime:
                     break
                 await self._act(message, fds)
         finally:
+            self.loop_metrics.stop()
+            janitor.cancel()
             pusher.cancel()
             reader.cancel()
             with contextlib.suppress(OSError, RuntimeError):
@@ -309,6 +317,21 @@ class WorkerRuntime:
             reply = ProfileReply(request.seq, None, str(e) or type(e).__name__)
         with contextlib.suppress(OSError):
             await self.channel.send(reply)
+
+    async def _drop_stale_series(self) -> None:
+        """The series of workloads gone from the state for the grace period, and no longer carried."""
+        grace = self.config.metrics_stale_series_grace_period
+        if grace <= 0:
+            return
+        stale = StaleWorkloads(grace)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(sweep_interval(grace))
+            named = self.metrics.series_workloads()
+            present = present_workloads(self.state.workloads()) if named else set()
+            gone = stale.update(named, present, loop.time())
+            if gone:
+                self.metrics.drop_series(gone)
 
     async def _push_counters(self) -> None:
         """About once a second when they changed, so a worker killed outright loses at most that."""

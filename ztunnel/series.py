@@ -1,0 +1,55 @@
+"""Which metric series to drop: those of workloads that have left the state (beyond the reference,
+whose series of deleted pods stay for the life of the process, so their number grows with pod churn).
+
+A traffic series names up to two workloads (source and destination, by namespace and workload
+name). `StaleWorkloads` is told, now and then, the workloads the series name and those the state
+lists, and answers the ones absent for at least the grace period
+(`METRICS_STALE_SERIES_GRACE_PERIOD`): the series naming one of them are dropped, unless a
+connection they count is still open. A workload back in the state before then keeps its series; one
+back later starts them again from zero (a counter reset, as Prometheus reads a restart).
+Each data-plane worker drops its own series; the supervisor drops what the workers that are gone
+left in its totals, once no live worker reports the series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable
+
+from xds.model import Workload
+from ztunnel.metrics import WorkloadKey
+
+# How often the series are checked, at most (a shorter grace period checks more often).
+SWEEP_INTERVAL = 30.0
+
+
+def sweep_interval(grace: float) -> float:
+    return max(0.2, min(grace / 4, SWEEP_INTERVAL))
+
+
+def present_workloads(workloads: Iterable[Workload]) -> set[WorkloadKey]:
+    """The workloads of the state as series name them (`workload_name`, else the pod's name)."""
+    return {(w.namespace, w.workload_name or w.name) for w in workloads}
+
+
+class StaleWorkloads:
+    """The sans-IO part: when each workload named by some series was first seen absent."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self._absent_since: dict[WorkloadKey, float] = {}
+
+    def update(
+        self, named: Iterable[WorkloadKey], present: Container[WorkloadKey], now: float
+    ) -> set[WorkloadKey]:
+        """Of `named`, those absent from `present` for at least the grace period (by `now`). A
+        workload no series names any more, or present again, is forgotten."""
+        since: dict[WorkloadKey, float] = {}
+        stale = set()
+        for w in named:
+            if w in present or w in since:
+                continue
+            since[w] = first = self._absent_since.get(w, now)
+            if now - first >= self.grace:
+                stale.add(w)
+        self._absent_since = since
+        return stale
