@@ -69,13 +69,16 @@ async def test_sockets_open_moves_with_accepts_and_closes(pair: tuple[Proxy, Pro
     second = await socks5_connect((CLIENT, 15080), SERVER, 8080)
     assert second[0] == 0
     await eventually_async(lambda: sockets_open(client, "source") == 2, "two sockets open", blocking=True)
-    assert sockets_open(server, "destination") == 1  # both streams share the pooled connection
+    # Each client worker pools its own connections: the streams share one when both connections were
+    # accepted by the same worker, else each worker's pool holds one.
+    pooled = sockets_open(server, "destination")
+    assert pooled in (1, 2), pooled
     writer.close()
     second[2].close()
     await eventually_async(lambda: sockets_open(client, "source") == 0, "the sockets closed", blocking=True)
     # The pooled HBONE connection outlives its streams; closing the pool (the client proxy drained,
     # as SIGTERM does) closes it.
-    assert sockets_open(server, "destination") == 1
+    assert sockets_open(server, "destination") == pooled
     assert await client.aterminate() == 0
     await eventually_async(
         lambda: sockets_open(server, "destination") == 0, "the HBONE connection closed", blocking=True
