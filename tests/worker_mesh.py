@@ -10,10 +10,8 @@ import random
 import re
 import signal
 import socket
-import socketserver
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.liveproxy import Output, echo_server
 from tests.waiting import eventually
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
@@ -59,35 +58,6 @@ DENY_CLIENT = """policies:
     rules:
       - - - principals: [!Exact "cluster.local/ns/demo/sa/client"]
 """
-
-
-class _Echo(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        try:
-            while data := self.request.recv(65536):
-                self.request.sendall(data)
-        except OSError:
-            pass
-
-
-class _EchoServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-class Output:
-    """A process's output, collected by a thread as it comes."""
-
-    def __init__(self, stream: Any) -> None:
-        self.lines: list[str] = []
-        threading.Thread(target=self._drain, args=(stream,), daemon=True).start()
-
-    def _drain(self, stream: Any) -> None:
-        for line in stream:
-            self.lines.append(line.decode(errors="replace") if isinstance(line, bytes) else line)
-
-    def text(self) -> str:
-        return "".join(self.lines)
 
 
 @dataclass
@@ -235,13 +205,8 @@ def free_port(host: str) -> int:
 
 @pytest.fixture(scope="module", name="echo")
 def echo_fixture() -> Iterator[None]:
-    server = _EchoServer((APP_IP, APP_PORT), _Echo)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with echo_server(APP_IP, APP_PORT):
         yield
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture(name="control_plane")

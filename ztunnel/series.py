@@ -13,7 +13,8 @@ left in its totals, once no live worker reports the series.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+import asyncio
+from collections.abc import Callable, Container, Iterable
 
 from xds.model import Workload
 from ztunnel.metrics import WorkloadKey
@@ -53,3 +54,22 @@ class StaleWorkloads:
                 stale.add(w)
         self._absent_since = since
         return stale
+
+
+async def sweep_stale_series(
+    grace: float,
+    named: Callable[[], set[WorkloadKey]],
+    workloads: Callable[[], Iterable[Workload]],
+    drop: Callable[[set[WorkloadKey]], object],
+    clock: Callable[[], float],
+) -> None:
+    """Forever, every `sweep_interval(grace)`: `drop` the workloads `named` by series that have been
+    absent from `workloads` for `grace` (the one loop of the parent and of each worker)."""
+    stale = StaleWorkloads(grace)
+    while True:
+        await asyncio.sleep(sweep_interval(grace))
+        names = named()
+        present = present_workloads(workloads()) if names else set()
+        gone = stale.update(names, present, clock())
+        if gone:
+            drop(gone)

@@ -29,7 +29,7 @@ from ztunnel.admin import Readiness, ReadinessHandle
 from ztunnel.certificates import CertificateUnavailable, SecretManager
 from ztunnel.config import Config
 from ztunnel.control import ControlHooks, ControlRuntime, StartupError
-from ztunnel.series import StaleWorkloads, present_workloads, sweep_interval
+from ztunnel.series import sweep_stale_series
 from ztunnel.workers import fleet as policy
 from ztunnel.workers.channel import Channel, close_fds
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
@@ -444,14 +444,9 @@ class Supervisor:
         grace = self.config.metrics_stale_series_grace_period
         if grace <= 0:
             return
-        stale = StaleWorkloads(grace)
-        while True:
-            await asyncio.sleep(sweep_interval(grace))
-            named = self.sums.retired_workloads()
-            present = present_workloads(self.state.workloads()) if named else set()
-            gone = stale.update(named, present, self.clock())
-            if gone:
-                self.sums.drop_retired(gone)
+        await sweep_stale_series(
+            grace, self.sums.retired_workloads, self.state.workloads, self.sums.drop_retired, self.clock
+        )
 
     async def _claim_listeners(self) -> None:
         try:

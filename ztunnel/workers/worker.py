@@ -28,7 +28,7 @@ from ztunnel.crl import CrlWatcher
 from ztunnel.inpod.netns import Netns, NetnsSocketFactory
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
-from ztunnel.series import StaleWorkloads, present_workloads, sweep_interval
+from ztunnel.series import sweep_stale_series
 from ztunnel.sockets import SocketFactory, socket_options
 from ztunnel.state import ProxyState
 from ztunnel.workers.channel import Channel, close_fds
@@ -323,15 +323,13 @@ class WorkerRuntime:
         grace = self.config.metrics_stale_series_grace_period
         if grace <= 0:
             return
-        stale = StaleWorkloads(grace)
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(sweep_interval(grace))
-            named = self.metrics.series_workloads()
-            present = present_workloads(self.state.workloads()) if named else set()
-            gone = stale.update(named, present, loop.time())
-            if gone:
-                self.metrics.drop_series(gone)
+        await sweep_stale_series(
+            grace,
+            self.metrics.series_workloads,
+            self.state.workloads,
+            self.metrics.drop_series,
+            asyncio.get_running_loop().time,
+        )
 
     async def _push_counters(self) -> None:
         """About once a second when they changed, so a worker killed outright loses at most that."""
