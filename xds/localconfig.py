@@ -152,7 +152,8 @@ def _fail(path: str, reason: str) -> NoReturn:
     raise _Invalid(path, reason)
 
 
-def _describe(value: object) -> str:
+def describe_value(value: object) -> str:
+    """A YAML value as an error message names it (\"the string 'x'\", \"a list\", ...)."""
     if value is None:
         return "null"
     if isinstance(value, Tagged):
@@ -175,7 +176,7 @@ class _Object:
 
     def __init__(self, value: object, path: str) -> None:
         if not isinstance(value, dict):
-            _fail(path, f"expected a mapping, got {_describe(value)}")
+            _fail(path, f"expected a mapping, got {describe_value(value)}")
         self._items: dict[Any, Any] = value
         self._path = path
         self._known: list[str] = []
@@ -209,13 +210,13 @@ def _string(value: object, path: str) -> str:
         return value.text
     if isinstance(value, bool):
         return str(value).lower()
-    _fail(path, f"expected a string, got {_describe(value)}")
+    _fail(path, f"expected a string, got {describe_value(value)}")
 
 
 def _bool(value: object, path: str) -> bool:
     if isinstance(value, bool):
         return value
-    _fail(path, f"expected true or false, got {_describe(value)}")
+    _fail(path, f"expected true or false, got {describe_value(value)}")
 
 
 def _unsigned(value: object, path: str, bits: int, what: str) -> int:
@@ -223,7 +224,7 @@ def _unsigned(value: object, path: str, bits: int, what: str) -> int:
     if isinstance(value, str) and value.isascii() and value.isdigit():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
-        _fail(path, f"expected {what}, got {_describe(value)}")
+        _fail(path, f"expected {what}, got {describe_value(value)}")
     if not 0 <= value < 1 << bits:
         _fail(path, f"invalid {what} {value} (expected 0..{(1 << bits) - 1})")
     return int(value)  # not the WrittenInt that remembers its text
@@ -239,7 +240,7 @@ def _u32(value: object, path: str) -> int:
 
 def _ip(value: object, path: str) -> IPAddress:
     if not isinstance(value, str):
-        _fail(path, f"expected an IP address, got {_describe(value)}")
+        _fail(path, f"expected an IP address, got {describe_value(value)}")
     try:
         return ipaddress.ip_address(value)
     except ValueError:
@@ -249,7 +250,7 @@ def _ip(value: object, path: str) -> IPAddress:
 def _cidr(value: object, path: str) -> IPNetwork:
     """`10.0.0.0/8`; host bits are allowed and a bare IP is a /32 or /128."""
     if not isinstance(value, str):
-        _fail(path, f"expected a CIDR, got {_describe(value)}")
+        _fail(path, f"expected a CIDR, got {describe_value(value)}")
     try:
         return ipaddress.ip_network(value, strict=False)
     except ValueError:
@@ -260,7 +261,7 @@ def _one_of(table: Mapping[str, E]) -> Callable[[object, str], E]:
     def read(value: object, path: str) -> E:
         if isinstance(value, str) and value in table:
             return table[value]
-        _fail(path, f"invalid value {_describe(value)} (expected one of: {', '.join(table)})")
+        _fail(path, f"invalid value {describe_value(value)} (expected one of: {', '.join(table)})")
 
     return read
 
@@ -268,7 +269,7 @@ def _one_of(table: Mapping[str, E]) -> Callable[[object, str], E]:
 def _list_of(convert: Callable[[object, str], V]) -> Callable[[object, str], tuple[V, ...]]:
     def read(value: object, path: str) -> tuple[V, ...]:
         if not isinstance(value, list):
-            _fail(path, f"expected a list, got {_describe(value)}")
+            _fail(path, f"expected a list, got {describe_value(value)}")
         return tuple(convert(item, f"{path}[{i}]") for i, item in enumerate(value))
 
     return read
@@ -276,7 +277,7 @@ def _list_of(convert: Callable[[object, str], V]) -> Callable[[object, str], tup
 
 def _mapping(value: object, path: str) -> dict[Any, Any]:
     if not isinstance(value, dict):
-        _fail(path, f"expected a mapping, got {_describe(value)}")
+        _fail(path, f"expected a mapping, got {describe_value(value)}")
     return value
 
 
@@ -473,13 +474,13 @@ def _string_match(value: object, path: str) -> StringMatch:
         ((name, inner),) = value.items()
         kind = STRING_MATCH_KINDS.get(name)
         if kind is None:
-            _fail(path, f"unknown string match kind {_describe(name)} (expected {_STRING_MATCH_FORMS})")
+            _fail(path, f"unknown string match kind {describe_value(name)} (expected {_STRING_MATCH_FORMS})")
     else:
-        _fail(path, f"expected a string match ({_STRING_MATCH_FORMS}), got {_describe(value)}")
+        _fail(path, f"expected a string match ({_STRING_MATCH_FORMS}), got {describe_value(value)}")
     if kind is StringMatchKind.PRESENCE:
         # Tagged scalars are not resolved, so `!Presence null` arrives as the text "null".
         if inner not in (None, [], {}, "", "~", "null"):
-            _fail(path, f"!Presence takes no value ([] or null), got {_describe(inner)}")
+            _fail(path, f"!Presence takes no value ([] or null), got {describe_value(inner)}")
         return StringMatch(kind)
     return StringMatch(kind, _string(inner, path))
 
@@ -536,7 +537,7 @@ def _local_config(document: object) -> LocalConfig:
     if document is None:  # an empty file
         return LocalConfig()
     if not isinstance(document, dict):
-        _fail("", f"expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}, got {_describe(document)}")
+        _fail("", f"expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}, got {describe_value(document)}")
     obj = _Object(document, "")
     config = LocalConfig(
         workloads=obj.get("workloads", _list_of(_workload), ()),

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from controlplane.kube.manifests import Obj, Refusal, describe, refuse
+from controlplane.kube.manifests import Obj, Refusal, refuse
+from xds.localconfig import describe_value
 from xds.model import IPAddress, IPNetwork, Locality
 
 T = TypeVar("T")
@@ -108,13 +109,13 @@ def text(value: object, where: str, default: str = "") -> str:
     if value is None:
         return default
     if not isinstance(value, str):
-        refuse(f"{where}: expected a string, got {describe(value)}")
+        refuse(f"{where}: expected a string, got {describe_value(value)}")
     return value
 
 
 def integer(value: object, where: str, low: int = 0, high: int = 65535) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        refuse(f"{where}: expected an integer, got {describe(value)}")
+        refuse(f"{where}: expected an integer, got {describe_value(value)}")
     if not low <= value <= high:
         refuse(f"{where}: {value} is out of range ({low}..{high})")
     return value
@@ -124,7 +125,7 @@ def items(value: object, where: str) -> list[Any]:
     if value is None:
         return []
     if not isinstance(value, list):
-        refuse(f"{where}: expected a list, got {describe(value)}")
+        refuse(f"{where}: expected a list, got {describe_value(value)}")
     return value
 
 
@@ -132,7 +133,7 @@ def mapping(value: object, where: str) -> Mapping[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        refuse(f"{where}: expected a mapping, got {describe(value)}")
+        refuse(f"{where}: expected a mapping, got {describe_value(value)}")
     return value
 
 

@@ -24,6 +24,8 @@ from typing import Any, NoReturn
 
 import yaml
 
+from xds.localconfig import describe_value
+
 # (API group, kind) of every object the index reads. The core group is "".
 READ_KINDS = {
     ("", "Namespace"),
@@ -121,22 +123,6 @@ class Obj:
         return Refusal(self.kind, self.namespace, self.name, reason, self.where)
 
 
-def describe(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"the boolean {str(value).lower()}"
-    if isinstance(value, int | float):
-        return f"the number {value}"
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return type(value).__name__
-
-
 def manifest_files(path: Path) -> list[Path]:
     """The files a `--kube` path names: itself, or a directory's manifest files in name order."""
     if path.is_dir():
@@ -200,19 +186,21 @@ def _string_map(value: object, where: str) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        refuse(f"{where}: expected a mapping, got {describe(value)}")
+        refuse(f"{where}: expected a mapping, got {describe_value(value)}")
     out = {}
     for k, v in value.items():
         if not isinstance(k, str) or not isinstance(v, str):
             bad = k if not isinstance(k, str) else v
-            refuse(f"{where}.{k}: expected a string, got {describe(bad)} (quote it)")
+            refuse(f"{where}.{k}: expected a string, got {describe_value(bad)} (quote it)")
         out[k] = v
     return out
 
 
 def _object(doc: object, where: str, into: Objects) -> None:
     if not isinstance(doc, dict):
-        into.refusals.append(Refusal("(unknown)", "", "", f"expected an object, got {describe(doc)}", where))
+        into.refusals.append(
+            Refusal("(unknown)", "", "", f"expected an object, got {describe_value(doc)}", where)
+        )
         return
     kind, api_version = doc.get("kind"), doc.get("apiVersion")
     if not isinstance(kind, str) or not isinstance(api_version, str):
