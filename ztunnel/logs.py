@@ -27,7 +27,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, TextIO, cast
@@ -218,17 +218,53 @@ def access_log(level: int, message: str, fields: Mapping[str, object], spans: Sp
         return
     handler = _State.handler
     if handler is not None and _direct(handler):
-        # What `logging` would do with the record, minus the record: the same line, straight to
-        # the handler's sink (two lines per connection; the record machinery was most of it).
-        formatter = cast(LineFormatter, handler.formatter)
-        line = formatter.line(Line(time.time(), level, ACCESS.name, message, _present(fields), spans))
-        with handler.lock or contextlib.nullcontext():
-            try:
-                handler.write_line(line)
-            except Exception:
-                handler.handleError(logging.makeLogRecord({"msg": message, "levelno": level}))
+        _write_direct(handler, Line(time.time(), level, ACCESS.name, message, _present(fields), spans))
         return
     ACCESS.log(level, message, extra={"fields": fields, "spans": spans})
+
+
+Item = tuple[str, object]
+
+
+class FieldRun(tuple[Item, ...]):
+    """Fields that repeat as they are from line to line (a connection's peers), None values left
+    out. A line carries a run as the item `("", run)`; the plain format renders each distinct run
+    once and keeps the text (the fields of the pair of workloads behind most of a node's lines)."""
+
+    __slots__ = ()
+
+
+def access_items(level: int, message: str, items: list[Item], spans: Spans = ()) -> None:
+    """`access_log` with the fields as pairs, None values already left out, `("", FieldRun)` items
+    standing for their fields."""
+    if not ACCESS.isEnabledFor(level):
+        return
+    handler = _State.handler
+    if handler is not None and _direct(handler):
+        _write_direct(handler, Line(time.time(), level, ACCESS.name, message, items, spans))
+        return
+    ACCESS.log(level, message, extra={"fields": dict(_flat(items)), "spans": spans})
+
+
+def _write_direct(handler: LineHandler, line: Line) -> None:
+    """What `logging` would do with the record, minus the record: the same line, straight to the
+    handler's sink (two lines per connection; the record machinery was most of it)."""
+    formatter = cast(LineFormatter, handler.formatter)
+    text = formatter.line(line)
+    with handler.lock or contextlib.nullcontext():
+        try:
+            handler.write_line(text)
+        except Exception:
+            handler.handleError(logging.makeLogRecord({"msg": line.message, "levelno": line.levelno}))
+
+
+def _flat(items: list[Item]) -> Iterator[Item]:
+    """The fields of `items`, runs expanded."""
+    for key, value in items:
+        if key:
+            yield key, value
+        else:
+            yield from cast(FieldRun, value)
 
 
 def _direct(handler: LineHandler) -> bool:
@@ -529,7 +565,7 @@ class Line(NamedTuple):
     levelno: int
     name: str
     message: str
-    items: list[tuple[str, object]]  # the fields, None values left out
+    items: list[Item]  # the fields, None values left out (`("", FieldRun)`: the fields of a run)
     spans: Spans
 
 
@@ -564,12 +600,40 @@ class PlainFormatter(LineFormatter):
             f"{_timestamp(line.created)}\t{_level_name(line.levelno)}\t{_target(line.name)}{span_text}\t"
             f"{_quote(line.message)}"
         )
-        if not line.items:
+        rendered = [
+            f"{key}={_plain_value(value)}" if key else _plain_run(cast(FieldRun, value))
+            for key, value in line.items
+        ]
+        if "" in rendered:  # empty runs
+            rendered = [r for r in rendered if r]
+        if not rendered:
             return text
-        return text + "\t" + " ".join([f"{key}={_plain_value(value)}" for key, value in line.items])
+        return text + "\t" + " ".join(rendered)
+
+
+# Runs rendered in the plain format, kept (a node's lines repeat a few pairs of workloads).
+_PLAIN_RUNS: dict[FieldRun, str] = {}
+_RUNS_KEPT = 1024
+
+
+def _plain_run(run: FieldRun) -> str:
+    text = _PLAIN_RUNS.get(run)
+    if text is None:
+        text = " ".join([f"{key}={_plain_value(value)}" for key, value in run])
+        if len(_PLAIN_RUNS) >= _RUNS_KEPT:
+            _PLAIN_RUNS.clear()
+        _PLAIN_RUNS[run] = text
+    return text
 
 
 def _plain_value(value: object) -> str:
+    kind = type(value)  # the common kinds first
+    if kind is Bare:
+        return cast(str, value)
+    if kind is str:
+        return _quote(cast(str, value))
+    if kind is int:
+        return str(value)
     bare = _bare_text(value)
     return bare if bare is not None else _quote(str(value))
 
@@ -584,7 +648,7 @@ class JsonFormatter(LineFormatter):
             "scope": _target(line.name),
             "message": line.message,
         }
-        for key, value in line.items:
+        for key, value in _flat(line.items):
             obj[key] = _json_value(value)
         for span, fields in line.spans:
             obj[span] = {k: _json_value(v) for k, v in fields.items() if v is not None}

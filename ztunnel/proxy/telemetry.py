@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from xds.model import Service, Workload
 from ztunnel.admission import Admit, Reject
-from ztunnel.logs import ACCESS, Bare, Spans, access_log
+from ztunnel.logs import ACCESS, Bare, FieldRun, Item, Spans, access_items, access_log
 from ztunnel.metrics import UNKNOWN, ConnectionMetrics, Metrics, TrafficLabels
 
 rbac_log = logging.getLogger("ztunnel.rbac")
@@ -112,17 +112,50 @@ def traffic_labels(
     )
 
 
-# Labels per (reporter, peers, service, policy): a node's connections repeat a few pairs of workloads.
+@dataclass(frozen=True, slots=True)
+class PeerTelemetry:
+    """What the connections between one pair of peers share: their metric labels, and their access
+    log fields besides the addresses (the source's, then the service's and the destination's)."""
+
+    labels: TrafficLabels
+    src_fields: FieldRun
+    dst_fields: FieldRun
+
+
+def _src_fields(src: Peer) -> FieldRun:
+    return _run(
+        ("src.workload", src.workload_name or None),
+        ("src.namespace", src.ns or None),
+        ("src.identity", src.identity),
+        ("src.cluster", src.cluster_id or None),
+    )
+
+
+def _dst_fields(dst: Peer, service: Service | None) -> FieldRun:
+    return _run(
+        ("dst.service", service.hostname if service else None),
+        ("dst.workload", dst.workload_name or None),
+        ("dst.namespace", dst.ns or None),
+        ("dst.identity", dst.identity),
+        ("dst.cluster", dst.cluster_id or None),
+    )
+
+
+def _run(*fields: tuple[str, object]) -> FieldRun:
+    return FieldRun((k, v) for k, v in fields if v is not None)
+
+
+# Per (reporter, peers, service, policy): a node's connections repeat a few pairs of workloads.
 # Workloads and services are keyed by identity (the store replaces them, never changes them); each
 # entry holds the objects its key names, so no other object can take their ids while it is kept.
-_LABELS: dict[tuple[object, ...], tuple[TrafficLabels, tuple[object, ...]]] = {}
-_LABELS_KEPT = 4096
+_PEERS: dict[tuple[object, ...], tuple[PeerTelemetry, tuple[object, ...]]] = {}
+_PEERS_KEPT = 4096
 
 
-def connection_labels(
+def peer_telemetry(
     reporter: str, src: Peer, dst: Peer, service: Service | None, security_policy: str
-) -> TrafficLabels:
-    """`traffic_labels`, remembered."""
+) -> PeerTelemetry:
+    """`traffic_labels` and the peers' access log fields, remembered."""
     key = (
         reporter,
         security_policy,
@@ -142,14 +175,18 @@ def connection_labels(
         dst.canonical_service,
         dst.canonical_revision,
     )
-    hit = _LABELS.get(key)
+    hit = _PEERS.get(key)
     if hit is not None:
         return hit[0]
-    labels = traffic_labels(reporter, src, dst, service, security_policy)
-    if len(_LABELS) >= _LABELS_KEPT:
-        _LABELS.clear()
-    _LABELS[key] = (labels, (service, src.workload, dst.workload))
-    return labels
+    peers = PeerTelemetry(
+        traffic_labels(reporter, src, dst, service, security_policy),
+        _src_fields(src),
+        _dst_fields(dst, service),
+    )
+    if len(_PEERS) >= _PEERS_KEPT:
+        _PEERS.clear()
+    _PEERS[key] = (peers, (service, src.workload, dst.workload))
+    return peers
 
 
 class ConnectionRecord:
@@ -157,6 +194,7 @@ class ConnectionRecord:
 
     __slots__ = (
         "_metrics",
+        "_peers",
         "_registry",
         "direction",
         "dst",
@@ -207,17 +245,14 @@ class ConnectionRecord:
             registry.add(self)
         self.start = time.monotonic()
         reporter = "source" if direction == "outbound" else "destination"
-        labels = connection_labels(reporter, src, dst, service, "mutual_tls" if mtls else UNKNOWN)
-        self._metrics: ConnectionMetrics = metrics.open_connection(labels)
+        self._peers = peers = peer_telemetry(reporter, src, dst, service, "mutual_tls" if mtls else UNKNOWN)
+        self._metrics: ConnectionMetrics = metrics.open_connection(peers.labels)
         self.received = self._metrics.received  # bytes from the downstream side, live
         self.sent = self._metrics.sent  # bytes back to the downstream side, live
         if ACCESS.isEnabledFor(logging.DEBUG):
-            access_log(
-                logging.DEBUG,
-                "connection opened",
-                {**self._endpoints(), "direction": direction},
-                spans,
-            )
+            items = self._endpoints()
+            items.append(("direction", direction))
+            access_items(logging.DEBUG, "connection opened", items, spans)
 
     def dump(self) -> dict[str, str | None] | None:
         """How `/config_dump` lists this connection (None: it does not)."""
@@ -226,23 +261,17 @@ class ConnectionRecord:
         original, actual, protocol = self.dump_as
         return {"src": self.src_addr, "originalDst": original, "actualDst": actual, "protocol": protocol}
 
-    def _endpoints(self) -> dict[str, object]:
-        """Who and where, as the access log names them (absent values left out when printed)."""
-        src, dst = self.src, self.dst
-        return {
-            "src.addr": Bare(self.src_addr),
-            "src.workload": src.workload_name or None,
-            "src.namespace": src.ns or None,
-            "src.identity": src.identity,
-            "src.cluster": src.cluster_id or None,
-            "dst.addr": Bare(self.dst_addr),
-            "dst.hbone_addr": Bare(self.hbone_addr) if self.hbone_addr else None,
-            "dst.service": self.service.hostname if self.service else None,
-            "dst.workload": dst.workload_name or None,
-            "dst.namespace": dst.ns or None,
-            "dst.identity": dst.identity,
-            "dst.cluster": dst.cluster_id or None,
-        }
+    def _endpoints(self) -> list[Item]:
+        """Who and where, as the access log names them (absent values left out)."""
+        items: list[Item] = [
+            ("src.addr", Bare(self.src_addr)),
+            ("", self._peers.src_fields),
+            ("dst.addr", Bare(self.dst_addr)),
+        ]
+        if self.hbone_addr:
+            items.append(("dst.hbone_addr", Bare(self.hbone_addr)))
+        items.append(("", self._peers.dst_fields))
+        return items
 
     def finish(self, *, received: int, sent: int, error: str | None = None, flags: str = "-") -> None:
         self._metrics.close(flags)
@@ -256,19 +285,16 @@ class ConnectionRecord:
         level = logging.ERROR if error else logging.INFO
         if not ACCESS.isEnabledFor(level):
             return
-        access_log(
-            level,
-            "connection complete",
-            {
-                **self._endpoints(),
-                "direction": self.direction,
-                "bytes_sent": bytes_sent,
-                "bytes_recv": bytes_recv,
-                "duration": f"{round((time.monotonic() - self.start) * 1000)}ms",
-                "error": error,
-            },
-            self.spans,
+        items = self._endpoints()
+        items += (
+            ("direction", self.direction),
+            ("bytes_sent", bytes_sent),
+            ("bytes_recv", bytes_recv),
+            ("duration", f"{round((time.monotonic() - self.start) * 1000)}ms"),
         )
+        if error is not None:
+            items.append(("error", error))
+        access_items(level, "connection complete", items, self.spans)
 
 
 def connection_failed(src_addr: str, dst_addr: str, direction: str, error: str) -> None:
