@@ -113,6 +113,10 @@ def _base(values: tuple[str, ...]) -> tuple[str, ...]:
     return (*values[:_FLAGS_AT], NO_FLAGS, *values[_FLAGS_AT + 1 :])
 
 
+# Label sets whose series are kept resolved (a node's connections repeat a few).
+_SERIES_KEPT = 4096
+
+
 def _values(labels: TrafficLabels, flags: str) -> tuple[str, ...]:
     vals = tuple(v or UNKNOWN for v in _label_values(labels))
     return (*vals[:_FLAGS_AT], flags, *vals[_FLAGS_AT:])
@@ -136,11 +140,6 @@ class _CounterFamily:
         self.documentation = documentation
         self.labelnames = labelnames
         self.cells: dict[tuple[str, ...], CounterCell] = {}
-        self._keys: dict[tuple[str, ...], tuple[str, ...]] = {}
-
-    def key(self, values: tuple[str, ...]) -> tuple[str, ...]:
-        """One shared tuple per distinct label values (the first equal one seen)."""
-        return self._keys.setdefault(values, values)
 
     def cell(self, values: tuple[str, ...]) -> CounterCell:
         cell = self.cells.get(values)
@@ -150,7 +149,6 @@ class _CounterFamily:
 
     def forget(self, values: tuple[str, ...]) -> None:
         self.cells.pop(values, None)
-        self._keys.pop(values, None)
 
     def family(self) -> CounterMetricFamily:
         fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -172,44 +170,67 @@ class _TrafficCollector(Collector):
                 yield f.family()
 
 
+class _Series:
+    """The cells of one traffic label set: its fresh-connection series (opened, bytes) and, per
+    final flags, its closed and failed series; and how many open connections count on it."""
+
+    __slots__ = ("carried", "closed", "failed", "opened", "received", "sent", "values")
+
+    def __init__(self, metrics: Metrics, values: tuple[str, ...]) -> None:
+        self.values = values
+        self.carried = 0
+        self.opened = metrics._opened.cell(values)
+        self.received = metrics._received.cell(values)
+        self.sent = metrics._sent.cell(values)
+        self.closed: dict[str, CounterCell] = {}
+        self.failed: dict[str, CounterCell] = {}
+
+    def closed_cells(self, metrics: Metrics, flags: str) -> tuple[CounterCell, CounterCell | None]:
+        """The closed (and, for any flag but `-`, failed) cells of a close with `flags`."""
+        closed = self.closed.get(flags)
+        if closed is None:
+            values = (*self.values[:_FLAGS_AT], flags, *self.values[_FLAGS_AT + 1 :])
+            closed = self.closed[flags] = metrics._closed.cell(values)
+            if flags != NO_FLAGS:
+                self.failed[flags] = metrics._failed.cell(values)
+        return closed, self.failed.get(flags)
+
+
 class ConnectionMetrics:
     """The counters of one connection, resolved when it opened."""
 
-    __slots__ = ("_closed", "_metrics", "_values", "received_cell", "sent_cell")
+    __slots__ = ("_closed", "_metrics", "_series", "received_cell", "sent_cell")
 
     def __init__(self, metrics: Metrics, labels: TrafficLabels) -> None:
         self._metrics = metrics
         self._closed = False
-        # The family's own key for these values: connections with the same labels share one tuple
-        # (a held connection keeps it until it closes).
-        self._values = metrics._opened.key(_values(labels, NO_FLAGS))
-        metrics._opened.cell(self._values).inc()
-        carried = metrics._carried
-        carried[self._values] = carried.get(self._values, 0) + 1
-        self.received_cell = metrics._received.cell(self._values)
-        self.sent_cell = metrics._sent.cell(self._values)
+        # Connections with the same labels share one series (a held connection keeps it until it
+        # closes), resolved once per label set rather than once per connection.
+        series = self._series = metrics._series(labels)
+        series.opened.value += 1
+        series.carried += 1
+        self.received_cell = series.received
+        self.sent_cell = series.sent
 
     def received(self, n: int) -> None:
         """Bytes read from downstream and written upstream."""
-        self.received_cell.inc(n)
+        self.received_cell.value += n
 
     def sent(self, n: int) -> None:
         """Bytes from upstream written back downstream."""
-        self.sent_cell.inc(n)
+        self.sent_cell.value += n
 
     def close(self, response_flags: str = NO_FLAGS) -> None:
         """Count the close once, with the final flags; any flag but `-` also counts a failure."""
         if self._closed:
             return
         self._closed = True
-        carried = self._metrics._carried
-        left = carried.pop(self._values, 1) - 1
-        if left:
-            carried[self._values] = left
-        values = (*self._values[:_FLAGS_AT], response_flags, *self._values[_FLAGS_AT + 1 :])
-        self._metrics._closed.cell(values).inc()
-        if response_flags != NO_FLAGS:
-            self._metrics._failed.cell(values).inc()
+        series = self._series
+        series.carried -= 1
+        closed, failed = series.closed_cells(self._metrics, response_flags)
+        closed.value += 1
+        if failed is not None:
+            failed.value += 1
 
 
 class XdsCounters:
@@ -430,7 +451,11 @@ class Metrics:
         )
         self._traffic = (self._opened, self._closed, self._received, self._sent, self._failed)
         self.registry.register(_TrafficCollector(self._traffic))
-        self._carried: dict[tuple[str, ...], int] = {}  # open connections per series (opened's key)
+        # Every traffic series by its fresh-connection values (the opened series' key), and the same
+        # per label set object (the listeners share one per pair of peers): a cache, emptied when
+        # series are dropped.
+        self._by_values: dict[tuple[str, ...], _Series] = {}
+        self._by_labels: dict[int, tuple[TrafficLabels, _Series]] = {}
         self.xds = XdsCounters()
         self.registry.register(
             _TrafficCollector((self.xds.terminations, self.xds.messages, self.xds.message_bytes))
@@ -456,6 +481,19 @@ class Metrics:
         """Count an opened connection and return its pre-resolved counters."""
         return ConnectionMetrics(self, labels)
 
+    def _series(self, labels: TrafficLabels) -> _Series:
+        hit = self._by_labels.get(id(labels))
+        if hit is not None and hit[0] is labels:
+            return hit[1]
+        values = _values(labels, NO_FLAGS)
+        series = self._by_values.get(values)
+        if series is None:
+            series = self._by_values[values] = _Series(self, values)
+        if len(self._by_labels) >= _SERIES_KEPT:
+            self._by_labels.clear()
+        self._by_labels[id(labels)] = (labels, series)  # holding `labels`: its id stays its own
+        return series
+
     def series_workloads(self) -> set[WorkloadKey]:
         """Every workload the traffic series name."""
         return {w for values in self._opened.cells for w in named_workloads(values)}
@@ -466,10 +504,18 @@ class Metrics:
         dropped = 0
         for family in self._traffic:
             for values in list(family.cells):
-                if self._carried.get(_base(values)) or not any(w in stale for w in named_workloads(values)):
+                series = self._by_values.get(_base(values))
+                if (series is not None and series.carried) or not any(
+                    w in stale for w in named_workloads(values)
+                ):
                     continue
                 family.forget(values)
                 dropped += 1
+        if dropped:
+            self._by_labels.clear()
+            for values, series in list(self._by_values.items()):
+                if not series.carried and values not in self._opened.cells:
+                    del self._by_values[values]
         return dropped
 
     def workload_manager(self) -> WorkloadManagerMetrics:
