@@ -1,11 +1,10 @@
 """Prometheus metrics of the proxy: the `istio_tcp_*` traffic families, open sockets, build info, the
 DNS proxy's `istio_dns_*` families, and their rendering for the stats endpoint.
 
-Everything lives in one `CollectorRegistry` per `Metrics` (never the process-global one). The traffic
-counters are our own collector rather than `prometheus_client.Counter`: a connection resolves its
-counter cells once and then adds to a plain attribute per chunk (no lock, no label lookup), which is
-safe because each data-plane event loop owns its `Metrics`; it also keeps `_created` samples, which
-the reference does not emit, out of the output.
+Everything lives in one `CollectorRegistry` per `Metrics` (`ztunnel.registry`: our own family model
+and registry, no client library). A connection resolves its counter cells once per label set and
+then adds to a plain attribute per chunk (no lock, no label lookup), which is safe because each
+data-plane event loop owns its `Metrics`; no family emits `_created` samples (the reference does not).
 
 The traffic series of a workload gone from the state are forgotten by `drop_series` (never one
 that counts an open connection: each series keeps a count of those); `ztunnel.series` decides when.
@@ -14,14 +13,12 @@ that counts an open connection: each series keeps a count of those); `ztunnel.se
 `response_flags="-"` (as the reference, which records them with the flags of a fresh connection) and
 only `closed` and `failed` carry the final flag.
 
-Exposition is our own (OpenMetrics text, see `render_openmetrics`) because prometheus_client sorts
-labels alphabetically while the reference's order is fixed
-(the traffic labels in the order Istio's ztunnel emits them, `docs/operations.md`).
+Exposition is OpenMetrics text (see `render_openmetrics`) with each family's labels in the order the
+reference emits them (the traffic labels in the order Istio's ztunnel emits them, `docs/operations.md`).
 
-Runtime families: `process_*` come from prometheus_client's process collector here (a proxy's
-supervisor sums them over its processes, `ztunnel.workers.processes`); the reference's `tokio_*`
-runtime families have the workers' `ztunnel_event_loop_*` as their counterpart
-(`ztunnel.workers.loop_metrics`).
+Runtime families: `process_*` of this process (`registry.ProcessCollector`; a proxy's supervisor sums
+them over its processes, `ztunnel.workers.processes`); the reference's `tokio_*` runtime families have
+the workers' `ztunnel_event_loop_*` as their counterpart (`ztunnel.workers.loop_metrics`).
 """
 
 from __future__ import annotations
@@ -29,14 +26,20 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
-from typing import Literal
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
-from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from typing import Any, Literal
 
 from ztunnel import logs
+from ztunnel.registry import (
+    CollectorRegistry,
+    Counter,
+    CounterMetricFamily,
+    Gauge,
+    GaugeCell,
+    HistogramMetricFamily,
+    Metric,
+    ProcessCollector,
+    go_float,
+)
 
 TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text;charset=utf-8;version=1.0.0"
@@ -157,12 +160,9 @@ class _CounterFamily:
         return fam
 
 
-class _TrafficCollector(Collector):
+class _TrafficCollector:
     def __init__(self, families: Iterable[_CounterFamily]) -> None:
         self._families = tuple(families)
-
-    def describe(self) -> Iterable[Metric]:
-        return [CounterMetricFamily(f.name, f.documentation, labels=f.labelnames) for f in self._families]
 
     def collect(self) -> Iterator[Metric]:
         for f in self._families:
@@ -286,11 +286,12 @@ class HistogramFamily:
         cell[i] += 1
         cell[-1] += value
 
-    def family(self) -> HistogramMetricFamily:
+    def family(self) -> Any:
+        """A `HistogramMetricFamily` (typed Any: collectors typed for another family model yield it)."""
         fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, cell in list(self.cells.items()):
             cumulative, buckets = 0.0, []
-            for bound, count in zip((*map(floatToGoString, self.buckets), "+Inf"), cell[:-1], strict=True):
+            for bound, count in zip((*map(go_float, self.buckets), "+Inf"), cell[:-1], strict=True):
                 cumulative += count
                 buckets.append((bound, cumulative))
             fam.add_metric(list(values), buckets, cell[-1])
@@ -345,23 +346,17 @@ class DnsMetrics:
             yield self.upstream_duration.family()
 
 
-class _DnsCollector(Collector):
+class _DnsCollector:
     def __init__(self, dns: DnsMetrics) -> None:
         self._dns = dns
-
-    def describe(self) -> Iterable[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         return self._dns.collect()
 
 
-class _LogCollector(Collector):
+class _LogCollector:
     """`ztunnel_log_lines_dropped_total`: log lines this process dropped because its stderr was not
     being read (`ztunnel.logs.LogWriter`). Not in the reference, whose writer drops silently."""
-
-    def describe(self) -> Iterable[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(
@@ -427,7 +422,7 @@ class Metrics:
     """The proxy's metrics registry."""
 
     def __init__(self, istio_version: str = UNKNOWN, *, process_metrics: bool = True) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry()
         self._opened = _CounterFamily(
             "istio_tcp_connections_opened", "The total number of TCP connections opened", TRAFFIC_LABEL_NAMES
         )
@@ -538,7 +533,7 @@ class Metrics:
             self.registry.register(_TrafficCollector((self._crl.rejections, self._crl.untracked)))
         return self._crl
 
-    def sockets_open(self, reporter: Reporter) -> Gauge:
+    def sockets_open(self, reporter: Reporter) -> GaugeCell:
         """The `istio_tcp_sockets_open` gauge of one reporter: `source` for the sockets accepted on
         15001/15080, `destination` for 15006 and the HBONE connections on 15008 (up once accepted,
         down once closed). The family is shown once a proxy has bound a listener."""
@@ -560,7 +555,7 @@ def _escape_label_value(value: str) -> str:
 def _format_value(value: float) -> str:
     if isinstance(value, int) or (value.is_integer() and abs(value) < 2**53):
         return str(int(value))
-    return floatToGoString(value)
+    return go_float(value)
 
 
 def render_openmetrics(registry: CollectorRegistry) -> bytes:

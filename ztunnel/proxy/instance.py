@@ -18,8 +18,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from prometheus_client import Gauge
-
 from hbone.address import canonical_addr
 from hbone.identity import Identity
 from hbone.relay import Inbox
@@ -50,6 +48,7 @@ from ztunnel.proxy.plan import (
 from ztunnel.proxy.socks5_listener import Socks5Listener
 from ztunnel.proxy.tasks import TaskSet
 from ztunnel.proxy.upstream import Upstreams
+from ztunnel.registry import GaugeCell
 from ztunnel.sockets import SocketFactory, is_transparent
 from ztunnel.state import ProxyState
 
@@ -153,7 +152,7 @@ class _Accepted(Inbox):
 
     __slots__ = ("_handler", "_sockets_open", "_tasks")
 
-    def __init__(self, tasks: TaskSet, handler: Handler, sockets_open: Gauge):
+    def __init__(self, tasks: TaskSet, handler: Handler, sockets_open: GaugeCell):
         super().__init__()
         self._tasks = tasks
         self._handler = handler

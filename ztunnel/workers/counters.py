@@ -13,10 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
-
 from ztunnel.metrics import (
     OPENMETRICS_CONTENT_TYPE,
     TEXT_CONTENT_TYPE,
@@ -26,6 +22,7 @@ from ztunnel.metrics import (
     render_openmetrics,
     wants_openmetrics,
 )
+from ztunnel.registry import CollectorRegistry, Family, Metric
 from ztunnel.workers.messages import Snapshot
 from ztunnel.workers.processes import ProcessTreeCollector
 
@@ -75,7 +72,7 @@ def _named(labels: LabelPairs) -> list[WorkloadKey]:
     return out
 
 
-class TrafficSums(Collector):
+class TrafficSums:
     """The latest report per live worker, plus what workers that are gone counted."""
 
     def __init__(self) -> None:
@@ -128,9 +125,6 @@ class TrafficSums(Collector):
             )
         )
 
-    def describe(self) -> list[Metric]:
-        return []
-
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         # Samples in the order the workers report them (a histogram's buckets ascending).
@@ -143,17 +137,14 @@ class TrafficSums(Collector):
         yield from (families[name] for name in sorted(families))
 
 
-class _SummedView(Collector):
+class _SummedView:
     """The supervisor's own families, except those the workers' sums replace, then the sums."""
 
     def __init__(self, own: CollectorRegistry, sums: TrafficSums) -> None:
         self.own = own
         self.sums = sums
 
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         summed = list(self.sums.collect())
         names = {f.name for f in summed}
         yield from (f for f in self.own.collect() if f.name not in names)
@@ -170,7 +161,7 @@ class SummedMetrics(Metrics):
         super().__init__(istio_version=istio_version, process_metrics=False)
         self.registry.register(ProcessTreeCollector(pids))
         self.sums = sums
-        self._view = CollectorRegistry(auto_describe=False)
+        self._view = CollectorRegistry()
         self._view.register(_SummedView(self.registry, sums))
 
     def render(self, accept_header: str | None) -> tuple[bytes, str]:
