@@ -288,9 +288,10 @@ def _direct(handler: LineHandler) -> bool:
 BUFFER_BYTES = 1 << 20
 _BATCH_BYTES = 64 * 1024
 _CLOSE_TIMEOUT = 2.0
-# How long the writer thread waits for more lines after a write before it goes idle: under steady
-# traffic, the most a line waits.
+# While lines keep coming (the last write less than ACTIVE ago), the writer thread looks for more
+# every LINGER, woken by no one; idle longer, it sleeps until a line wakes it.
 LINGER = 0.01
+ACTIVE = 1.0
 
 
 class LineHandler(logging.Handler):
@@ -333,10 +334,11 @@ class LogWriter:
     is slow or gone. A line that does not fit is dropped and counted (`dropped`); once the buffer has
     drained, the thread writes `report(n)` for the `n` lines dropped since the last report.
 
-    Only the first line after the thread went idle wakes it; after each write it waits `LINGER`
-    for more before it goes idle, and what came meanwhile is written in one go. Under steady
-    traffic (an access log line per connection) that is one wake-up and one `write` per `LINGER`,
-    not a futex wake, two context switches and a GIL hand-off per line on the event loop's thread.
+    While lines keep coming the thread looks for them every `LINGER` and writes what came in one
+    go; only after `ACTIVE` without any does it sleep until the next line wakes it. Under steady
+    traffic (an access log line per connection) that is one `write` per `LINGER` and no wake-up
+    from the caller, rather than a futex wake, two context switches and a GIL hand-off per line on
+    the event loop's thread.
 
     A fork copies no thread: the child's writer starts empty and starts its own thread on its
     first line (`os.register_at_fork` keeps the lock consistent across the fork)."""
@@ -358,6 +360,7 @@ class LogWriter:
         self._busy = False  # the thread holds taken lines not yet written
         self._idle = False  # the thread waits for a line: the next one wakes it
         self._hurry = 0  # callers of `flush` waiting: the thread writes without lingering
+        self._wrote = -ACTIVE  # when the thread last took lines (monotonic)
         self._unreported = 0
         self.dropped = 0
         self._broken = False
@@ -407,14 +410,15 @@ class LogWriter:
             with self._lock:
                 self._busy = False
                 self._changed.notify_all()
-                if not (self._queue or self._hurry or self._closed or self._broken):
-                    # Lines that come now are written together after this, no one waking us for them.
-                    self._changed.wait(LINGER)
                 while not self._queue and not (self._unreported and self._report and not self._broken):
                     if self._closed or self._broken:
                         return
-                    self._idle = True
-                    self._changed.wait()
+                    if time.monotonic() - self._wrote < ACTIVE and not self._hurry:
+                        # Lines came lately: look again in a while, unwoken, and write what came.
+                        self._changed.wait(LINGER)
+                    else:
+                        self._idle = True
+                        self._changed.wait()
                 self._idle = False
                 self._busy = True
                 if self._queue:
@@ -423,6 +427,7 @@ class LogWriter:
                     assert self._report is not None
                     batch, lines = self._report(self._unreported).encode("utf-8", "backslashreplace"), 0
                     self._unreported = 0
+            self._wrote = time.monotonic()
             if not self._write_all(batch):
                 with self._lock:
                     self._broken = True
