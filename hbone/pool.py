@@ -114,6 +114,10 @@ class Pool(Generic[C]):
         if self._closed:
             raise ConnectionClosed("pool closed")
         slot = self._slots.get(key)
+        if slot is not None and slot.conn is not None and not slot.lock.locked() and slot.conn.is_usable():
+            # What the locked path below does with a usable pooled connection, which awaits nothing:
+            # without the lock's coroutines (most checkouts of a warm pool).
+            return self._count(key, slot, slot.conn)
         if slot is None:
             slot = self._slots[key] = _Slot()
         slot.users += 1
@@ -132,16 +136,22 @@ class Pool(Generic[C]):
                     self._dialed.add(conn)
                     slot.conn = conn
                     slot.streams = 0
-                slot.streams += 1
-                slot.last_used = self._clock()
-                if slot.streams >= min(self._max_streams, conn.max_streams):
-                    slot.conn = None  # full: never handed out by the pool again
-                self._start_reaper()
-                return conn
+                return self._count(key, slot, conn)
         finally:
             slot.users -= 1
             if slot.users == 0 and slot.conn is None and self._slots.get(key) is slot:
                 del self._slots[key]
+
+    def _count(self, key: PoolKey, slot: _Slot[C], conn: C) -> C:
+        """One stream counted against the slot's connection, which leaves the pool once full."""
+        slot.streams += 1
+        slot.last_used = self._clock()
+        if slot.streams >= min(self._max_streams, conn.max_streams):
+            slot.conn = None  # full: never handed out by the pool again
+            if slot.users == 0 and self._slots.get(key) is slot:
+                del self._slots[key]
+        self._start_reaper()
+        return conn
 
     def release_idle(self, now: float | None = None) -> int:
         """Drop pooled connections not checked out for `idle_timeout`; returns how many."""
