@@ -239,8 +239,10 @@ def _service_vip(service: Service, network: str) -> IPAddress | None:
     return vips[0] if vips else None
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_authority(authority: str) -> tuple[IPAddress | str, int] | None:
-    """`ip:port`, `[v6]:port` or `host:port`; None when it is neither."""
+    """`ip:port`, `[v6]:port` or `host:port`; None when it is neither (parsed once per distinct one:
+    a node's CONNECTs name a few)."""
     host, sep, port_s = authority.rpartition(":")
     if not sep or not port_s.isdigit() or not host:
         return None

@@ -65,6 +65,10 @@ class ProxyState:
         self._listeners: list[Listener] = []
         self._policy_listeners: list[Listener] = []
         self._batch_depth = 0
+        # Answers of the per-connection lookups, forgotten whenever the store changes (every change
+        # is made in a `batch`).
+        self._by_addr: dict[tuple[str, IPAddress], Workload | None] = {}
+        self._policies_of: dict[str, tuple[Workload, list[Authorization]]] = {}
         self._changed = False
         self._policies_changed = False
         self.demander = demander  # with XDS_ON_DEMAND=true: asks the control plane for a key
@@ -145,12 +149,18 @@ class ProxyState:
     def batch(self) -> Iterator[None]:
         """Apply several changes, e.g. one xDS response, with one notification at the end."""
         self._batch_depth += 1
+        self._forget_lookups()
         try:
             yield
         finally:
+            self._forget_lookups()
             self._batch_depth -= 1
             if self._batch_depth == 0:
                 self._notify()
+
+    def _forget_lookups(self) -> None:
+        self._by_addr.clear()
+        self._policies_of.clear()
 
     def _notify(self) -> None:
         changed, policies_changed = self._changed, self._policies_changed
@@ -323,13 +333,24 @@ class ProxyState:
 
     def workload_by_addr(self, network: str, ip: IPAddress) -> Workload | None:
         """When workloads share an address, a pod wins, then an HBONE one, then the first seen."""
+        key = (network, ip)
+        try:
+            return self._by_addr[key]
+        except KeyError:
+            pass
         uids = self._workloads_by_addr.get(NetworkAddress(network, ip))
-        if not uids:
-            return None
-        return max(
-            (self._workloads[uid] for uid in uids),
-            key=lambda w: ("//Pod/" in w.uid, w.tunnel_protocol is TunnelProtocol.HBONE),
+        found = (
+            max(
+                (self._workloads[uid] for uid in uids),
+                key=lambda w: ("//Pod/" in w.uid, w.tunnel_protocol is TunnelProtocol.HBONE),
+            )
+            if uids
+            else None
         )
+        if len(self._by_addr) >= _LOOKUPS_KEPT:
+            self._by_addr.clear()
+        self._by_addr[key] = found
+        return found
 
     def workload_by_hostname(self, namespace: str, hostname: str) -> Workload | None:
         """A workload named by `namespace/hostname` (a waypoint or gateway given by hostname)."""
@@ -406,7 +427,18 @@ class ProxyState:
         return self._policies.get(key)
 
     def policies_for(self, w: Workload) -> list[Authorization]:
-        """The candidate policies of a destination workload."""
+        """The candidate policies of a destination workload (a list kept until the store changes:
+        not to be changed by the caller)."""
+        hit = self._policies_of.get(w.uid)
+        if hit is not None and hit[0] is w:
+            return hit[1]
+        policies = self._find_policies(w)
+        if len(self._policies_of) >= _LOOKUPS_KEPT:
+            self._policies_of.clear()
+        self._policies_of[w.uid] = (w, policies)
+        return policies
+
+    def _find_policies(self, w: Workload) -> list[Authorization]:
         keys = dict.fromkeys(self._namespace_policies.get(w.namespace, ()))
         keys.update(dict.fromkeys(self._global_policies))
         keys.update(dict.fromkeys(w.authorization_policies))
@@ -439,6 +471,10 @@ class ProxyState:
                 if key not in self._services
             },
         }
+
+
+# Answers kept per lookup between changes of the store (a node's connections name a few addresses).
+_LOOKUPS_KEPT = 4096
 
 
 def _unlist(index: dict[Any, list[str]], where: Any, key: str) -> None:
