@@ -247,8 +247,9 @@ class ConnectionRecord:
         reporter = "source" if direction == "outbound" else "destination"
         self._peers = peers = peer_telemetry(reporter, src, dst, service, "mutual_tls" if mtls else UNKNOWN)
         self._metrics: ConnectionMetrics = metrics.open_connection(peers.labels)
-        self.received = self._metrics.received  # bytes from the downstream side, live
-        self.sent = self._metrics.sent  # bytes back to the downstream side, live
+        # Bytes from the downstream side and back to it, live: the relay calls the cells directly.
+        self.received = self._metrics.received_cell.inc
+        self.sent = self._metrics.sent_cell.inc
         if ACCESS.isEnabledFor(logging.DEBUG):
             items = self._endpoints()
             items.append(("direction", direction))
