@@ -356,7 +356,7 @@ class _DnsCollector:
 
 class _LogCollector:
     """`ztunnel_log_lines_dropped_total`: log lines this process dropped because its stderr was not
-    being read (`ztunnel.logs.LogWriter`). Not in the reference, whose writer drops silently."""
+    being read (`ztunnel.logwriter.LogWriter`). Not in the reference, whose writer drops silently."""
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(
