@@ -212,13 +212,19 @@ def markdown(data: dict[str, Any]) -> str:
     """A run's JSON as the markdown tables of benches/README.md: `python -m benches.report FILE`."""
     summary = data["summary"]
     modes = [m["name"] for m in data["modes"]]
+    unreached = [m for m, ok in summary.get("paced_reached", {}).items() if ok is False]
     lines = ["| figure | unit | " + " | ".join(modes) + " |", "|---|---|" + "---:|" * len(modes)]
     for f in FIGURES:
+        if all(summary["value"][m][f.key] is None for m in modes):
+            continue
         cells = []
         for m in modes:
             v, x = summary["value"][m][f.key], summary["vs_direct"][m][f.key]
-            cells.append(fmt(v) + (f" ({x:.2f}x)" if x is not None and m != "direct" else ""))
+            mark = "\\*" if f.key.startswith("paced_") and m in unreached else ""
+            cells.append(mark + fmt(v) + (f" ({x:.2f}x)" if x is not None and m != "direct" else ""))
         lines.append(f"| {f.label} | {f.unit} | " + " | ".join(cells) + " |")
+    if unreached:
+        lines += ["", f"\\* paced: the asked rate was not reached by {', '.join(unreached)}"]
     lines += ["", "| target | hbone | met |", "|---|---:|---|"]
     for t in data.get("targets", []):
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
