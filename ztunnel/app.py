@@ -1,8 +1,11 @@
 """`ztunnel proxy`'s start: configuration in, the process tuned, then the supervisor and its workers.
 
 The configuration is read from the environment, logging set up, the fd limit raised and glibc's
-allocator tuned; then the fork server is forked (before any event loop or gRPC thread, after the
-heavy imports), given the worker body, and the supervisor runs until it is stopped.
+allocator tuned. Then the order is what the processes' memory is made of: the worker body and what
+it imports are loaded, the fork server is forked (before any event loop or gRPC thread), and only
+then does this process import the control side (the supervisor, the control runtime, the admin and
+metrics servers, the local file's YAML, gRPC when a control plane is used), which so never exists
+in a worker's memory. The supervisor runs until it is stopped.
 """
 
 from __future__ import annotations
@@ -17,11 +20,9 @@ from collections.abc import Mapping
 import uvloop
 
 from ztunnel.config import Config, ConfigError
-from ztunnel.control import StartupError
 from ztunnel.logs import setup_logging
-from ztunnel.workers.forkserver import start_fork_server
-from ztunnel.workers.supervisor import Supervisor
-from ztunnel.workers.worker import run_worker
+from ztunnel.startup import StartupError
+from ztunnel.workers.forkserver import ForkServer, start_fork_server
 
 
 def raise_fd_limit() -> None:
@@ -73,16 +74,24 @@ def run_proxy(environ: dict[str, str]) -> int:
     return run_supervisor(config)
 
 
+def start_data_plane(config: Config) -> ForkServer:
+    """The fork server of the workers, forked with the worker body and its imports loaded and
+    nothing of the control side."""
+    from ztunnel.workers.worker import preload, run_worker
+
+    preload(config)
+    return start_fork_server(functools.partial(run_worker, config))
+
+
 def run_supervisor(config: Config) -> int:
     """One supervisor and `worker_threads` data-plane worker processes, in both modes."""
-    if config.proxy_mode == "shared":
-        import ztunnel.inpod.manager  # noqa: F401  (loaded before the fork: in the workers' shared memory)
-    fork_server = start_fork_server(functools.partial(run_worker, config))
-
-    async def main() -> int:
-        return await Supervisor(config, fork_server).run()
-
+    fork_server = start_data_plane(config)
     try:
+        from ztunnel.workers.supervisor import Supervisor  # the control side, after the fork
+
+        async def main() -> int:
+            return await Supervisor(config, fork_server).run()
+
         return uvloop.run(main())
     finally:
         fork_server.close()  # the fork server exits when its channel closes

@@ -1,8 +1,9 @@
 """The fork server: a process forked early that forks every worker, the first ones and each
 replacement.
 
-It is forked from the supervisor before any event loop or gRPC thread exists and after the heavy
-imports (so workers share that memory copy-on-write), and runs no loop itself: it waits for a
+It is forked from the supervisor before any event loop or gRPC thread exists, once the worker body
+and its imports are loaded and before the control side's are (so workers share the one and never
+hold the other), and runs no loop itself: it waits for a
 `Spawn` (with the worker's end of its channel) and forks, calling the worker body it was given,
 answers `Spawned`, and reports each child that ends as `Exited`. It stops when its channel closes;
 it and every worker die with their parent (`PR_SET_PDEATHSIG`).
@@ -52,6 +53,11 @@ def set_pdeathsig(sig: int) -> None:
 
 def start_fork_server(body: WorkerBody) -> ForkServer:
     """Fork the fork server now (before any event loop or gRPC thread)."""
+    # What exists now is shared, copy-on-write, by this process, the fork server and every worker,
+    # for their lifetime: frozen, out of every collector's sight, so that no process's collections
+    # write the objects' GC headers (copying the pages) nor walk them.
+    gc.collect()
+    gc.freeze()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     parent = os.getpid()
     pid = os.fork()
@@ -76,10 +82,6 @@ def serve(body: WorkerBody, sock: socket.socket) -> int:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    # What the imports made is the workers' for their lifetime: out of the collector's sight, its
-    # pages are neither walked by each collection nor copied by one writing their GC headers.
-    gc.collect()
-    gc.freeze()
     while True:
         try:
             readable, _, _ = select.select([sock.fileno(), wake_r], [], [])

@@ -28,8 +28,9 @@ from ztunnel import logs, profiling
 from ztunnel.admin import Readiness, ReadinessHandle
 from ztunnel.certificates import CertificateUnavailable, SecretManager
 from ztunnel.config import Config
-from ztunnel.control import ControlHooks, ControlRuntime, StartupError
+from ztunnel.control import ControlHooks, ControlRuntime
 from ztunnel.series import sweep_stale_series
+from ztunnel.startup import StartupError
 from ztunnel.workers import fleet as policy
 from ztunnel.workers.channel import Channel, close_fds
 from ztunnel.workers.counters import SummedMetrics, TrafficSums

@@ -10,22 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
 from hbone.identity import Identity
 from hbone.tls import TlsPolicy, WorkloadCertificate
-from ztunnel import logs, profiling
+from ztunnel import logs
 from ztunnel.certificates import CaError, SecretManager
 from ztunnel.config import Config, WorkloadInfo
-from ztunnel.crl import CrlWatcher
-from ztunnel.inpod.netns import Netns, NetnsSocketFactory
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
 from ztunnel.series import sweep_stale_series
@@ -56,8 +55,12 @@ from ztunnel.workers.messages import (
     Stop,
     Synced,
 )
-from ztunnel.workers.pod_proxies import PodProxies
 from ztunnel.workers.replication import apply_changes
+
+if TYPE_CHECKING:
+    from ztunnel import profiling
+    from ztunnel.crl import CrlWatcher
+    from ztunnel.workers.pod_proxies import PodProxies
 
 log = logging.getLogger("ztunnel.workers")
 
@@ -147,7 +150,11 @@ class WorkerRuntime:
         self.metrics.registry.register(self.loop_metrics)
         self.ca = ParentCa(channel)
         # The CRL is a local file, not control-plane state: each worker watches it for its contexts.
-        self.crl = CrlWatcher.load(config.crl_path, self.metrics) if config.crl_path else None
+        self.crl: CrlWatcher | None = None
+        if config.crl_path:
+            from ztunnel.crl import CrlWatcher
+
+            self.crl = CrlWatcher.load(config.crl_path, self.metrics)
         tls = TlsPolicy(tls12=config.tls12_enabled, revocation=self.crl.revocation if self.crl else None)
         self.secrets = SecretManager(self.ca, tls=tls)
         self.options = socket_options(config, workers=True)
@@ -173,6 +180,10 @@ class WorkerRuntime:
             assert cfg.workload_info is not None
             self.proxies.append(self._instance(cfg.workload_info, SocketFactory(self.options)))
             return
+        # In-pod mode's modules are loaded by its workers only.
+        from ztunnel.inpod.netns import NetnsSocketFactory
+        from ztunnel.workers.pod_proxies import PodProxies
+
         self.pods = PodProxies(
             lambda info, netns: self._instance(info, NetnsSocketFactory(netns, self.options))
         )
@@ -289,6 +300,8 @@ class WorkerRuntime:
             return PodResult(message.uid, seq=message.seq)
         if running is not None:
             await self.pods.stop(message.uid, 0.0)
+        from ztunnel.inpod.netns import Netns
+
         info = WorkloadInfo(
             namespace=message.namespace, name=message.name, service_account=message.service_account
         )
@@ -345,9 +358,25 @@ class WorkerRuntime:
 
 async def collect_profile(kind: str, seconds: float, frequency: int) -> profiling.Profile:
     """This process's `cpu` (sampled at `frequency`) or `heap` profile over `seconds`."""
+    from ztunnel import profiling  # tracemalloc, gzip and the profile's protobuf, when asked
+
     if kind == "cpu":
         return await profiling.collect_cpu_profile(seconds, frequency)
     return await profiling.collect_heap_profile(seconds)
+
+
+def preload(config: Config) -> None:
+    """Import what the workers of `config` load beyond the worker body's own imports: called before
+    the fork server is forked, so that every worker shares these modules instead of loading its own."""
+    names = []
+    if config.dns_capture:
+        names.append("ztunnel.dns.server")  # and dnspython
+    if config.proxy_mode == "shared":
+        names += ["ztunnel.inpod.netns", "ztunnel.workers.pod_proxies"]
+    if config.crl_path:
+        names.append("ztunnel.crl")  # and cryptography's X.509, for the peers' chains
+    for name in names:
+        importlib.import_module(name)
 
 
 def run_worker(config: Config, index: int, fd: int) -> int:
