@@ -11,14 +11,12 @@ in a worker's memory. The supervisor runs until it is stopped.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import platform
 import resource
-from collections.abc import Mapping
 
 import uvloop
 
+from ztunnel.allocator import tune_allocator
 from ztunnel.config import Config, ConfigError
 from ztunnel.logs import setup_logging
 from ztunnel.startup import StartupError
@@ -30,37 +28,6 @@ def raise_fd_limit() -> None:
     if soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-# glibc's allocator, left to itself, maps each block above an adaptive threshold on its own and
-# returns the top of the heap to the kernel once more than twice that is free there. A relay's
-# buffers (a TLS write of a few hundred KiB, a payload copied out of a read) are allocated and freed
-# on every read, so that adaptive pair ends up mapping, zeroing and unmapping them again and again:
-# measured at up to ~175,000 page faults per GiB relayed by the sending proxy, ~15 % of its CPU.
-# Fixed thresholds keep blocks up to MALLOC_MMAP_THRESHOLD in the heap and up to
-# MALLOC_TRIM_THRESHOLD of free heap for reuse. The glibc environment variables of the same names
-# (with a trailing underscore) or GLIBC_TUNABLES win when set.
-MALLOC_MMAP_THRESHOLD = 4 << 20
-MALLOC_TRIM_THRESHOLD = 16 << 20
-_M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
-_M_MMAP_THRESHOLD = -3
-
-
-def tune_allocator(environ: Mapping[str, str]) -> bool:
-    """Fix glibc's mmap and trim thresholds for this process and the ones it forks; True if set."""
-    if any(k in environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
-        return False
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    return bool(
-        mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)
-        and mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
-    )
 
 
 def run_proxy(environ: dict[str, str]) -> int:

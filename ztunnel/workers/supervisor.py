@@ -26,6 +26,7 @@ from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
 from ztunnel import logs, profiling
 from ztunnel.admin import Readiness, ReadinessHandle
+from ztunnel.allocator import trim_when_idle
 from ztunnel.certificates import CertificateUnavailable, SecretManager
 from ztunnel.config import Config
 from ztunnel.control import ControlHooks, ControlRuntime
@@ -419,6 +420,7 @@ class Supervisor:
                 loop.create_task(self._wait_synced()),
                 loop.create_task(self._heartbeat()),
                 loop.create_task(self._drop_stale_series()),
+                loop.create_task(trim_when_idle()),
             ]
             await asyncio.wait([self._started, stop], return_when=asyncio.FIRST_COMPLETED)
             if self._started.done():

@@ -23,6 +23,7 @@ import uvloop
 from hbone.identity import Identity
 from hbone.tls import TlsPolicy, WorkloadCertificate
 from ztunnel import logs
+from ztunnel.allocator import trim_when_idle
 from ztunnel.certificates import CaError, SecretManager
 from ztunnel.config import Config, WorkloadInfo
 from ztunnel.metrics import Metrics
@@ -209,6 +210,7 @@ class WorkerRuntime:
         reader = loop.create_task(self._read())
         pusher = loop.create_task(self._push_counters())
         janitor = loop.create_task(self._drop_stale_series())
+        trimmer = loop.create_task(trim_when_idle())  # the heap's free memory, once traffic stops
         try:
             while True:
                 message, fds = await self.actions.get()
@@ -218,6 +220,7 @@ class WorkerRuntime:
                 await self._act(message, fds)
         finally:
             self.loop_metrics.stop()
+            trimmer.cancel()
             janitor.cancel()
             pusher.cancel()
             reader.cancel()
