@@ -90,12 +90,12 @@ def test_idle_memory_of_an_extra_worker(echo: None) -> None:
             wait_ready(proxy)
             assert exchange(CLIENT, b"warm") == b"warm"
             pids = [proxy.process.pid, *children(proxy.process.pid)]
-            assert len(pids) == workers + 2
+            assert len(pids) == workers + 1
             totals[workers] = sum(pss_kib(p) for p in pids)
         finally:
             stop(proxy)
     extra = totals[2] - totals[1]
-    print(f"idle PSS, parent + fork server + workers: 1 worker {totals[1]} KiB, 2 workers {totals[2]} KiB")
+    print(f"idle PSS, parent + workers: 1 worker {totals[1]} KiB, 2 workers {totals[2]} KiB")
     assert extra <= 12 * 1024, totals
 
 
@@ -118,14 +118,14 @@ def control_side_in(pid: int) -> list[str]:
 
 def test_workers_never_load_the_control_sides_libraries(control_plane: ControlPlane) -> None:
     """With xDS and the CA over gRPC, the parent holds gRPC, protobuf, PyYAML and cryptography; the
-    fork server and the workers, forked before the parent imported them, map none of them."""
+    workers, forked before the parent imported them, map none of them."""
     xds = {"XDS_ADDRESS": f"http://{control_plane.address}", "CA_ADDRESS": f"http://{control_plane.address}"}
     proxy = launch(proxy_env("client", CLIENT, LOCAL_XDS=CLIENT_ONLY, **xds), CLIENT)
     try:
         wait_ready(proxy)
         assert control_side_in(proxy.process.pid) == ["PyYAML", "cryptography", "gRPC", "protobuf"]
         helpers = children(proxy.process.pid)
-        assert len(helpers) == 3  # the fork server and two workers
+        assert len(helpers) == 2  # the two workers
         assert {pid: control_side_in(pid) for pid in helpers} == {pid: [] for pid in helpers}
     finally:
         stop(proxy)

@@ -2,8 +2,8 @@
 
 The configuration is read from the environment, logging set up, the fd limit raised and glibc's
 allocator tuned. Then the order is what the processes' memory is made of: the worker body and what
-it imports are loaded, the fork server is forked (before any event loop or gRPC thread), and only
-then does this process import the control side (the supervisor, the control runtime, the admin and
+it imports are loaded, the workers are forked (before any event loop or gRPC thread), and only then
+does this process import the control side (the supervisor, the control runtime, the admin and
 metrics servers, the local file's YAML, gRPC when a control plane is used), which so never exists
 in a worker's memory. The supervisor runs until it is stopped.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import resource
+from collections.abc import Mapping
 
 import uvloop
 
@@ -20,7 +21,7 @@ from ztunnel.allocator import tune_allocator
 from ztunnel.config import Config, ConfigError
 from ztunnel.logs import setup_logging
 from ztunnel.startup import StartupError
-from ztunnel.workers.forkserver import ForkServer, start_fork_server
+from ztunnel.workers.spawning import Spawner, fork_workers
 
 
 def raise_fd_limit() -> None:
@@ -38,27 +39,28 @@ def run_proxy(environ: dict[str, str]) -> int:
     setup_logging(config.log_format, config.log_level)
     raise_fd_limit()
     tune_allocator(environ)
-    return run_supervisor(config)
+    return run_supervisor(config, environ)
 
 
-def start_data_plane(config: Config) -> ForkServer:
-    """The fork server of the workers, forked with the worker body and its imports loaded and
-    nothing of the control side."""
+def start_data_plane(config: Config, environ: Mapping[str, str]) -> Spawner:
+    """The workers, forked with the worker body and its imports loaded and nothing of the control
+    side; replacements are new interpreters given `environ`."""
     from ztunnel.workers.worker import preload, run_worker
 
     preload(config)
-    return start_fork_server(functools.partial(run_worker, config))
+    first = fork_workers(functools.partial(run_worker, config), max(1, config.worker_threads))
+    return Spawner(first, environ)
 
 
-def run_supervisor(config: Config) -> int:
+def run_supervisor(config: Config, environ: Mapping[str, str]) -> int:
     """One supervisor and `worker_threads` data-plane worker processes, in both modes."""
-    fork_server = start_data_plane(config)
+    spawner = start_data_plane(config, environ)
     try:
         from ztunnel.workers.supervisor import Supervisor  # the control side, after the fork
 
         async def main() -> int:
-            return await Supervisor(config, fork_server).run()
+            return await Supervisor(config, spawner).run()
 
         return uvloop.run(main())
     finally:
-        fork_server.close()  # the fork server exits when its channel closes
+        spawner.close()  # workers forked but never started (start-up failed first)

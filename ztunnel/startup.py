@@ -1,7 +1,7 @@
 """`StartupError`: how `ztunnel proxy` reports a start-up failure, in one line and no traceback.
 
 Its own module so the front door can catch it without importing the control runtime, which the
-proxy loads only after its data-plane workers' fork server exists (`ztunnel/app.py`).
+proxy loads only after its data-plane workers are forked (`ztunnel/app.py`).
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from ztunnel.workers.messages import (
     Scrape,
     SetLogFilter,
     Snapshot,
+    Spawn,
     StateChanges,
     Stop,
     Synced,
@@ -370,7 +371,7 @@ async def collect_profile(kind: str, seconds: float, frequency: int) -> profilin
 
 def preload(config: Config) -> None:
     """Import what the workers of `config` load beyond the worker body's own imports: called before
-    the fork server is forked, so that every worker shares these modules instead of loading its own."""
+    the workers are forked, so that every worker shares these modules instead of loading its own."""
     names = []
     if config.dns_capture:
         names.append("ztunnel.dns.server")  # and dnspython
@@ -383,11 +384,18 @@ def preload(config: Config) -> None:
 
 
 def run_worker(config: Config, index: int, fd: int) -> int:
-    """The body of a forked worker process (the fork server calls it with its channel's fd)."""
+    """The body of a worker process (forked at start-up, or a replacement's new interpreter), given
+    its channel's fd."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's to handle
 
     async def main() -> int:
         channel = Channel(socket.socket(fileno=fd))
+        # Nothing is bound before the parent says so (it claims the listeners' addresses first).
+        while (got := await channel.recv()) is not None and not isinstance(got[0], Spawn):
+            close_fds(got[1])
+        if got is None:
+            channel.close()
+            return 0  # the parent stopped before this worker started
         worker = WorkerRuntime(config, index, channel)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, worker.request_stop, config.connection_termination_deadline)
