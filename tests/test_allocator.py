@@ -75,6 +75,22 @@ def test_idle_trim_leaves_a_process_doing_little_alone() -> None:
     assert any(results)
 
 
+def test_idle_trim_gives_back_at_most_once_a_second() -> None:
+    trim = IdleTrim(idle_share=0.02, min_work=0.05, min_interval=1.0)
+    trim.tick(0.0, 0.0)
+    assert not trim.tick(0.1, 0.1)
+    assert trim.tick(0.2, 0.1)
+    # Traffic that pauses every 200 ms: the next trims wait for the second to pass.
+    now, cpu, trimmed = 0.2, 0.1, []
+    for _ in range(10):
+        now, cpu = now + 0.1, cpu + 0.1
+        assert not trim.tick(now, cpu)  # busy
+        now += 0.1
+        if trim.tick(now, cpu):  # a pause
+            trimmed.append(round(now, 1))
+    assert trimmed == [1.2, 2.2]
+
+
 def test_idle_trim_judges_a_late_tick_by_its_length() -> None:
     trim = IdleTrim(idle_share=0.02, min_work=0.05)
     trim.tick(0.0, 0.0)

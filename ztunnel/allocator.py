@@ -14,8 +14,8 @@ What the heap keeps for reuse is memory a process holds after the traffic is gon
 decides when to give it back: once a process has done some work (`MIN_WORK` of CPU time since the
 last trim) and then spends a tick of `TRIM_TICK` nearly idle (under `IDLE_SHARE` of it on the CPU),
 `trim_when_idle` collects garbage and calls `malloc_trim(0)`, which returns every free page of the
-heap. The page faults come back once per burst, when the next one grows the heap again, not on every
-read.
+heap; at most once per `MIN_INTERVAL`. The page faults come back once per burst, when the next one
+grows the heap again, not on every read.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ _M_MMAP_THRESHOLD = -3
 TRIM_TICK = 0.1  # seconds between looks at the process's CPU time
 IDLE_SHARE = 0.02  # a tick with less CPU time than this share of it is idle
 MIN_WORK = 0.05  # CPU seconds since the last trim that make a trim worth it
+# At most one trim a second: traffic that pauses often pays the heap's page faults again at most
+# once a second (16 MiB of heap is ~4,000 faults, milliseconds of CPU).
+MIN_INTERVAL = 1.0
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -75,13 +78,22 @@ def release_free_memory() -> None:
 
 class IdleTrim:
     """The sans-IO decision: given the wall clock and the process's CPU time at each tick, whether
-    to give the free memory back now (the first nearly idle tick after `min_work` of CPU time)."""
+    to give the free memory back now (the first nearly idle tick after `min_work` of CPU time, and
+    `min_interval` after the last trim)."""
 
-    def __init__(self, *, idle_share: float = IDLE_SHARE, min_work: float = MIN_WORK) -> None:
+    def __init__(
+        self,
+        *,
+        idle_share: float = IDLE_SHARE,
+        min_work: float = MIN_WORK,
+        min_interval: float = MIN_INTERVAL,
+    ) -> None:
         self.idle_share = idle_share
         self.min_work = min_work
+        self.min_interval = min_interval
         self._last: tuple[float, float] | None = None
         self._work = 0.0  # CPU seconds of the busy ticks since the last trim
+        self._trimmed: float | None = None  # when
 
     def tick(self, now: float, cpu: float) -> bool:
         last, self._last = self._last, (now, cpu)
@@ -93,7 +105,10 @@ class IdleTrim:
             return False
         if self._work < self.min_work:
             return False
+        if self._trimmed is not None and now - self._trimmed < self.min_interval:
+            return False
         self._work = 0.0
+        self._trimmed = now
         return True
 
 
