@@ -20,11 +20,11 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
-from ztunnel import logs, profiling
+from ztunnel import logs
 from ztunnel.admin import Readiness, ReadinessHandle
 from ztunnel.allocator import trim_when_idle
 from ztunnel.certificates import CertificateUnavailable, SecretManager
@@ -64,6 +64,9 @@ from ztunnel.workers.messages import (
 from ztunnel.workers.replication import ReplicatedState, demand_arrived
 from ztunnel.workers.spawning import Spawner, exit_code
 from ztunnel.workers.worker import collect_profile
+
+if TYPE_CHECKING:
+    from ztunnel import profiling
 
 log = logging.getLogger("ztunnel.workers")
 
@@ -235,6 +238,8 @@ class Supervisor:
         finally:
             for slot in self.slots:
                 slot.profile_waiters.pop(seq, None)
+        from ztunnel import profiling  # tracemalloc, gzip and the profile's format, when one is asked
+
         profiles = [own]
         for index, fut in waits.items():
             reply = fut.result() if fut.done() else None
