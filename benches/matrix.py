@@ -78,7 +78,7 @@ FIGURES: tuple[Figure, ...] = (
         "MB",
         False,
         "memory of the mode's largest proxy, idle, before the load: PSS summed over its processes "
-        "(a ztunnel's parent, fork server and workers share pages, counted once) (10^6 bytes)",
+        "(a ztunnel's parent and workers share pages, counted once) (10^6 bytes)",
     ),
     Figure(
         "rss_per_conn_kib",

@@ -92,7 +92,7 @@ TARGETS = (
     Target("hbone throughput, 1 stream ≥ 1.25x stunnel", _vs_stunnel("throughput_1"), at_least=1.25),
     Target("hbone new connections (warm pool) ≥ 3x stunnel", _vs_stunnel("conn_per_s"), at_least=3.0),
     Target(
-        f"idle PSS of the largest ztunnel (parent, fork server, {TARGET_WORKERS} workers) ≤ 40 MB",
+        f"idle PSS of the largest ztunnel (parent and {TARGET_WORKERS} workers) ≤ 40 MB",
         lambda d: _largest(d, lambda v: v["rss_idle_mb"]),
         at_most=40.0,
         unless=_workers_other,
