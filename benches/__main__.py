@@ -18,7 +18,7 @@ from benches.capture import CaptureTopology
 from benches.matrix import BenchError, Matrix, Settings
 from benches.report import plot, table, targets_report, write_json
 from benches.soak import SoakSettings, parse_duration, run_soak
-from benches.topology import LoadGenerator, Mode, SetupError, Topology
+from benches.topology import LoadGenerator, Mode, SetupError, Topology, stunnel_handshakes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, help="seconds per rate measurement (default 3; --quick: 0.5)")
     p.add_argument(
         "--hold", type=int, help="idle connections for the memory figure (default 1000; --quick: 300)"
+    )
+    p.add_argument(
+        "--paced-seconds",
+        type=float,
+        help="seconds of the paced load per mode and round (capture topology; default 10; --quick: 4)",
     )
     p.add_argument("--out", type=Path, default=Path("results"), help="results folder (default: results/)")
     p.add_argument(
@@ -74,7 +79,12 @@ def _settings(args: argparse.Namespace) -> Settings | None:
     settings = Settings.quick() if args.quick else Settings()
     overrides = {
         k: v
-        for k, v in (("rounds", args.rounds), ("seconds", args.seconds), ("hold", args.hold))
+        for k, v in (
+            ("rounds", args.rounds),
+            ("seconds", args.seconds),
+            ("hold", args.hold),
+            ("paced_seconds", args.paced_seconds),
+        )
         if v is not None
     }
     if args.worker_counts is not None:
@@ -85,10 +95,28 @@ def _settings(args: argparse.Namespace) -> Settings | None:
             return None
     if overrides:
         settings = dataclasses.replace(settings, **overrides)
-    if settings.rounds < 1 or settings.seconds <= 0 or settings.hold < 1:
-        print("benches: --rounds, --seconds and --hold must be positive", file=sys.stderr)
+    if settings.rounds < 1 or settings.seconds <= 0 or settings.hold < 1 or settings.paced_seconds <= 0:
+        print("benches: --rounds, --seconds, --hold and --paced-seconds must be positive", file=sys.stderr)
         return None
     return settings
+
+
+def _raise_nofile() -> None:
+    """Children inherit the limit: each held connection takes a descriptor at every end along the
+    path, and a proxy process holds both ends of the ones it carries (20,000 of them at
+    `--hold 10000`, more than a usual hard limit of 20,000 allows with everything else). Root may
+    raise the hard limit too, up to the kernel's `fs.nr_open`."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard
+    if os.geteuid() == 0:
+        try:
+            want = max(hard, min(1 << 18, int(Path("/proc/sys/fs/nr_open").read_text())))
+        except (OSError, ValueError):
+            pass
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+    except (OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         from benches.dns import run_figure
 
         return run_figure(settings.seconds, args.out)
-    # Children inherit the limit: 1,000 held connections take four descriptors each along the path.
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    _raise_nofile()
 
     if args.topology == "capture" and os.geteuid() != 0:
         print("benches: --topology capture needs root (network namespaces, iptables)", file=sys.stderr)
@@ -156,9 +182,15 @@ def _run_matrix(
     started: float,
 ) -> bool:
     """Run the matrix over the started modes, print and save its results; True when no run failed."""
+    paced = (
+        f", paced {settings.paced_rate:,.0f}/s of {settings.paced_size} B over "
+        f"{settings.paced_connections} connections for {settings.paced_seconds:g}s"
+        if isinstance(topo, CaptureTopology)
+        else ""
+    )
     print(
         f"modes: {', '.join(m.name for m in modes)} ({topo.name}: {topo.where}); {settings.rounds} "
-        f"round(s), {settings.seconds:g}s per rate figure, {settings.hold} idle connections held",
+        f"round(s), {settings.seconds:g}s per rate figure, {settings.hold} idle connections held{paced}",
         flush=True,
     )
     matrix = Matrix(
@@ -175,15 +207,24 @@ def _run_matrix(
     summary = data["summary"]
     print()
     print(table(summary, names))
-    text, targets = targets_report(summary)
-    print()
-    print(text)
-    data["targets"] = targets
     data["notes"] = topo.notes
     data["topology"] = topo.name
     if isinstance(topo, CaptureTopology):
         data["namespaces"] = [ns.name for ns in topo.namespaces]
     data["workers"] = args.workers
+    stunnel = next((m for m in modes if m.name == "stunnel"), None)
+    server = next((p for p in stunnel.processes if p.name == "stunnel-server"), None) if stunnel else None
+    if server is not None:
+        counts = stunnel_handshakes(server.log_path)
+        data["stunnel_handshakes"] = counts
+        print(
+            f"\nstunnel server: {counts['connections']:,} TLS connections, {counts['resumed']:,} resumed, "
+            f"{counts['full']:,} full handshakes (from its log)"
+        )
+    text, targets = targets_report(data)
+    print()
+    print(text)
+    data["targets"] = targets
     data["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     data["elapsed_s"] = time.monotonic() - started
     path = write_json(args.out, data)

@@ -38,6 +38,8 @@ from benches.topology import (
     ECHO_PORT,
     MESH_CONFIG,
     STUNNEL,
+    STUNNEL_MAX_HOLD,
+    STUNNEL_NOTE,
     TCP_CONFIG,
     LoadGenerator,
     Mode,
@@ -206,7 +208,8 @@ class CaptureTopology:
                     {**entry(5, 1), "half_close": False},
                     stunnels,
                     gen=self._gen("stunnel", s_cli),
-                    note="every connection is a full TLS 1.3 handshake (no resumption)",
+                    note=STUNNEL_NOTE,
+                    max_hold=STUNNEL_MAX_HOLD,
                 )
             )
         return self.modes

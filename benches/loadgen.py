@@ -26,6 +26,9 @@ Commands (each bounded in count and time):
   response, again; blocking sockets, so the generator's own cost per round trip is a few µs;
 * `connrate {entry, seconds, concurrency, max_count}`: `concurrency` clients each loop on
   connect, 1 byte, read its echo, close;
+* `paced {entry, rate, seconds, connections, size}`: the C tools' open-loop load (capture topology
+  only): `rate` requests/s in all over `connections` persistent connections, `size` bytes each way,
+  latency from each request's intended send time;
 * `hold {entry, count, concurrency}` / `release`: open `count` connections (each proven end to end
   by a 1-byte echo) and keep them idle until `release`;
 * `integrity {entry, streams, size}`: random bytes through the echo port on `streams` connections
@@ -108,6 +111,14 @@ def run_rr(entry: Entry, seconds: float, max_count: int) -> dict[str, Any]:
         "p99_us": lat[min(n - 1, (n * 99) // 100)] / 1000 if n else None,
         "mean_us": sum(lat) / n / 1000 if n else None,
     }
+
+
+def run_paced(entry: Entry, rate: float, seconds: float, connections: int, size: int) -> dict[str, Any]:
+    if entry.tools is None or entry.kind != "direct":
+        raise ValueError("paced runs in the C tools only: the capture topology")
+    host, port = entry.echo
+    argv = [entry.tools, "paced", host, str(port), str(rate), str(seconds), str(connections), str(size)]
+    return _run_tool(argv, seconds + 60)
 
 
 class _Blaster(asyncio.Protocol):
@@ -302,7 +313,7 @@ class Generator:
                 except OSError:
                     errors += 1
 
-        await asyncio.wait_for(asyncio.gather(*(one() for _ in range(count))), 120)
+        await asyncio.wait_for(asyncio.gather(*(one() for _ in range(count))), 120 + count / 100)
         return {"held": len(self.held), "errors": errors}
 
     def release(self) -> dict[str, Any]:
@@ -452,6 +463,8 @@ async def serve_commands() -> None:
                 result = run_rr(entry, cmd["seconds"], cmd["max_count"])
             elif name == "connrate":
                 result = await run_connrate(entry, cmd["seconds"], cmd["concurrency"], cmd["max_count"])
+            elif name == "paced":
+                result = run_paced(entry, cmd["rate"], cmd["seconds"], cmd["connections"], cmd["size"])
             elif name == "hold":
                 result = await gen.hold(entry, cmd["count"], cmd.get("concurrency", 64))
             elif name == "integrity":

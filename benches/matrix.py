@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benches import procfs
+from benches import paced, procfs
 from benches.topology import LoadGenerator, Mode
 
 
@@ -28,6 +28,7 @@ class Figure:
     higher_is_better: bool
     meaning: str
     modes: tuple[str, ...] | None = None  # the modes it is measured for (None: every mode)
+    needs_tools: bool = False  # measured only where the C tools run (the capture topology)
 
 
 FIGURES: tuple[Figure, ...] = (
@@ -77,7 +78,7 @@ FIGURES: tuple[Figure, ...] = (
         "MB",
         False,
         "memory of the mode's largest proxy, idle, before the load: PSS summed over its processes "
-        "(a ztunnel's parent, fork server and workers share pages, counted once) (10^6 bytes)",
+        "(a ztunnel's parent and workers share pages, counted once) (10^6 bytes)",
     ),
     Figure(
         "rss_per_conn_kib",
@@ -117,6 +118,49 @@ FIGURES += (
         ("hbone",),
     ),
 )
+# The paced figures lead the table: the load people run, and what a proxy costs at it.
+FIGURES = (
+    Figure(
+        "paced_per_s",
+        "paced: achieved rate",
+        "/s",
+        True,
+        "requests answered per second of the paced load (asked: 1,000/s of 1 KB each way over 4 "
+        "persistent connections, open loop); below 99 % of the asked rate the table says so",
+        needs_tools=True,
+    ),
+    Figure(
+        "paced_vcpu",
+        "paced: vCPU, busier proxy",
+        "vCPU",
+        False,
+        "CPU seconds per wall second of the mode's busier proxy (all its processes) during the "
+        "paced load; every proxy's in the JSON",
+        needs_tools=True,
+    ),
+    Figure(
+        "paced_pss_mb",
+        "paced: PSS, largest proxy",
+        "MB",
+        False,
+        "peak of the PSS samples (one a second, summed over its processes) of the mode's largest "
+        "proxy during the paced load (10^6 bytes)",
+        needs_tools=True,
+    ),
+    *(
+        Figure(
+            f"paced_p{p}_us",
+            f"paced: latency p{p}",
+            "µs",
+            False,
+            f"{p}th percentile of the paced requests' latency, from each one's intended send time "
+            "to the last byte of its echo",
+            needs_tools=True,
+        )
+        for p in (50, 90, 99)
+    ),
+    *FIGURES,
+)
 FIGURE_KEYS = tuple(f.key for f in FIGURES)
 
 
@@ -130,11 +174,17 @@ class Settings:
     integrity_size: int = 2 * 1024 * 1024
     max_count: int = 200_000  # per rate measurement, whatever the time
     worker_counts: tuple[int, ...] = WORKER_COUNTS  # empty: no worker figures
+    # The paced load (capture topology): Istio's published one. A tenth of a vCPU moves by a few
+    # per cent between runs of a few seconds on a shared machine: 10 s a round (4 s with --quick).
+    paced_rate: float = 1000.0
+    paced_seconds: float = 10.0
+    paced_connections: int = 4
+    paced_size: int = 1024
 
     @classmethod
     def quick(cls) -> Settings:
         # The stunnel anchor makes 1,000 full handshakes slowly: a smoke test holds fewer.
-        return cls(rounds=1, seconds=0.5, hold=300, integrity_size=1024 * 1024)
+        return cls(rounds=1, seconds=0.5, hold=300, integrity_size=1024 * 1024, paced_seconds=4.0)
 
 
 class BenchError(Exception):
@@ -172,6 +222,7 @@ class Matrix:
         self.integrity: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
         self.memory: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
         self.conn_cpu: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
+        self.paced: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
         self.errors: list[str] = []
 
     def _call(self, mode: Mode, figure: str, cmd: str, *, fresh: bool = False, **args: Any) -> dict[str, Any]:
@@ -200,6 +251,7 @@ class Matrix:
             for step in (
                 *first,
                 self._integrity,
+                self._paced,
                 self._throughput,
                 self._rr,
                 self._connrate,
@@ -231,6 +283,34 @@ class Matrix:
         self.integrity[mode.name].append(res)
         if not res["ok"]:
             self.errors.append(f"{mode.name}: bytes through the echo came back different (sha256 mismatch)")
+
+    def _paced(self, mode: Mode, out: dict[str, float | None]) -> None:
+        if not mode.entry.get("tools"):
+            return  # the loopback topology: no C tools to pace the load
+        s = self.settings
+        figures, record = paced.measure(
+            {p.name: p.pids() for p in mode.processes},
+            lambda: self._call(
+                mode,
+                "paced",
+                "paced",
+                entry=mode.entry,
+                rate=s.paced_rate,
+                seconds=s.paced_seconds,
+                connections=s.paced_connections,
+                size=s.paced_size,
+            ),
+        )
+        out.update(figures)
+        self.paced[mode.name].append(record)
+        if record["errors"]:
+            self.errors.append(
+                f"{mode.name}: paced: {record['errors']} failed requests ({record['first_error']})"
+            )
+
+    def paced_reached(self) -> dict[str, bool | None]:
+        """Per mode: whether every round's paced load reached the asked rate (None: not measured)."""
+        return {m: all(r["reached"] for r in rs) if rs else None for m, rs in self.paced.items()}
 
     def _throughput(self, mode: Mode, out: dict[str, float | None]) -> None:
         s = self.settings
@@ -366,12 +446,13 @@ class Matrix:
         time.sleep(0.3)
         idle = {p.name: procfs.total_rss_kib(p.pids()) for p in mode.processes}
         idle_pss = [procfs.total_pss_kib(p.pids()) for p in mode.processes]
-        res = self._call(mode, "rss_per_conn_kib", "hold", entry=mode.entry, count=s.hold)
+        count = min(s.hold, mode.max_hold or s.hold)
+        res = self._call(mode, "rss_per_conn_kib", "hold", entry=mode.entry, count=count)
         time.sleep(0.3)
         held = {p.name: procfs.total_rss_kib(p.pids()) for p in mode.processes}
         self._call(mode, "rss_per_conn_kib", "release")
         if res["errors"]:
-            self.errors.append(f"{mode.name}: hold: {res['errors']} of {s.hold} connections failed")
+            self.errors.append(f"{mode.name}: hold: {res['errors']} of {count} connections failed")
         self.memory[mode.name].append({"idle_kib": idle, "held_kib": held, "held": res["held"]})
         if mode.processes:
             out["rss_idle_mb"] = max(idle_pss) * 1024 / 1e6
@@ -404,6 +485,7 @@ class Matrix:
             "vs_stunnel": {m: {k: med(per_round_stunnel, m, k) for k in FIGURE_KEYS} for m in names}
             if per_round_stunnel
             else {},
+            "paced_reached": self.paced_reached(),
         }
 
     def round_report(self, r: int, seconds: float) -> str:
@@ -436,6 +518,7 @@ class Matrix:
             "integrity": self.integrity,
             "memory": self.memory,
             "conn_cpu": self.conn_cpu,
+            "paced": self.paced,
             "errors": self.errors,
         }
 

@@ -11,6 +11,14 @@
  *   tools connrate HOST PORT SECONDS CONC MAX
  *                                            CONC threads each: connect, 1 byte, read the echo,
  *                                            close; 3 warm-up connections first; JSON on stdout.
+ *   tools paced HOST PORT RATE SECONDS CONNS SIZE
+ *                                            open-loop load: RATE requests/s in all over CONNS
+ *                                            persistent connections, each request SIZE bytes and
+ *                                            its echo read back; each request is scheduled at its
+ *                                            time and its latency counts from that time (as wrk2
+ *                                            does), so a slow answer cannot hide the requests it
+ *                                            delayed (requests due in the window that are late
+ *                                            still go, up to 1 s after it); JSON on stdout.
  *
  * IPv4 or IPv6 literals only (getaddrinfo with AI_NUMERICHOST).
  */
@@ -27,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -62,12 +71,17 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* As many descriptors as allowed: root may raise the hard limit too (an echo server holding
+ * 10,000 connections needs more than a default 1,024, a few proxies' worth more than 20,000). */
 static void raise_nofile(void) {
     struct rlimit rl;
-    if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
-        rl.rlim_cur = rl.rlim_max;
-        setrlimit(RLIMIT_NOFILE, &rl);
-    }
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return;
+    struct rlimit want = {1 << 18, 1 << 18};
+    if (want.rlim_max > rl.rlim_max && setrlimit(RLIMIT_NOFILE, &want) == 0)
+        return;
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
 }
 
 static int dial(void) {
@@ -328,6 +342,190 @@ static int run_connrate(double seconds, int conc, long max) {
     return 0;
 }
 
+/* -- paced ------------------------------------------------------------------------------------ */
+
+/* Requests due inside the window but late go out up to this long after it (a passing stall is
+ * measured, in their latency); a path that cannot keep up leaves the rest unsent. */
+#define PACED_GRACE_NS (1000LL * 1000000)
+
+struct paced {
+    int fd;
+    int index;
+    size_t size;
+    int64_t first_ns, interval_ns, end_ns; /* the schedule: first + i * interval, before end */
+    int64_t *lat;                          /* latency of each answered request, from its intended time */
+    long count, errors, scheduled;
+    int64_t last_ns; /* when its last request finished */
+    int first_errno;
+    const char *first_what;
+    char *out, *in;
+};
+
+static void paced_error(struct paced *c, const char *what, int err) {
+    c->errors++;
+    if (!c->first_errno) {
+        c->first_errno = err ? err : EIO;
+        c->first_what = what;
+    }
+    if (c->fd >= 0)
+        close(c->fd);
+    c->fd = -1; /* the next request reconnects */
+}
+
+/* One request on the connection: SIZE bytes out, the same SIZE back. 0 or -1 (error recorded). */
+static int paced_exchange(struct paced *c, long seq) {
+    memcpy(c->out, &seq, sizeof seq); /* each request's bytes differ: a stale echo cannot pass */
+    memcpy(c->out + sizeof seq, &c->index, sizeof c->index);
+    size_t off = 0;
+    while (off < c->size) {
+        ssize_t n = send(c->fd, c->out + off, c->size - off, MSG_NOSIGNAL);
+        if (n <= 0) {
+            if (n < 0 && errno == EINTR)
+                continue;
+            paced_error(c, "send", n < 0 ? errno : EPIPE);
+            return -1;
+        }
+        off += (size_t)n;
+    }
+    off = 0;
+    while (off < c->size) {
+        ssize_t n = recv(c->fd, c->in + off, c->size - off, 0);
+        if (n <= 0) {
+            if (n < 0 && errno == EINTR)
+                continue;
+            paced_error(c, n == 0 ? "recv (closed by the peer)" : "recv", n < 0 ? errno : ECONNRESET);
+            return -1;
+        }
+        off += (size_t)n;
+    }
+    if (memcmp(c->out, c->in, c->size) != 0) {
+        paced_error(c, "echo differs from the request", EBADMSG);
+        return -1;
+    }
+    return 0;
+}
+
+static int paced_dial(struct paced *c) {
+    c->fd = dial();
+    if (c->fd < 0)
+        return -1;
+    struct timeval tv = {2, 0}; /* an answer later than this is an error, not a latency */
+    setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    return 0;
+}
+
+static void *paced_worker(void *arg) {
+    struct paced *c = arg;
+    for (long i = 0;; i++) {
+        int64_t intended = c->first_ns + i * c->interval_ns;
+        if (intended >= c->end_ns)
+            break;
+        int64_t now = now_ns();
+        if (now >= c->end_ns + PACED_GRACE_NS)
+            break; /* still behind the schedule a while after the end: the rest stay `unsent` */
+        if (intended > now) {
+            struct timespec ts = {intended / 1000000000, intended % 1000000000};
+            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+                ;
+        }
+        c->scheduled++;
+        if (c->fd < 0 && paced_dial(c) != 0) {
+            paced_error(c, "connect", errno);
+            continue;
+        }
+        if (paced_exchange(c, i) == 0)
+            c->lat[c->count++] = now_ns() - intended;
+        c->last_ns = now_ns();
+    }
+    return NULL;
+}
+
+static int run_paced(double rate, double seconds, int conns, long size) {
+    if (!(rate > 0) || !(seconds > 0) || conns < 1 || conns > 256 || size < 16 || size > (1 << 20) ||
+        rate * seconds > 1e8) {
+        fprintf(stderr, "tools paced: RATE and SECONDS > 0 (RATE x SECONDS at most 10^8), "
+                        "1 <= CONNS <= 256, 16 <= SIZE <= 1 MiB\n");
+        return 2;
+    }
+    prctl(PR_SET_TIMERSLACK, 1UL); /* wake-ups on time, not up to 50 µs late */
+    struct paced *cs = calloc((size_t)conns, sizeof *cs);
+    int64_t interval = (int64_t)(conns / rate * 1e9); /* per connection: RATE / CONNS per second */
+    long per_conn = (long)(seconds * 1e9 / (double)interval) + 2;
+    for (int k = 0; k < conns; k++) {
+        struct paced *c = &cs[k];
+        c->index = k;
+        c->size = (size_t)size;
+        c->out = malloc((size_t)size);
+        c->in = malloc((size_t)size);
+        for (long j = 0; j < size; j++)
+            c->out[j] = (char)('a' + (j + k) % 26);
+        c->lat = malloc(sizeof(int64_t) * (size_t)per_conn);
+        if (paced_dial(c) != 0) {
+            printf("{\"error\": \"connect: %s\"}\n", strerror(errno));
+            return 1;
+        }
+        for (long w = 0; w < 10; w++) { /* warm-up: the path's lazy set-up, outside the figure */
+            if (paced_exchange(c, -1 - w) != 0) {
+                printf("{\"error\": \"warm-up request failed: %s: %s\"}\n", c->first_what,
+                       strerror(c->first_errno));
+                return 1;
+            }
+        }
+    }
+    /* The connections' schedules interleave: together they send one request every 1/RATE s. */
+    int64_t start = now_ns() + 20 * 1000000, end = start + (int64_t)(seconds * 1e9);
+    pthread_t th[256];
+    for (int k = 0; k < conns; k++) {
+        cs[k].interval_ns = interval;
+        cs[k].first_ns = start + interval * k / conns;
+        cs[k].end_ns = end;
+        pthread_create(&th[k], NULL, paced_worker, &cs[k]);
+    }
+    long count = 0, errors = 0, scheduled = 0, planned = 0;
+    int64_t last = end;
+    int first_errno = 0;
+    const char *first_what = "";
+    for (int k = 0; k < conns; k++) {
+        pthread_join(th[k], NULL);
+        struct paced *c = &cs[k];
+        count += c->count;
+        errors += c->errors;
+        scheduled += c->scheduled;
+        planned += (end - c->first_ns + interval - 1) / interval;
+        if (c->last_ns > last)
+            last = c->last_ns;
+        if (!first_errno && c->first_errno) {
+            first_errno = c->first_errno;
+            first_what = c->first_what;
+        }
+    }
+    int64_t *all = malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
+    long n = 0;
+    double sum = 0;
+    for (int k = 0; k < conns; k++) {
+        for (long j = 0; j < cs[k].count; j++) {
+            all[n++] = cs[k].lat[j];
+            sum += (double)cs[k].lat[j];
+        }
+        if (cs[k].fd >= 0)
+            close(cs[k].fd);
+    }
+    qsort(all, (size_t)n, sizeof *all, cmp_i64);
+#define PCT(p) (n ? all[(n * (p)) / 100 < n ? (n * (p)) / 100 : n - 1] / 1000.0 : 0.0)
+    printf("{\"count\": %ld, \"errors\": %ld, \"first_error\": \"%s%s%s\", \"planned\": %ld, "
+           "\"unsent\": %ld, \"asked_per_s\": %.3f, \"per_s\": %.3f, \"seconds\": %.6f, "
+           "\"connections\": %d, \"size\": %ld, \"start_mono\": %.6f, \"end_mono\": %.6f, "
+           "\"last_mono\": %.6f, \"p50_us\": %.3f, \"p90_us\": %.3f, \"p99_us\": %.3f, "
+           "\"max_us\": %.3f, \"mean_us\": %.3f}\n",
+           count, errors, first_what, first_errno ? ": " : "", first_errno ? strerror(first_errno) : "",
+           planned, planned - scheduled, rate, count / seconds, seconds, conns, size, start / 1e9,
+           end / 1e9, last / 1e9, PCT(50), PCT(90), PCT(99), n ? all[n - 1] / 1000.0 : 0.0,
+           n ? sum / n / 1000.0 : 0.0);
+#undef PCT
+    return 0;
+}
+
 int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     raise_nofile();
@@ -339,7 +537,10 @@ int main(int argc, char **argv) {
         return run_rr(atof(argv[4]), atol(argv[5]) > 0 ? atol(argv[5]) : 1);
     if (argc == 7 && strcmp(argv[1], "connrate") == 0)
         return run_connrate(atof(argv[4]), atoi(argv[5]), atol(argv[6]) > 0 ? atol(argv[6]) : 1);
+    if (argc == 8 && strcmp(argv[1], "paced") == 0)
+        return run_paced(atof(argv[4]), atof(argv[5]), atoi(argv[6]), atol(argv[7]));
     fprintf(stderr, "usage: tools echo HOST PORT | rr HOST PORT SECONDS MAX | "
-                    "connrate HOST PORT SECONDS CONCURRENCY MAX\n");
+                    "connrate HOST PORT SECONDS CONCURRENCY MAX | "
+                    "paced HOST PORT RATE SECONDS CONNECTIONS SIZE\n");
     return 2;
 }

@@ -13,19 +13,32 @@ import datetime
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import ExtendedKeyUsageOID
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+    LeafPublicKey = ec.EllipticCurvePublicKey | rsa.RSAPublicKey
+    SigningKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
+    # What a workload leaf may be used for: both ends of mutual TLS present the same certificate.
+    WORKLOAD_EKU: tuple[x509.ObjectIdentifier, ...]
 
 SPIFFE_PREFIX = "spiffe://"
 
-# What a workload leaf may be used for: both ends of mutual TLS present the same certificate.
-WORKLOAD_EKU: tuple[x509.ObjectIdentifier, ...] = (
-    ExtendedKeyUsageOID.SERVER_AUTH,
-    ExtendedKeyUsageOID.CLIENT_AUTH,
-)
+
+def _workload_eku() -> tuple[x509.ObjectIdentifier, ...]:
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    return (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH)
+
+
+def __getattr__(name: str) -> Any:
+    # The leaf's side of this module needs cryptography, loaded by its users only: a process that
+    # only parses and compares identities (a data-plane worker) never loads it.
+    if name == "WORKLOAD_EKU":
+        return _workload_eku()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +72,6 @@ class Identity:
         return f"{SPIFFE_PREFIX}{self.trust_domain}/ns/{self.namespace}/sa/{self.service_account}"
 
 
-LeafPublicKey = ec.EllipticCurvePublicKey | rsa.RSAPublicKey
-SigningKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
-
-
 def leaf_serial() -> int:
     """A random, positive serial of 159 bits (RFC 5280 allows at most 20 octets, and never 0)."""
     serial = 0
@@ -81,7 +90,7 @@ def build_leaf(
     *,
     subject: x509.Name | None = None,
     dns_names: Sequence[str] = (),
-    eku: Sequence[x509.ObjectIdentifier] = WORKLOAD_EKU,
+    eku: Sequence[x509.ObjectIdentifier] | None = None,
     serial: int | None = None,
 ) -> x509.Certificate:
     """Sign a workload leaf: the URI SANs `uris` (the SPIFFE identity first), not a CA,
@@ -90,8 +99,14 @@ def build_leaf(
     The subject is empty unless given (as Istio's CA issues); with an empty subject the SAN is the
     whole name and so critical, otherwise not (RFC 5280 §4.2.1.6). Key identifiers are always set:
     a leaf whose subject equals its issuer's (the fake CA's `O=cluster.local`) would otherwise be
-    taken for self-signed by OpenSSL. `eku=()` leaves the EKU out (tests of refused chains).
+    taken for self-signed by OpenSSL. `eku` defaults to `WORKLOAD_EKU`; `eku=()` leaves the EKU out
+    (tests of refused chains).
     """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    if eku is None:
+        eku = _workload_eku()
     name = subject if subject is not None else x509.Name([])
     sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
     sans += [x509.DNSName(d) for d in dns_names]

@@ -13,6 +13,10 @@ secret manager does it), or in a worker process from the PEM bytes its parent sh
 (`TlsCredentials.from_pem`). Nothing here is module-global: whoever holds the credentials holds
 their contexts.
 
+The peer checks read the verified leaf as OpenSSL decoded it (`getpeercert`); cryptography's X.509
+parser is loaded only for what needs certificate objects (PEM credentials, CRLs and the chains
+they are checked against), so a process without CRLs never loads it for its connections.
+
 Revocation (`Revocation`): the CRLs in force, checked against the peer's verified chain after each
 handshake (a chain no CRL speaks about is accepted: unknown status fails open), and a registry of
 the live sessions with their peer chains, re-checked and torn down when new CRLs are installed.
@@ -34,13 +38,13 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from typing import TYPE_CHECKING
 
 from hbone.errors import CertificateRevoked, IdentityMismatch, TlsHandshakeError
 from hbone.identity import Identity
+
+if TYPE_CHECKING:
+    from cryptography import x509
 
 log = logging.getLogger("hbone")
 
@@ -153,7 +157,11 @@ class TlsCredentials:
         """Build both contexts for `cert`; raise ValueError or ssl.SSLError on unusable material."""
         policy = policy or TlsPolicy()
         server, client = _server_context(cert, policy), _client_context(cert, policy)
-        roots = tuple(c for pem in cert.roots_pem for c in x509.load_pem_x509_certificates(pem))
+        roots: tuple[x509.Certificate, ...] = ()
+        if policy.revocation is not None:  # the issuers a CRL may be signed by, for its checks
+            from cryptography import x509
+
+            roots = tuple(c for pem in cert.roots_pem for c in x509.load_pem_x509_certificates(pem))
         return cls(cert, server, client, policy, roots)
 
     @classmethod
@@ -166,6 +174,9 @@ class TlsCredentials:
         The identity is the leaf's first SPIFFE URI SAN and the validity its own; raise ValueError
         when the leaf has no SPIFFE identity or the material does not load.
         """
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
         chain = x509.load_pem_x509_certificates(chain_pem)
         leaf = chain[0]
         identity = next((i for u in uri_sans(leaf) if (i := Identity.try_parse(u)) is not None), None)
@@ -234,6 +245,8 @@ def peer_chain(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[x509.Certifica
     Python 3.11 has the verified chain only on the private `_sslobj` (public from 3.13 as
     `get_verified_chain`); without it, the leaf alone (its issuer is then looked up in our roots).
     """
+    from cryptography import x509
+
     inner = getattr(ssl_object, "_sslobj", None)
     getter = getattr(ssl_object, "get_verified_chain", None) or getattr(inner, "get_verified_chain", None)
     if getter is not None:
@@ -257,6 +270,8 @@ def peer_chain(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[x509.Certifica
 def parse_crls(data: bytes) -> tuple[x509.CertificateRevocationList, ...]:
     """Every CRL of a PEM file (`-----BEGIN X509 CRL-----` blocks); raise ValueError naming the
     problem when there is none or one does not parse."""
+    from cryptography import x509
+
     marker = b"-----BEGIN X509 CRL-----"
     end = b"-----END X509 CRL-----"
     crls: list[x509.CertificateRevocationList] = []
@@ -397,6 +412,9 @@ class Revocation:
             self._on_rejection()
 
     def _valid_signature(self, crl: x509.CertificateRevocationList, issuer: x509.Certificate) -> bool:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
         key = (id(crl), issuer.fingerprint(hashes.SHA256()))
         ok = self._signature_ok.get(key)
         if ok is None:
@@ -419,6 +437,8 @@ def _find_issuer(
 
 def uri_sans(leaf: x509.Certificate) -> list[str]:
     """URI SANs of a certificate, in certificate order (empty without a SubjectAltName)."""
+    from cryptography import x509
+
     try:
         san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
@@ -427,11 +447,15 @@ def uri_sans(leaf: x509.Certificate) -> list[str]:
 
 
 def peer_uri_sans(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[str]:
-    """URI SANs of the peer's leaf certificate (empty without a peer certificate)."""
-    der = ssl_object.getpeercert(binary_form=True)
-    if not der:
+    """URI SANs of the peer's verified leaf certificate, in certificate order (empty without one).
+
+    As OpenSSL decoded them for the handshake: every context here requires and verifies the peer's
+    certificate, so `getpeercert` has it."""
+    cert = ssl_object.getpeercert()
+    if not cert:
         return []
-    return uri_sans(x509.load_der_x509_certificate(der))
+    sans = cert.get("subjectAltName", ())
+    return [str(entry[1]) for entry in sans if isinstance(entry, tuple) and entry[0] == "URI"]
 
 
 def peer_identities(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[Identity]:

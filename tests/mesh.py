@@ -110,8 +110,7 @@ Samples = list[tuple[str, dict[str, str], float]]
 
 @dataclass
 class Proxy:
-    """One `ztunnel proxy` process, in its own process group (the supervisor, the fork server and
-    the workers), with its environment, its log file (stdout and stderr) and operator endpoints.
+    """One `ztunnel proxy` process, in its own process group (the supervisor and the workers), with its environment, its log file (stdout and stderr) and operator endpoints.
     Blocking methods; the `a`-prefixed ones run them in a thread for async tests."""
 
     env: dict[str, str]

@@ -3,6 +3,7 @@ heap instead of being mapped, zeroed and unmapped each time (seen as page faults
 
 from __future__ import annotations
 
+import asyncio
 import json
 import platform
 import subprocess
@@ -10,11 +11,13 @@ import sys
 
 import pytest
 
+from ztunnel.allocator import IdleTrim, trim_when_idle
+
 # Allocates and frees 2 MiB blocks (the size of a large TLS write) 400 times, after one warm-up
 # round; prints whether the tuning took and the minor page faults of the 400.
 _CHURN = """
 import json, resource, sys
-from ztunnel.app import tune_allocator
+from ztunnel.allocator import tune_allocator
 tuned = tune_allocator(json.loads(sys.argv[1]))
 def cycle():
     keep = [bytes(bytearray(2 << 20)) for _ in range(4)]
@@ -44,3 +47,68 @@ def test_tuned_allocator_reuses_large_blocks_without_page_faults() -> None:
     assert not untuned_ok  # the operator's glibc variable wins: nothing is set
     assert untuned_faults > 100_000
     assert faults < untuned_faults // 100
+
+
+def test_idle_trim_gives_memory_back_once_work_is_followed_by_an_idle_tick() -> None:
+    trim = IdleTrim(idle_share=0.02, min_work=0.05)
+    assert not trim.tick(0.0, 0.0)  # the first look only sets the baseline
+    # Traffic: every tick busy (60 % of the CPU), nothing given back while it flows.
+    assert [trim.tick(0.1 * i, 0.06 * i) for i in range(1, 6)] == [False] * 5
+    assert trim.tick(0.6, 0.3005)  # it stopped: the first idle tick trims
+    assert not trim.tick(0.7, 0.301)  # and only once
+    assert not trim.tick(0.8, 0.301)
+
+
+def test_idle_trim_leaves_a_process_doing_little_alone() -> None:
+    trim = IdleTrim(idle_share=0.02, min_work=0.05)
+    trim.tick(0.0, 0.0)
+    # A heartbeat, a counter push or a scrape now and then: less work in all than a trim is worth.
+    cpu, results = 0.0, []
+    for i in range(1, 40):
+        cpu += 0.01 if i % 10 == 0 else 0.0001
+        results.append(trim.tick(0.1 * i, cpu))
+    assert not any(results)
+    # Enough of them add up to work worth giving back.
+    for i in range(40, 80):
+        cpu += 0.01 if i % 10 == 0 else 0.0001
+        results.append(trim.tick(0.1 * i, cpu))
+    assert any(results)
+
+
+def test_idle_trim_gives_back_at_most_once_a_second() -> None:
+    trim = IdleTrim(idle_share=0.02, min_work=0.05, min_interval=1.0)
+    trim.tick(0.0, 0.0)
+    assert not trim.tick(0.1, 0.1)
+    assert trim.tick(0.2, 0.1)
+    # Traffic that pauses every 200 ms: the next trims wait for the second to pass.
+    now, cpu, trimmed = 0.2, 0.1, []
+    for _ in range(10):
+        now, cpu = now + 0.1, cpu + 0.1
+        assert not trim.tick(now, cpu)  # busy
+        now += 0.1
+        if trim.tick(now, cpu):  # a pause
+            trimmed.append(round(now, 1))
+    assert trimmed == [1.2, 2.2]
+
+
+def test_idle_trim_judges_a_late_tick_by_its_length() -> None:
+    trim = IdleTrim(idle_share=0.02, min_work=0.05)
+    trim.tick(0.0, 0.0)
+    assert not trim.tick(0.1, 0.08)  # busy
+    # A tick that came 2 s late with 10 ms of CPU in it was idle (0.5 %), not busy.
+    assert trim.tick(2.1, 0.09)
+
+
+async def test_trim_when_idle_releases_after_a_burst() -> None:
+    cpu = [0.0]
+    released = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(
+        trim_when_idle(0.01, cpu=lambda: cpu[0], release=released.set)
+    )
+    try:
+        for _ in range(20):  # a burst: 100 % of the CPU (10 ms a tick) for 20 ticks
+            cpu[0] += 0.01
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(released.wait(), 1.0)  # then idle (the policy's tests say when)
+    finally:
+        task.cancel()

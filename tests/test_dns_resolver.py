@@ -15,12 +15,12 @@ import pytest
 from xds.localconfig import parse_local_config
 from xds.model import Workload
 from ztunnel.dns.forwarder import parse_resolv_conf
+from ztunnel.dns.replies import answer
 from ztunnel.dns.resolver import (
     FORWARD,
     Authoritative,
     ResolverSettings,
     aliases,
-    answer,
     kube_expansions,
     resolve,
 )

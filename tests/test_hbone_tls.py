@@ -9,8 +9,6 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from hbone.client import HboneConnection
@@ -357,15 +355,19 @@ def test_contexts_pin_tls13_h2_and_leave_no_key_file(ca: CA, monkeypatch: pytest
         assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
 
 
-def test_peer_identities_ignore_non_spiffe_uris(ca: CA) -> None:
-    cert = issue(
-        ca,
-        "spiffe://cluster.local/ns/a/sa/b/extra",  # six parts: not an identity
-        extra_uris=["https://example.com", spiffe(namespace="a", sa="ok"), "spiffe://td/nsx/a/sa/b"],
+async def test_peer_identities_ignore_non_spiffe_uris(ca: CA, serve) -> None:
+    srv = await serve(
+        issue(
+            ca,
+            "spiffe://cluster.local/ns/a/sa/b/extra",  # six parts: not an identity
+            extra_uris=["https://example.com", spiffe(namespace="a", sa="ok"), "spiffe://td/nsx/a/sa/b"],
+        )
     )
-
-    class FakeSSL:
-        def getpeercert(self, binary_form: bool = False) -> bytes:
-            return x509.load_pem_x509_certificate(cert.chain_pem[0]).public_bytes(serialization.Encoding.DER)
-
-    assert peer_identities(FakeSSL()) == [Identity.parse(spiffe(namespace="a", sa="ok"))]  # type: ignore[arg-type]
+    ok = Identity.parse(spiffe(namespace="a", sa="ok"))
+    conn = await HboneConnection.open(
+        await srv.dial(), TlsCredentials.build(issue(ca, CLIENT_ID)), [ok], H2Settings()
+    )
+    # The verified leaf as the handshake saw it: only the SAN that is a SPIFFE identity counts.
+    assert peer_identities(conn.get_extra_info("ssl_object")) == [ok]
+    assert conn.peer_identity == ok
+    conn.abort()

@@ -138,7 +138,7 @@ def test_ztunnel_restart_restores_pods_from_the_snapshot(mesh: Mesh) -> None:
     assert talk(client, server, "before") == "echo before"
 
     zt.stop(signal.SIGKILL)
-    # Its data-plane workers follow the parent (death signal through the fork server) a moment later.
+    # Its data-plane workers follow the parent (their death signal) a moment later.
     for pod in (client, server, gone):
         eventually(
             lambda p=pod: not PROXY_PORTS & listening_ports(p), f"{pod.name}'s listeners closed", timeout=5

@@ -1,5 +1,5 @@
 """The process harness itself (tests/mesh.py): a `ztunnel proxy` started as deployed is a
-supervisor with a fork server and two workers in one process group; it drains on /quitquitquit
+supervisor and two workers in one process group; it drains on /quitquitquit
 and on SIGTERM, comes back on a restart, and nothing of it outlives the fleet, even when its
 supervisor was killed outright."""
 
@@ -19,7 +19,7 @@ CONFIG = f"workloads:{workload_yaml('one', IP, uid='h//v1/Pod')}\n"
 async def test_drain_restart_and_no_orphans(fleet: Fleet) -> None:
     [proxy] = await fleet.start(proxy_env("demo", "one", "one", IP, CONFIG))
     first = proxy.pids()
-    assert len(first) == 4, first  # supervisor, fork server, two workers
+    assert len(first) == 3, first  # supervisor, two workers
     assert set(proxy.listeners()) >= {"inbound", "outbound", "socks5"}
     assert proxy.listeners()["socks5"] == proxy.socks5
     assert "workers" in proxy.config_dump()
@@ -31,7 +31,7 @@ async def test_drain_restart_and_no_orphans(fleet: Fleet) -> None:
     assert group_members(first[0]) == []
 
     await proxy.astart()  # the same settings again
-    assert proxy.starts == 2 and len(proxy.pids()) == 4
+    assert proxy.starts == 2 and len(proxy.pids()) == 3
     assert await proxy.aterminate() == 0  # SIGTERM: the same drain
 
     await proxy.astart()

@@ -1,4 +1,4 @@
-"""What `/metrics` of a live `ztunnel proxy` (a supervisor, its fork server and worker processes)
+"""What `/metrics` of a live `ztunnel proxy` (a supervisor and its worker processes)
 says of the whole proxy, checked against what the OS and the traffic say: `process_*` summed over
 every process, a worker killed outright leaving every gauge, the event loops' own figures per
 worker, and the `H2_HANDSHAKE_FAILURE` flag of an HBONE upstream that never speaks HTTP/2."""

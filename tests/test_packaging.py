@@ -32,11 +32,11 @@ def test_console_scripts_point_at_existing_functions() -> None:
 async def test_a_dedicated_proxy_on_a_local_file_loads_neither_grpc_nor_protobuf(fleet: Fleet) -> None:
     # ~15 MB of idle RSS (benches: "idle RSS"): gRPC and protobuf load only for xDS, a CA or in-pod mode.
     # Their native extensions (gRPC's cygrpc, protobuf's upb) show in each process's memory map once
-    # imported: none in the supervisor, the fork server or a worker of a `ztunnel proxy`.
+    # imported: none in the supervisor or a worker of a `ztunnel proxy`.
     ip = f"{loopback_net()}.2"
     [proxy] = await fleet.start(proxy_env("ns", "a", "sa", ip, "workloads: []"))
     pids = proxy.pids()
-    assert len(pids) >= 4, pids  # the supervisor, the fork server, two workers
+    assert len(pids) >= 3, pids  # the supervisor, two workers
     loaded = set()
     for pid in pids:
         with open(f"/proc/{pid}/maps") as f:

@@ -494,7 +494,7 @@ def expectations(scene: Scene) -> dict[str, Any]:
         "Throughput/B": _positive_by_reporter,
         "DNS requests/A": _eq({("ztunnel-client", "a"): DNS_QUERIES}, "pod", "request_query_type"),
         "xDS messages/A": _xds,
-        # The whole proxy of each pod (supervisor, fork server, workers), as the kernel lists it:
+        # The whole proxy of each pod (supervisor, workers), as the kernel lists it:
         # the client's held sockets and the server's connections to the app among its descriptors.
         "Memory/A": _per_pod_near(scene, proportional_memory, rel=0.2),
         "CPU/A": _per_pod(0.0, 2.0),

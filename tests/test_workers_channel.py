@@ -18,10 +18,8 @@ from ztunnel.workers.channel import (
     ChannelError,
     Reassembler,
     encode,
-    recv_blocking,
-    send_blocking,
 )
-from ztunnel.workers.messages import Counters, Scrape, Spawn, Spawned
+from ztunnel.workers.messages import Counters, Scrape
 
 
 def test_a_small_message_is_one_last_packet() -> None:
@@ -88,23 +86,14 @@ def test_the_channel_carries_a_large_message_and_its_fd_then_says_the_peer_is_go
 
 def test_a_truncated_packet_is_an_error_not_a_message() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
+
+    async def main() -> None:
         a.send(LAST + b"x" * (CHUNK + 10))  # longer than any packet of ours
         with pytest.raises(ChannelError, match="truncated"):
-            recv_blocking(b)
-    finally:
-        a.close()
-        b.close()
+            await Channel(b).recv()
 
-
-def test_the_fork_servers_blocking_ends_speak_the_same_framing() -> None:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        send_blocking(a, Spawn(1))
-        assert recv_blocking(b) == (Spawn(1), [])
-        send_blocking(b, Spawned(1, 4242))
-        assert recv_blocking(a) == (Spawned(1, 4242), [])
-        a.close()
-        assert recv_blocking(b) is None
+        asyncio.run(main())
     finally:
+        a.close()
         b.close()

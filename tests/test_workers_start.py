@@ -90,13 +90,56 @@ def test_idle_memory_of_an_extra_worker(echo: None) -> None:
             wait_ready(proxy)
             assert exchange(CLIENT, b"warm") == b"warm"
             pids = [proxy.process.pid, *children(proxy.process.pid)]
-            assert len(pids) == workers + 2
+            assert len(pids) == workers + 1
             totals[workers] = sum(pss_kib(p) for p in pids)
         finally:
             stop(proxy)
     extra = totals[2] - totals[1]
-    print(f"idle PSS, parent + fork server + workers: 1 worker {totals[1]} KiB, 2 workers {totals[2]} KiB")
+    print(f"idle PSS, parent + workers: 1 worker {totals[1]} KiB, 2 workers {totals[2]} KiB")
     assert extra <= 12 * 1024, totals
+
+
+def mapped_libraries(pid: int) -> set[str]:
+    """The file names of the shared objects `pid` maps (its extension modules among them)."""
+    with open(f"/proc/{pid}/maps") as f:
+        paths = {line.split(maxsplit=5)[5].strip() for line in f if len(line.split(maxsplit=5)) == 6}
+    return {os.path.basename(p) for p in paths if ".so" in os.path.basename(p)}
+
+
+# Extension modules of the control side: gRPC's core, protobuf's, PyYAML's and cryptography's.
+CONTROL_SIDE = {"cygrpc": "gRPC", "_message": "protobuf", "_yaml": "PyYAML", "_rust": "cryptography"}
+
+
+def control_side_in(pid: int) -> list[str]:
+    return sorted(
+        CONTROL_SIDE[lib.split(".")[0]] for lib in mapped_libraries(pid) if lib.split(".")[0] in CONTROL_SIDE
+    )
+
+
+def test_workers_never_load_the_control_sides_libraries(control_plane: ControlPlane) -> None:
+    """With xDS and the CA over gRPC, the parent holds gRPC, protobuf, PyYAML and cryptography; the
+    workers, forked before the parent imported them, map none of them."""
+    xds = {"XDS_ADDRESS": f"http://{control_plane.address}", "CA_ADDRESS": f"http://{control_plane.address}"}
+    proxy = launch(proxy_env("client", CLIENT, LOCAL_XDS=CLIENT_ONLY, **xds), CLIENT)
+    try:
+        wait_ready(proxy)
+        assert control_side_in(proxy.process.pid) == ["PyYAML", "cryptography", "gRPC", "protobuf"]
+        helpers = children(proxy.process.pid)
+        assert len(helpers) == 2  # the two workers
+        assert {pid: control_side_in(pid) for pid in helpers} == {pid: [] for pid in helpers}
+    finally:
+        stop(proxy)
+
+
+def test_a_proxy_without_a_control_plane_never_loads_grpc(echo: None) -> None:
+    proxy = launch(proxy_env("client", CLIENT, FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=CLIENT_ONLY), CLIENT)
+    try:
+        wait_ready(proxy)
+        assert exchange(CLIENT, b"no control plane") == b"no control plane"
+        for pid in (proxy.process.pid, *children(proxy.process.pid)):
+            assert not {"gRPC", "protobuf"} & set(control_side_in(pid)), pid
+    finally:
+        stop(proxy)
 
 
 def test_starts_in_a_row_with_xds(control_plane: ControlPlane) -> None:

@@ -149,7 +149,7 @@ def stop(proxy: Proxy) -> int:
 
 
 def children(pid: int) -> list[int]:
-    """The live descendants of `pid` (the fork server and its workers)."""
+    """The live descendants of `pid` (its workers)."""
     out: list[int] = []
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:

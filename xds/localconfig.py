@@ -3,7 +3,9 @@
 `parse_local_config` reads the reference's format exactly (camelCase keys, string matches as the YAML
 tags `!Exact`, `!Prefix`, `!Suffix`, `!Presence`, plus our map form `{Exact: x}`) into the values of
 `xds.model` and `policy.model`. Every error names the file, the key path and the reason. The YAML
-itself is read by `localyaml.py`; `render.py` writes model values back in this format.
+itself is read by `localyaml.py` (loaded with PyYAML only when a document is parsed: a process that
+only holds the model, a data-plane worker, never loads either); `render.py` writes model values back
+in this format.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
-import yaml
-
 from policy.model import (
     Action,
     Authorization,
@@ -28,8 +28,6 @@ from policy.model import (
     StringMatch,
     StringMatchKind,
 )
-from xds import localyaml
-from xds.localyaml import Tagged, WrittenFloat, WrittenInt, plain
 from xds.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
@@ -56,6 +54,7 @@ from xds.model import (
     app_tunnel_port,
     check_service_key,
 )
+from xds.yamlvalues import Tagged, WrittenFloat, WrittenInt, plain
 
 V = TypeVar("V")
 E = TypeVar("E")
@@ -120,6 +119,10 @@ def load_local_config(path: str | os.PathLike[str]) -> LocalConfig:
 
 
 def parse_local_config(text: str, source: str = "<inline>") -> LocalConfig:
+    import yaml
+
+    from xds import localyaml
+
     try:
         document = localyaml.load(text)
     except yaml.MarkedYAMLError as e:

@@ -5,24 +5,15 @@ and bounds on nesting and aliases checked before anything is built.
 
 from __future__ import annotations
 
-import base64
-import datetime
 import re
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import yaml
 
-from policy.model import StringMatchKind
+from xds.yamlvalues import Tagged, WrittenFloat, WrittenInt
 
-
-@dataclass(frozen=True, slots=True)
-class Tagged:
-    """A value written with a local tag (`!Exact "x"`); only string matches may carry one."""
-
-    tag: str
-    value: object
+__all__ = ["Tagged", "WrittenFloat", "WrittenInt", "check_shape", "load"]
 
 
 # Bounds checked on the parser's events before anything is built, so that neither PyYAML's recursive
@@ -124,16 +115,6 @@ class StrictLoader(yaml.SafeLoader):
             ) from None
 
 
-class WrittenInt(int):
-    """An int that remembers how it was written: a string field takes the text (`canonicalRevision: 010`)."""
-
-    text = ""
-
-
-class WrittenFloat(float):
-    text = ""
-
-
 def _scalar_only(node: yaml.Node) -> yaml.ScalarNode:
     if not isinstance(node, yaml.ScalarNode):  # `!!int []`
         raise yaml.constructor.ConstructorError(None, None, f"{node.tag} needs a scalar", node.start_mark)
@@ -217,31 +198,6 @@ StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 StrictLoader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 StrictLoader.add_constructor("tag:yaml.org,2002:str", _construct_str)
 StrictLoader.add_multi_constructor("!", _construct_tagged)
-
-
-def plain(value: object) -> Any:
-    """The document as JSON values: tags become the map form, other YAML-only types strings."""
-    if isinstance(value, Tagged):
-        inner = [] if value.tag == StringMatchKind.PRESENCE.value else plain(value.value)
-        return {value.tag: inner}
-    if isinstance(value, dict):
-        return {
-            k if isinstance(k, str | int | float | bool) or k is None else str(k): plain(v)
-            for k, v in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return [plain(item) for item in value]
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode("ascii")
-    if isinstance(value, datetime.date):
-        return value.isoformat()
-    if isinstance(value, WrittenInt):
-        return int(value)
-    if isinstance(value, WrittenFloat):
-        return float(value)
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return str(value)
 
 
 def load(text: str) -> Any:

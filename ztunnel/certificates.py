@@ -22,16 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import IntEnum
-from importlib import resources
-from typing import Any, Protocol
-
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hbone.identity import Identity, build_leaf
 from hbone.tls import TlsCredentials, TlsPolicy, WorkloadCertificate
+
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +62,18 @@ class Priority(IntEnum):
 
 
 # --- fake CA -----------------------------------------------------------------------------------
+# cryptography is imported where a certificate is made or read: a data-plane worker, which only
+# holds a `SecretManager` fed by its parent, never loads it.
 
 
 @functools.cache
 def _embedded_root() -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, bytes]:
+    from importlib import resources
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     data = resources.files("ztunnel") / "testdata"
     key = serialization.load_pem_private_key(data.joinpath("ca-key.pem").read_bytes(), password=None)
     if not isinstance(key, ec.EllipticCurvePrivateKey):
@@ -76,7 +82,12 @@ def _embedded_root() -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, byte
     return key, x509.load_pem_x509_certificate(root_pem), root_pem
 
 
-_ORG = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "cluster.local")])
+@functools.cache
+def _fake_ca_subject() -> x509.Name:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "cluster.local")])
 
 
 class FakeCA:
@@ -97,9 +108,18 @@ class FakeCA:
         # X.509 times have whole seconds; keep WorkloadCertificate equal to what the cert says.
         not_before = (now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
         not_after = not_before + FAKE_CA_VALIDITY
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
         key = ec.generate_private_key(ec.SECP256R1())
         cert = build_leaf(
-            [str(identity)], key.public_key(), self._root, self._key, not_before, not_after, subject=_ORG
+            [str(identity)],
+            key.public_key(),
+            self._root,
+            self._key,
+            not_before,
+            not_after,
+            subject=_fake_ca_subject(),
         )
         return WorkloadCertificate(
             identity=identity,
@@ -387,6 +407,8 @@ def _consume_result(task: asyncio.Task[TlsCredentials]) -> None:
 
 
 def _load_certs(pem: bytes) -> list[x509.Certificate]:
+    from cryptography import x509
+
     return x509.load_pem_x509_certificates(pem)
 
 
@@ -395,6 +417,8 @@ def _rfc3339(when: datetime) -> str:
 
 
 def _cert_dump(cert: x509.Certificate) -> dict[str, str]:
+    from cryptography.hazmat.primitives import serialization
+
     return {
         "pem": base64.b64encode(cert.public_bytes(serialization.Encoding.PEM)).decode("ascii"),
         "serialNumber": str(cert.serial_number),

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         from ztunnel.configview import run as run_config_view
 
         return run_config_view(args)
-    from ztunnel.control import StartupError
+    from ztunnel.startup import StartupError
 
     try:
         if args.command == "version":

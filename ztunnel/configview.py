@@ -16,16 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 DEFAULT_HOST = "localhost"
 DEFAULT_ADMIN_PORT = 15000
@@ -355,6 +351,8 @@ def full_summary(dump: Dump, with_headers: bool, now: datetime) -> str:
 def structured(value: Any, output: str) -> str:
     """`-o json` (indented by four, as istioctl) or `-o yaml` (keys sorted, as istioctl's)."""
     if output == "yaml":
+        import yaml  # loaded by every `ztunnel` command (its arguments): PyYAML only to print YAML
+
         return yaml.safe_dump(value, default_flow_style=False, sort_keys=True, allow_unicode=True)
     return json.dumps(value, indent=4, ensure_ascii=False) + "\n"
 
@@ -410,6 +408,9 @@ def admin_url(address: str | None, port: int) -> str:
 
 
 def _request(url: str, method: str) -> str:
+    import urllib.error  # with urllib.request (HTTP, e-mail, SSL): only for the request itself
+    import urllib.request
+
     request = urllib.request.Request(url, method=method)
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT) as response:

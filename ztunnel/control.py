@@ -40,6 +40,7 @@ from ztunnel.config import Config
 from ztunnel.crl import CrlError, CrlWatcher
 from ztunnel.explain import explain_route
 from ztunnel.metrics import Metrics
+from ztunnel.startup import StartupError
 from ztunnel.state import ProxyState
 
 if TYPE_CHECKING:
@@ -49,10 +50,6 @@ if TYPE_CHECKING:
     from ztunnel.inpod.manager import PodRuntime, WorkloadProxyManager
 
 log = logging.getLogger("ztunnel.control")
-
-
-class StartupError(Exception):
-    """A start-up failure to report in one line (no traceback)."""
 
 
 def build_info() -> dict[str, str]:

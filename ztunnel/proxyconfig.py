@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import yaml
-
 from ztunnel.envvars import ConfigError, Env, env_error
 
 
@@ -71,15 +69,27 @@ def _merge(base: ProxyConfig, over: ProxyConfig) -> ProxyConfig:
     )
 
 
+def _load_yaml_file(path: str) -> Any:
+    """The YAML document of `path`, None when there is no such file; ValueError if it does not parse."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    import yaml  # loaded only when there is YAML to read
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(str(e)) from None
+
+
 def load_proxy_config(environ: Mapping[str, str], mesh_config_path: str | None) -> ProxyConfig:
     mesh = ProxyConfig()
     if mesh_config_path is not None:
         try:
-            with open(mesh_config_path, encoding="utf-8") as f:
-                doc = yaml.safe_load(f)
-        except FileNotFoundError:
-            doc = None
-        except (OSError, yaml.YAMLError) as e:
+            doc = _load_yaml_file(mesh_config_path)
+        except (OSError, ValueError) as e:
             raise ConfigError(
                 f"failed parsing mesh config file {mesh_config_path}: {_first_line(e)}"
             ) from None
@@ -92,6 +102,8 @@ def load_proxy_config(environ: Mapping[str, str], mesh_config_path: str | None) 
     value = environ.get("PROXY_CONFIG")
     if not value:
         return mesh
+    import yaml  # loaded only when there is YAML to read
+
     try:
         env_pc = _proxy_config_from(yaml.safe_load(value))
     except yaml.YAMLError as e:

@@ -1,19 +1,32 @@
 """The DNS proxy (one server per proxy instance): authoritative A/AAAA answers for the mesh's
 services (`resolver`), forwarding of everything else to ztunnel's own nameservers (`forwarder`),
-and the UDP and TCP server with its cache of ready answers (`server`).
+and the UDP and TCP server with its cache of ready answers (`server`, with the reply messages of
+`replies`). dnspython is loaded with the server, by a proxy that runs one (DNS capture on).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ztunnel.config import Config
 from ztunnel.dns.forwarder import RESOLV_CONF, Forwarder, read_resolv_conf
 from ztunnel.dns.resolver import ResolverSettings
-from ztunnel.dns.server import ClientWorkload, DnsServer
 from ztunnel.metrics import Metrics
 from ztunnel.sockets import SocketFactory
 from ztunnel.state import ProxyState
 
+if TYPE_CHECKING:
+    from ztunnel.dns.server import ClientWorkload, DnsServer
+
 __all__ = ["DnsServer", "dns_address", "dns_on_ipv6_loopback", "dns_server", "resolver_settings"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DnsServer":  # the server's module (and dnspython) only when asked for
+        from ztunnel.dns.server import DnsServer
+
+        return DnsServer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dns_address(config: Config) -> tuple[str, int]:
@@ -55,6 +68,8 @@ def dns_server(
     resolv_conf: str = RESOLV_CONF,
 ) -> DnsServer:
     """The DNS server of one proxy instance, forwarding to the nameservers of `resolv_conf`."""
+    from ztunnel.dns.server import DnsServer
+
     upstream = read_resolv_conf(resolv_conf)
     return DnsServer(
         dns_address(config),

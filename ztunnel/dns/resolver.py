@@ -1,8 +1,9 @@
 """What the DNS proxy answers itself: A and AAAA for names of known services, as a pure function of
 the state store, the client's workload and the question.
 
-`resolve` names the outcome (`Authoritative` records or `FORWARD`); `answer` turns it into the reply
-message. Names are tried as asked, as their Kubernetes expansions for the client's namespace, and
+`resolve` names the outcome (`Authoritative` records or `FORWARD`); `replies.answer` turns it into
+the reply message. This module needs no DNS library: a SOCKS5 listener resolves a host name with it
+in a proxy that runs no DNS server (and so never loads dnspython). Names are tried as asked, as their Kubernetes expansions for the client's namespace, and
 with a search domain stripped (then the reply carries a CNAME from the asked name to the stripped
 one); each candidate also as wildcards of decreasing specificity. A known name never gets NXDOMAIN:
 no address of the asked family is NOERROR with an empty answer.
@@ -15,19 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-import dns.flags
-import dns.message
-import dns.name
-import dns.rcode
-import dns.rdataclass
-import dns.rdatatype
-import dns.rrset
-
 from xds.model import IPAddress, IPFamilies, Service, Workload
 from ztunnel.state import ProxyState
 
-TTL: Final = 30
-MIN_UDP_PAYLOAD: Final = 512
+# The record types answered here (RFC 1035's A, RFC 3596's AAAA).
+RDTYPE_A: Final = 1
+RDTYPE_AAAA: Final = 28
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +130,7 @@ def find_service(
 
 
 def _family_ok(ip: IPAddress, rdtype: int) -> bool:
-    return ip.version == (4 if rdtype == dns.rdatatype.A else 6)
+    return ip.version == (4 if rdtype == RDTYPE_A else 6)
 
 
 def addresses_of(state: ProxyState, service: Service, client: Workload, rdtype: int) -> list[IPAddress]:
@@ -156,7 +150,7 @@ def addresses_of(state: ProxyState, service: Service, client: Workload, rdtype: 
 
 
 def _served(service: Service, rdtype: int, settings: ResolverSettings) -> bool:
-    if rdtype == dns.rdatatype.AAAA:
+    if rdtype == RDTYPE_AAAA:
         return settings.ipv6_enabled and service.ip_families is not IPFamilies.IPV4_ONLY
     return service.ip_families is not IPFamilies.IPV6_ONLY
 
@@ -170,7 +164,7 @@ def resolve(
     shuffle: Callable[[list[IPAddress]], None] = random.shuffle,
 ) -> Resolution:
     """Our answer to `name` (lowercase, no trailing dot) of type `rdtype`, or FORWARD."""
-    if rdtype not in (dns.rdatatype.A, dns.rdatatype.AAAA):
+    if rdtype not in (RDTYPE_A, RDTYPE_AAAA):
         return FORWARD
     found = find_service(state, client, name, settings)
     if found is None:
@@ -182,54 +176,3 @@ def resolve(
     shuffle(addresses)
     owner = alias.stripped if alias.stripped is not None and not hostname.startswith("*.") else name
     return Authoritative(name, owner, tuple(addresses), service)
-
-
-def question_name(query: dns.message.Message) -> str:
-    return query.question[0].name.to_text(omit_final_dot=True).lower()
-
-
-def response_for(
-    query: dns.message.Message, rcode: dns.rcode.Rcode, *, authoritative: bool = False
-) -> dns.message.Message:
-    """A reply to `query` with RA set and its EDNS echoed (version, DO bit, payload of at least 512)."""
-    response = dns.message.make_response(query, recursion_available=True)
-    if authoritative:
-        response.flags |= dns.flags.AA
-    response.set_rcode(rcode)
-    if query.edns >= 0:
-        response.use_edns(
-            query.edns, query.ednsflags & dns.flags.DO, payload=max(query.payload, MIN_UDP_PAYLOAD)
-        )
-    return response
-
-
-def authoritative_response(query: dns.message.Message, result: Authoritative) -> dns.message.Message:
-    """The reply message of `result`: TTL 30 on every record, AA and RA set."""
-    response = response_for(query, dns.rcode.NOERROR, authoritative=True)
-    if not result.addresses:
-        return response
-    qname = query.question[0].name
-    rdtype = query.question[0].rdtype
-    owner = qname
-    if result.owner != result.name:
-        owner = dns.name.from_text(result.owner)
-        response.answer.append(
-            dns.rrset.from_text(qname, TTL, dns.rdataclass.IN, dns.rdatatype.CNAME, owner.to_text())
-        )
-    response.answer.append(
-        dns.rrset.from_text_list(owner, TTL, dns.rdataclass.IN, rdtype, [str(ip) for ip in result.addresses])
-    )
-    return response
-
-
-def answer(
-    state: ProxyState, client: Workload, query: dns.message.Message, settings: ResolverSettings
-) -> dns.message.Message | None:
-    """The reply to a well-formed query with one IN question, or None when it is to be forwarded."""
-    q = query.question[0]
-    if q.rdclass != dns.rdataclass.IN:
-        return None
-    result = resolve(state, client, question_name(query), q.rdtype, settings)
-    if not isinstance(result, Authoritative):
-        return None
-    return authoritative_response(query, result)

@@ -35,7 +35,8 @@ import dns.rdatatype
 
 from xds.model import Workload
 from ztunnel.dns.forwarder import Forwarder, UpstreamError
-from ztunnel.dns.resolver import MIN_UDP_PAYLOAD, ResolverSettings, answer, question_name, response_for
+from ztunnel.dns.replies import MIN_UDP_PAYLOAD, answer, question_name, response_for
+from ztunnel.dns.resolver import ResolverSettings
 from ztunnel.logs import Bare, log_fields
 from ztunnel.metrics import UNKNOWN, CounterCell, DnsMetrics
 from ztunnel.sockets import SocketFactory

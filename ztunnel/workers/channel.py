@@ -3,8 +3,7 @@
 The framing is its own sans-IO part: `encode` cuts a pickled message into packets of at most
 `CHUNK` bytes plus a one-byte header (`MORE` or `LAST`); a `Reassembler` is fed packets and returns
 the message on the last one. File descriptors travel on the last packet of their message. `Channel`
-runs that over a non-blocking socket in an event loop; `send_blocking` and `recv_blocking` do the
-same for the fork server, which has no loop.
+runs that over a non-blocking socket in an event loop.
 """
 
 from __future__ import annotations
@@ -71,25 +70,6 @@ def recv_packet(sock: socket.socket) -> tuple[bytes, list[int]]:
 def close_fds(fds: Sequence[int]) -> None:
     for fd in fds:
         os.close(fd)
-
-
-def send_blocking(sock: socket.socket, message: object, fds: Sequence[int] = ()) -> None:
-    packets = encode(message)
-    for i, packet in enumerate(packets):
-        socket.send_fds(sock, [packet], list(fds) if i == len(packets) - 1 else [])
-
-
-def recv_blocking(sock: socket.socket) -> tuple[object, list[int]] | None:
-    """The next message and its fds from a blocking socket; None once the peer is gone."""
-    reassembler = Reassembler()
-    while True:
-        data, fds = recv_packet(sock)
-        if not data:
-            return None
-        done, message = reassembler.feed(data)
-        if done:
-            return message, fds
-        close_fds(fds)  # fds ride only on a message's last packet
 
 
 class Channel:

@@ -4,8 +4,7 @@ They cross only socket pairs between a parent and the processes it forked (the s
 pickle is the codec (`channel.py`): the model's frozen dataclasses travel as they are, with no second
 schema. Three conversations:
 
-* the supervisor and its fork server: `Spawn` -> `Spawned`, and `Exited` whenever a worker ends;
-* the supervisor and a worker: the store's changes (`StateChanges`), `Synced`, certificates
+* the supervisor and a worker: `Spawn` first (the worker starts), then the store's changes (`StateChanges`), `Synced`, certificates
   (`CertificateRequest` -> `CertificateReply`), pods with their namespace fd (`PodAdd`, `PodDel` ->
   `PodResult`), counters (`Scrape` -> `Counters`), profiles, the log filter, `Ping` -> `Pong`, `Stop`;
 * a worker's start-up: `Ready` or `Failed`.
@@ -21,30 +20,14 @@ from hbone.tls import WorkloadCertificate
 from policy.model import Authorization
 from xds.model import Service, Workload
 
-# -- the fork server ----------------------------------------------------------------------------
+# -- a worker's start ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Spawn:
-    """Supervisor -> fork server, with the worker's end of its channel: fork worker `index`."""
+    """Supervisor -> worker, its first message: start as worker `index` (bind, then serve on `Synced`)."""
 
     index: int
-
-
-@dataclass(frozen=True)
-class Spawned:
-    """Fork server -> supervisor: worker `index` runs as `pid`."""
-
-    index: int
-    pid: int
-
-
-@dataclass(frozen=True)
-class Exited:
-    """Fork server -> supervisor: a worker ended (`code` as `os.waitstatus_to_exitcode`)."""
-
-    pid: int
-    code: int
 
 
 # -- the store, as changes ----------------------------------------------------------------------
@@ -246,7 +229,8 @@ class Stop:
 
 
 ToWorker = (
-    StateChanges
+    Spawn
+    | StateChanges
     | Synced
     | CertificateReply
     | DemandReply
@@ -259,5 +243,3 @@ ToWorker = (
     | Stop
 )
 FromWorker = CertificateRequest | Demand | PodResult | Counters | ProfileReply | Pong | Ready | Failed
-ToForkServer = Spawn
-FromForkServer = Spawned | Exited

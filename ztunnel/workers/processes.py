@@ -1,12 +1,12 @@
-"""`process_*` of the whole proxy: the supervisor, the fork server and every live worker, read by
+"""`process_*` of the whole proxy: the supervisor and every live worker, read by
 the supervisor from `/proc/<pid>` of each at scrape time (no message, no work in the workers).
 
 What the OS says per process is summed: open file descriptors, virtual memory and CPU seconds.
 Resident memory is the proportional set size (`Pss` of `/proc/<pid>/smaps_rollup`, each shared page
-split among the processes sharing it), so the pages the workers share with the fork server since
-the fork count once, as the machine spends them; a kernel without `smaps_rollup` gives the resident
-set size instead. A worker's CPU seconds stay in the total once it is gone: the fork server reaps
-it and the kernel adds them to the fork server's children's times, which are counted too. A worker
+split among the processes sharing it), so the pages the workers share with the supervisor since the
+fork count once, as the machine spends them; a kernel without `smaps_rollup` gives the resident
+set size instead. A worker's CPU seconds stay in the total once it is gone: the supervisor reaps
+it and the kernel adds them to the supervisor's children's times, which are counted too. A worker
 that has exited counts in no gauge: only the live pids are read. `process_max_fds` and
 `process_start_time_seconds` are the supervisor's (the limit every process inherits, the proxy's
 start).

@@ -1,5 +1,5 @@
-"""The supervisor: the parent process of `ztunnel proxy`. It spawns the workers (through the fork
-server), reads what they say and dispatches it, and stops them.
+"""The supervisor: the parent process of `ztunnel proxy`. It spawns the workers (the ones forked at
+start-up, then replacements: `spawning.py`), reads what they say and dispatches it, and stops them.
 
 It runs the control runtime (`ztunnel/control.py`) with its own collaborators: the store it
 replicates to every worker, the metrics that sum theirs, hooks that ask them (a scrape, a profile,
@@ -20,22 +20,23 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
-from ztunnel import logs, profiling
+from ztunnel import logs
 from ztunnel.admin import Readiness, ReadinessHandle
+from ztunnel.allocator import trim_when_idle
 from ztunnel.certificates import CertificateUnavailable, SecretManager
 from ztunnel.config import Config
-from ztunnel.control import ControlHooks, ControlRuntime, StartupError
+from ztunnel.control import ControlHooks, ControlRuntime
 from ztunnel.series import sweep_stale_series
+from ztunnel.startup import StartupError
 from ztunnel.workers import fleet as policy
 from ztunnel.workers.channel import Channel, close_fds
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
 from ztunnel.workers.fleet import Fleet, Phase
 from ztunnel.workers.fleet_pods import WorkerPods
-from ztunnel.workers.forkserver import ForkServer
 from ztunnel.workers.listeners import claim_listeners
 from ztunnel.workers.messages import (
     CertificateReply,
@@ -43,7 +44,6 @@ from ztunnel.workers.messages import (
     Counters,
     Demand,
     DemandReply,
-    Exited,
     Failed,
     Ping,
     PodAdd,
@@ -57,13 +57,16 @@ from ztunnel.workers.messages import (
     Scrape,
     SetLogFilter,
     Spawn,
-    Spawned,
     Stop,
     Synced,
     ToWorker,
 )
 from ztunnel.workers.replication import ReplicatedState, demand_arrived
+from ztunnel.workers.spawning import Spawner, exit_code
 from ztunnel.workers.worker import collect_profile
+
+if TYPE_CHECKING:
+    from ztunnel import profiling
 
 log = logging.getLogger("ztunnel.workers")
 
@@ -75,6 +78,8 @@ PROFILE_GRACE = 5.0
 # A certificate request for the certificate the worker already has waits this long for a newer one
 # (the supervisor rotates at the same half-life as the worker).
 NEWER_CERT_WAIT = 5.0
+# How long a worker whose channel closed may take to exit before it is killed.
+REAP_TIMEOUT = 2.0
 
 Clock = Callable[[], float]
 
@@ -117,7 +122,7 @@ class WorkerSlot:
 class Supervisor:
     """The parent process: the control work and the operator endpoints; connections in the workers."""
 
-    def __init__(self, config: Config, fork_server: ForkServer, *, clock: Clock = time.monotonic) -> None:
+    def __init__(self, config: Config, spawner: Spawner, *, clock: Clock = time.monotonic) -> None:
         self.config = config
         self.clock = clock
         self.fleet = Fleet(max(1, config.worker_threads))
@@ -146,14 +151,13 @@ class Supervisor:
         )
         self.locks: list[socket.socket] = []
         self.synced = False
-        self.exit_code = 0  # 1 when the fork server is gone (the control runtime has its own)
-        self._fork_channel = Channel(fork_server.sock)
-        self._fork_pid = fork_server.pid
+        self.spawner = spawner
         self._stop = asyncio.Event()
         self._proxy_ready: ReadinessHandle | None = self.readiness.register("proxy")
         self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._seq = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._reaps: dict[int, asyncio.Task[None]] = {}  # by pid: the workers gone, being collected
         # What each worker message does; every message also tells the fleet the worker is alive.
         self._dispatch: dict[type, Callable[[WorkerSlot, Any], None]] = {
             Ready: self._on_ready,
@@ -167,8 +171,8 @@ class Supervisor:
         }
 
     def _helper_pids(self) -> list[int]:
-        """The fork server and the workers alive now (the processes `process_*` sum with this one)."""
-        return [self._fork_pid, *(s.pid for s in self.slots if s.alive and s.pid is not None)]
+        """The workers alive now (the processes `process_*` sum with this one)."""
+        return [s.pid for s in self.slots if s.alive and s.pid is not None]
 
     @property
     def secrets(self) -> SecretManager:
@@ -234,6 +238,8 @@ class Supervisor:
         finally:
             for slot in self.slots:
                 slot.profile_waiters.pop(seq, None)
+        from ztunnel import profiling  # tracemalloc, gzip and the profile's format, when one is asked
+
         profiles = [own]
         for index, fut in waits.items():
             reply = fut.result() if fut.done() else None
@@ -405,7 +411,6 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.shutdown)
-        fork_reader = loop.create_task(self._read_fork_server())
         stop = loop.create_task(self._wait_stop())
         background: list[asyncio.Task[None]] = []
         try:
@@ -418,6 +423,7 @@ class Supervisor:
                 loop.create_task(self._wait_synced()),
                 loop.create_task(self._heartbeat()),
                 loop.create_task(self._drop_stale_series()),
+                loop.create_task(trim_when_idle()),
             ]
             await asyncio.wait([self._started, stop], return_when=asyncio.FIRST_COMPLETED)
             if self._started.done():
@@ -434,9 +440,7 @@ class Supervisor:
                 log.info("shutting down: draining for up to %ss", self.config.connection_termination_deadline)
             await self._stop_workers()
             await self.control.drain()
-            fork_reader.cancel()
-            self._fork_channel.close()
-        return self.exit_code or self.control.exit_code
+        return self.control.exit_code
 
     async def _drop_stale_series(self) -> None:
         """What workers that are gone counted for workloads gone from the state (the live workers
@@ -469,18 +473,16 @@ class Supervisor:
         self.tell_all(Synced())
 
     async def _spawn(self, slot: WorkerSlot) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            await self._fork_channel.send(Spawn(slot.index), [theirs.fileno()])
-        finally:
-            theirs.close()
-        slot.channel = Channel(ours)
+        proc = self.spawner.spawn(slot.index)
+        slot.channel = Channel(proc.sock)
         slot.outbox = asyncio.Queue()
         slot.gone = asyncio.Event()
-        slot.pid = None
+        slot.pid = proc.pid
         slot.failure = ""
         self._act(self.fleet.spawned(slot.index, self.clock()))
-        # What a new worker is told first: the whole store, the pods, and whether to accept yet.
+        # What a new worker is told first: to start, the whole store, the pods, and whether to
+        # accept yet.
+        slot.send(Spawn(slot.index))
         slot.send(self.state.snapshot())
         slot.send(SetLogFilter(logs.current_filter()))
         for message, netns in self.pods.running() if self.pods is not None else ():
@@ -499,38 +501,35 @@ class Supervisor:
         except OSError:
             pass  # the worker is gone; _watch sees it
 
-    async def _read_fork_server(self) -> None:
-        while True:
-            try:
-                got = await self._fork_channel.recv()
-            except OSError:
-                got = None
-            if got is None:
-                if not self.fleet.stopping:
-                    log.error("the fork server exited; stopping")
-                    self.exit_code = 1
-                    self.shutdown()
-                return
-            message, fds = got
-            close_fds(fds)
-            if isinstance(message, Spawned):
-                self.slots[message.index].pid = message.pid
-            elif isinstance(message, Exited):
-                self._log_exit(message)
+    async def _reap(self, index: int, pid: int) -> None:
+        """Collect a worker whose channel closed, and say how it ended."""
+        try:
+            await self._collect(index, pid)
+        finally:
+            self._reaps.pop(pid, None)
 
-    def _log_exit(self, message: Exited) -> None:
-        code = message.code
+    async def _collect(self, index: int, pid: int) -> None:
+        code = exit_code(pid)
+        deadline = time.monotonic() + REAP_TIMEOUT
+        while code is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            code = exit_code(pid)
+        if code is None:  # its channel is closed and it still runs: it is of no use any more
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.05)
+            code = exit_code(pid)
+            if code is None:
+                return
         how = f"signal {-code}" if code < 0 else f"code {code}"
-        for slot in self.slots:
-            if slot.pid == message.pid:
-                (log.info if self.fleet.stopping else log.warning)(
-                    "data-plane worker %d (pid %d) exited with %s", slot.index, message.pid, how
-                )
+        (log.info if self.fleet.stopping else log.warning)(
+            "data-plane worker %d (pid %d) exited with %s", index, pid, how
+        )
 
     async def _watch(self, slot: WorkerSlot) -> None:
         """Read the worker until its channel closes, then tell the fleet it is gone."""
-        channel = slot.channel
-        assert channel is not None
+        channel, pid = slot.channel, slot.pid
+        assert channel is not None and pid is not None
         try:
             while (got := await channel.recv()) is not None:
                 message, fds = got
@@ -548,6 +547,7 @@ class Supervisor:
                     task.cancel()
             slot.worker_gone()
             self.sums.retire(slot.index)
+            self._reaps[pid] = asyncio.get_running_loop().create_task(self._reap(slot.index, pid))
         self._act(self.fleet.gone(slot.index, self.clock(), slot.failure))
 
     async def _stop_workers(self) -> None:
@@ -559,10 +559,16 @@ class Supervisor:
             _, pending = await asyncio.wait(waits, timeout=deadline + 5.0)
             for task in pending:
                 task.cancel()
+        killed = []
         for slot in self.slots:
             if slot.alive and slot.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(slot.pid, signal.SIGKILL)
+                killed.append(asyncio.ensure_future(slot.gone.wait()))
+        if killed:
+            await asyncio.wait(killed, timeout=1.0)
+        if self._reaps:  # every worker gone is collected, and its end said, before the parent exits
+            await asyncio.wait(list(self._reaps.values()), timeout=REAP_TIMEOUT + 1.0)
 
 
 def _past_half_life(cert: WorkloadCertificate) -> bool:

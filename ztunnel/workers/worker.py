@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
 from hbone.identity import Identity
 from hbone.tls import TlsPolicy, WorkloadCertificate
-from ztunnel import logs, profiling
+from ztunnel import logs
+from ztunnel.allocator import trim_when_idle
 from ztunnel.certificates import CaError, SecretManager
 from ztunnel.config import Config, WorkloadInfo
-from ztunnel.crl import CrlWatcher
-from ztunnel.inpod.netns import Netns, NetnsSocketFactory
 from ztunnel.metrics import Metrics
 from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
 from ztunnel.series import sweep_stale_series
@@ -52,12 +52,17 @@ from ztunnel.workers.messages import (
     Scrape,
     SetLogFilter,
     Snapshot,
+    Spawn,
     StateChanges,
     Stop,
     Synced,
 )
-from ztunnel.workers.pod_proxies import PodProxies
 from ztunnel.workers.replication import apply_changes
+
+if TYPE_CHECKING:
+    from ztunnel import profiling
+    from ztunnel.crl import CrlWatcher
+    from ztunnel.workers.pod_proxies import PodProxies
 
 log = logging.getLogger("ztunnel.workers")
 
@@ -147,7 +152,11 @@ class WorkerRuntime:
         self.metrics.registry.register(self.loop_metrics)
         self.ca = ParentCa(channel)
         # The CRL is a local file, not control-plane state: each worker watches it for its contexts.
-        self.crl = CrlWatcher.load(config.crl_path, self.metrics) if config.crl_path else None
+        self.crl: CrlWatcher | None = None
+        if config.crl_path:
+            from ztunnel.crl import CrlWatcher
+
+            self.crl = CrlWatcher.load(config.crl_path, self.metrics)
         tls = TlsPolicy(tls12=config.tls12_enabled, revocation=self.crl.revocation if self.crl else None)
         self.secrets = SecretManager(self.ca, tls=tls)
         self.options = socket_options(config, workers=True)
@@ -173,6 +182,10 @@ class WorkerRuntime:
             assert cfg.workload_info is not None
             self.proxies.append(self._instance(cfg.workload_info, SocketFactory(self.options)))
             return
+        # In-pod mode's modules are loaded by its workers only.
+        from ztunnel.inpod.netns import NetnsSocketFactory
+        from ztunnel.workers.pod_proxies import PodProxies
+
         self.pods = PodProxies(
             lambda info, netns: self._instance(info, NetnsSocketFactory(netns, self.options))
         )
@@ -198,6 +211,7 @@ class WorkerRuntime:
         reader = loop.create_task(self._read())
         pusher = loop.create_task(self._push_counters())
         janitor = loop.create_task(self._drop_stale_series())
+        trimmer = loop.create_task(trim_when_idle())  # the heap's free memory, once traffic stops
         try:
             while True:
                 message, fds = await self.actions.get()
@@ -207,6 +221,7 @@ class WorkerRuntime:
                 await self._act(message, fds)
         finally:
             self.loop_metrics.stop()
+            trimmer.cancel()
             janitor.cancel()
             pusher.cancel()
             reader.cancel()
@@ -289,6 +304,8 @@ class WorkerRuntime:
             return PodResult(message.uid, seq=message.seq)
         if running is not None:
             await self.pods.stop(message.uid, 0.0)
+        from ztunnel.inpod.netns import Netns
+
         info = WorkloadInfo(
             namespace=message.namespace, name=message.name, service_account=message.service_account
         )
@@ -345,17 +362,40 @@ class WorkerRuntime:
 
 async def collect_profile(kind: str, seconds: float, frequency: int) -> profiling.Profile:
     """This process's `cpu` (sampled at `frequency`) or `heap` profile over `seconds`."""
+    from ztunnel import profiling  # tracemalloc, gzip and the profile's protobuf, when asked
+
     if kind == "cpu":
         return await profiling.collect_cpu_profile(seconds, frequency)
     return await profiling.collect_heap_profile(seconds)
 
 
+def preload(config: Config) -> None:
+    """Import what the workers of `config` load beyond the worker body's own imports: called before
+    the workers are forked, so that every worker shares these modules instead of loading its own."""
+    names = []
+    if config.dns_capture:
+        names.append("ztunnel.dns.server")  # and dnspython
+    if config.proxy_mode == "shared":
+        names += ["ztunnel.inpod.netns", "ztunnel.workers.pod_proxies"]
+    if config.crl_path:
+        names.append("ztunnel.crl")  # and cryptography's X.509, for the peers' chains
+    for name in names:
+        importlib.import_module(name)
+
+
 def run_worker(config: Config, index: int, fd: int) -> int:
-    """The body of a forked worker process (the fork server calls it with its channel's fd)."""
+    """The body of a worker process (forked at start-up, or a replacement's new interpreter), given
+    its channel's fd."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's to handle
 
     async def main() -> int:
         channel = Channel(socket.socket(fileno=fd))
+        # Nothing is bound before the parent says so (it claims the listeners' addresses first).
+        while (got := await channel.recv()) is not None and not isinstance(got[0], Spawn):
+            close_fds(got[1])
+        if got is None:
+            channel.close()
+            return 0  # the parent stopped before this worker started
         worker = WorkerRuntime(config, index, channel)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, worker.request_stop, config.connection_termination_deadline)
