@@ -26,7 +26,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Literal
 
 from ztunnel import logs
 from ztunnel.registry import (
@@ -286,8 +286,7 @@ class HistogramFamily:
         cell[i] += 1
         cell[-1] += value
 
-    def family(self) -> Any:
-        """A `HistogramMetricFamily` (typed Any: collectors typed for another family model yield it)."""
+    def family(self) -> HistogramMetricFamily:
         fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, cell in list(self.cells.items()):
             cumulative, buckets = 0.0, []

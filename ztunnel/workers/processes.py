@@ -18,8 +18,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from ztunnel.registry import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
 
 PROC = "/proc"
 _TICKS = float(os.sysconf("SC_CLK_TCK"))
