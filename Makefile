@@ -41,9 +41,13 @@ $(TEST_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install --quiet -r $(VENV)/requirements-test.txt
 	touch $@
 
-$(PURE_STAMP): pyproject.toml setup.py
-	$(PYTHON) -m venv $(PURE_VENV)
-	ZTUNNEL_BUILD=pure $(PURE_VENV)/bin/python -m pip install --quiet '.[test]'
+# The pure venv borrows the dependencies of $(VENV) (a .pth line: the same list, not installed twice)
+# and gets the project built without a compiler, not editable: its own copy, no extension module.
+$(PURE_STAMP): pyproject.toml setup.py $(shell find ztunnel hbone xds policy controlplane cni benches -name "*.py") $(TEST_STAMP)
+	rm -rf $(PURE_VENV) && $(PYTHON) -m venv --without-pip $(PURE_VENV)
+	$(PY) -c 'import site; print(site.getsitepackages()[0])' > \
+	  "$$($(PURE_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/ztunnel-deps.pth"
+	ZTUNNEL_BUILD=pure $(PY) -m pip --python $(PURE_VENV)/bin/python install --quiet --no-deps --no-build-isolation .
 	touch $@
 
 # A C compiler and the Python headers, for the compiled build; installed (root) or named when missing.
