@@ -88,9 +88,15 @@ unit: $(TEST_STAMP) debs
 	$(PY) -m pytest -q -rs
 
 # The pure Python build (its own venv, installed without a compiler) runs the compiled modules' tests
-# and a few end-to-end ones; ZTUNNEL_BUILD=pure at run time keeps this tree's extension modules unused.
+# and a few end-to-end ones, from a copy of the tree without its extension modules (the proxies the
+# tests start import from their working directory).
+PURE_TREE := build/pure-tree
 test-pure: $(PURE_STAMP) debs
-	ZTUNNEL_BUILD=pure $(PURE_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider $(PURE_TESTS)
+	rm -rf $(PURE_TREE) && mkdir -p $(PURE_TREE)
+	tar -c --exclude=./.git --exclude='./.venv*' --exclude=./build --exclude=./results --exclude='*.so' \
+	  --exclude=./hbone/_compiled.json --exclude=__pycache__ --exclude=./.mypy_cache --exclude=./.hypothesis . \
+	  | tar -x -C $(PURE_TREE)
+	cd $(PURE_TREE) && $(CURDIR)/$(PURE_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider $(PURE_TESTS)
 
 test: lint typecheck unit test-pure
 

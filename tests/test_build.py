@@ -113,3 +113,36 @@ def test_install_time_choice_without_a_compiler() -> None:
     assert pure.returncode == 0 and "pure Python (ZTUNNEL_BUILD=pure)" in pure.stderr
     bad = setup_py(ZTUNNEL_BUILD="fast")
     assert bad.returncode != 0 and "ZTUNNEL_BUILD='fast': expected one of auto, compiled, pure" in bad.stderr
+
+
+def test_the_pure_wheel_holds_no_extension_module(tmp_path: Path) -> None:
+    # What `ZTUNNEL_BUILD=pure pip install .` installs (no build isolation: the venv has setuptools).
+    env = {k: v for k, v in os.environ.items() if k != "ZTUNNEL_BUILD"} | {"ZTUNNEL_BUILD": "pure"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            ".",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    [wheel] = tmp_path.glob("*.whl")
+    assert wheel.name.endswith("-py3-none-any.whl")
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "hbone/build.py" in names and "hbone/relay.py" in names
+    assert not [n for n in names if n.endswith(".so") or n.endswith("_compiled.json")]
