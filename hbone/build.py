@@ -15,11 +15,7 @@ its compiled neighbours would still run their stale code. Standard library only;
 
 from __future__ import annotations
 
-import hashlib
-import importlib.abc
 import importlib.machinery
-import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -55,6 +51,8 @@ def extension_of(module: str) -> Path | None:
 
 
 def _digest(path: Path) -> str:
+    import hashlib  # here: a pure install never needs it
+
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -62,6 +60,8 @@ def stale_reason() -> str | None:
     """Why the extension modules present must not run, or None when they match their sources."""
     if os.environ.get("ZTUNNEL_BUILD", "").strip().lower() == "pure":
         return "ZTUNNEL_BUILD=pure"
+    import json
+
     try:
         recorded = json.loads(MANIFEST.read_text())["modules"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -78,7 +78,7 @@ def stale_reason() -> str | None:
     return None
 
 
-class _SourceFinder(importlib.abc.MetaPathFinder):
+class _SourceFinder:
     """Finds the hot path's modules as Python source, ahead of the extension modules beside them."""
 
     def find_spec(
@@ -86,6 +86,8 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in HOT_PATH:
             return None
+        import importlib.util
+
         return importlib.util.spec_from_file_location(fullname, source_of(fullname))
 
 
