@@ -29,6 +29,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml setup.py $(HOT_SOURCES) | $(PY) build-deps
+	@[ "$(ZTUNNEL_BUILD)" = pure ] || echo "make: installing the project; mypyc compiles HBONE's hot path (about a minute)"
 	ZTUNNEL_BUILD=$(ZTUNNEL_BUILD) $(PY) -m pip install --quiet -e .
 	@build=$$($(PY) -c 'import hbone.build as b; print(b.summary())'); echo "make: hot path build: $$build"; \
 	  case "$(ZTUNNEL_BUILD):$$build" in compiled:compiled*|pure:pure*|auto:*) ;; \
