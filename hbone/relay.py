@@ -18,10 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
+from mypy_extensions import mypyc_attr
+
 # Accepted-but-not-yet-relayed connections hold at most this much before reading is paused.
 INBOX_LIMIT = 256 * 1024
 
 
+# Subclassed by the proxy's accept protocol (an interpreted class, when this module is compiled).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Inbox(asyncio.Protocol):
     """Buffers an accepted connection's bytes until it is relayed; `wait_data` lets a handshake wait for them."""
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from hbone.build import HOT_PATH
 from tests.netns import Netns, cannot_run, require_root
 from tests.waiting import eventually
 
@@ -195,6 +196,8 @@ def test_the_image_holds_the_node_programs_and_nothing_of_the_tests(image: str) 
     assert {"ztunnel", "hbone", "xds", "policy", "cni", "controlplane"} <= packages
     assert not {"tests", "benches"} & packages
     assert any(line.startswith("version.BuildInfo{") for line in lines)
+    # The image runs the compiled hot path (its build stage had the compiler).
+    assert f"build: compiled (mypyc, {len(HOT_PATH)} modules)" in lines
     assert config["Entrypoint"] == ["ztunnel"] and config.get("WorkingDir") == "/"
 
 

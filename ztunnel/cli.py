@@ -22,6 +22,7 @@ def _version() -> int:
     fields = ", ".join(f"{k[0].upper()}{k[1:]}:{v!r}" for k, v in info.items())
     print(f"version.BuildInfo{{{fields}}}")
     print(f"ztunnel-py {__version__}")
+    print(f"build: {info['pythonBuild']}")
     return 0
 
 

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hbone import build as hbone_build
 from hbone.tls import TlsPolicy
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
@@ -61,6 +62,8 @@ def build_info() -> dict[str, str]:
         "buildStatus": "Modified",
         "istioVersion": os.environ.get("ISTIO_META_ISTIO_VERSION", "unknown"),
         "cryptoProvider": "openssl",
+        # Which build of HBONE's hot path runs (from its modules' files): compiled by mypyc, or pure.
+        "pythonBuild": hbone_build.summary(),
     }
 
 

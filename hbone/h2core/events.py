@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 Headers = list[tuple[str, str]]
 
 
 class Event:
+    # The fields of `__repr__` and `__eq__`: `__slots__` itself is not kept by a compiled class.
+    FIELDS: ClassVar[tuple[str, ...]] = ()
     __slots__ = ()
 
     def __repr__(self) -> str:
-        names: tuple[str, ...] = self.__slots__
+        names = self.FIELDS
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in names)
         return f"{type(self).__name__}({fields})"
 
     def __eq__(self, other: object) -> bool:
-        names: tuple[str, ...] = self.__slots__
+        names = self.FIELDS
         return type(other) is type(self) and all(getattr(self, n) == getattr(other, n) for n in names)
 
     __hash__ = None  # type: ignore[assignment]
@@ -23,7 +27,8 @@ class Event:
 class RequestReceived(Event):
     """Server side: a new stream's request header block (validated; names lowercase)."""
 
-    __slots__ = ("end_stream", "headers", "stream_id")
+    FIELDS = ("end_stream", "headers", "stream_id")
+    __slots__ = FIELDS
 
     def __init__(self, stream_id: int, headers: Headers, end_stream: bool) -> None:
         self.stream_id = stream_id
@@ -34,7 +39,8 @@ class RequestReceived(Event):
 class ResponseReceived(Event):
     """Client side: the final (non-1xx) response header block of a stream we opened."""
 
-    __slots__ = ("end_stream", "headers", "stream_id")
+    FIELDS = ("end_stream", "headers", "stream_id")
+    __slots__ = FIELDS
 
     def __init__(self, stream_id: int, headers: Headers, end_stream: bool) -> None:
         self.stream_id = stream_id
@@ -49,7 +55,8 @@ class DataReceived(Event):
     when the consumer calls `H2Core.ack(stream_id, flow_length)`.
     """
 
-    __slots__ = ("data", "flow_length", "stream_id")
+    FIELDS = ("data", "flow_length", "stream_id")
+    __slots__ = FIELDS
 
     def __init__(self, stream_id: int, data: bytes, flow_length: int) -> None:
         self.stream_id = stream_id
@@ -60,7 +67,8 @@ class DataReceived(Event):
 class StreamEnded(Event):
     """The peer's END_STREAM: its direction of the stream is over."""
 
-    __slots__ = ("stream_id",)
+    FIELDS = ("stream_id",)
+    __slots__ = FIELDS
 
     def __init__(self, stream_id: int) -> None:
         self.stream_id = stream_id
@@ -70,7 +78,8 @@ class StreamReset(Event):
     """The stream is over, abruptly: the peer's RST_STREAM (`by_peer`), or ours for a stream error
     its frames caused (RFC 9113 §5.4.2; the RST_STREAM is already queued)."""
 
-    __slots__ = ("by_peer", "error_code", "stream_id")
+    FIELDS = ("by_peer", "error_code", "stream_id")
+    __slots__ = FIELDS
 
     def __init__(self, stream_id: int, error_code: int, by_peer: bool) -> None:
         self.stream_id = stream_id
@@ -81,7 +90,8 @@ class StreamReset(Event):
 class WindowUpdated(Event):
     """A send window grew (`stream_id` 0: the connection's; also after a larger INITIAL_WINDOW_SIZE)."""
 
-    __slots__ = ("stream_id",)
+    FIELDS = ("stream_id",)
+    __slots__ = FIELDS
 
     def __init__(self, stream_id: int) -> None:
         self.stream_id = stream_id
@@ -90,7 +100,8 @@ class WindowUpdated(Event):
 class SettingsReceived(Event):
     """The peer's SETTINGS, applied and acknowledged; `first` for the one that ends its preface."""
 
-    __slots__ = ("changed", "first")
+    FIELDS = ("changed", "first")
+    __slots__ = FIELDS
 
     def __init__(self, changed: dict[int, int], first: bool) -> None:
         self.changed = changed
@@ -102,7 +113,8 @@ class SettingsAcked(Event):
 
 
 class PingAcked(Event):
-    __slots__ = ("opaque",)
+    FIELDS = ("opaque",)
+    __slots__ = FIELDS
 
     def __init__(self, opaque: bytes) -> None:
         self.opaque = opaque
@@ -112,7 +124,8 @@ class GoAwayReceived(Event):
     """The peer's GOAWAY. `refused`: the streams we opened above `last_stream_id`, which the peer
     did not and will not process (closed here without a reset); the others go on."""
 
-    __slots__ = ("debug", "error_code", "last_stream_id", "refused")
+    FIELDS = ("debug", "error_code", "last_stream_id", "refused")
+    __slots__ = FIELDS
 
     def __init__(self, error_code: int, last_stream_id: int, debug: bytes, refused: list[int]) -> None:
         self.error_code = error_code
@@ -125,7 +138,8 @@ class ConnectionTerminated(Event):
     """A connection error of the peer's making (or a timeout): GOAWAY(`error_code`) is queued and
     the core takes no more input. `limit` when it broke one of our abuse limits."""
 
-    __slots__ = ("error_code", "limit", "message")
+    FIELDS = ("error_code", "limit", "message")
+    __slots__ = FIELDS
 
     def __init__(self, error_code: int, message: str, limit: bool) -> None:
         self.error_code = error_code
