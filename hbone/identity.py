@@ -13,14 +13,15 @@ import datetime
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-    LeafPublicKey = ec.EllipticCurvePublicKey | rsa.RSAPublicKey
-    SigningKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
+    # Declared aliases: mypyc's build, which has no cryptography to read, takes them as Any.
+    LeafPublicKey: TypeAlias = ec.EllipticCurvePublicKey | rsa.RSAPublicKey
+    SigningKey: TypeAlias = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
     # What a workload leaf may be used for: both ends of mutual TLS present the same certificate.
     WORKLOAD_EKU: tuple[x509.ObjectIdentifier, ...]
 
