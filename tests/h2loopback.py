@@ -180,6 +180,15 @@ async def open_stream(
     return stream, sink
 
 
+def collect_stream(req: ConnectRequest, into: list[Collector]) -> Collector:
+    """Answer the CONNECT with 200 and read its stream into a `Collector`, kept in `into`."""
+    req.respond(200)
+    c = Collector(req.stream)
+    into.append(c)
+    req.stream.set_protocol(c)
+    return c
+
+
 def recording_echo() -> tuple[Callable[[ConnectRequest], Awaitable[None]], list[ConnectRequest]]:
     """An echo handler that also keeps every request it was given."""
     seen: list[ConnectRequest] = []

@@ -23,6 +23,7 @@ from tests.h2loopback import (
     CLIENT_ID,
     SERVER_ID,
     Collector,
+    collect_stream,
     echo_handler,
     loopback_fixture,  # noqa: F401
     open_stream,
@@ -220,10 +221,7 @@ async def test_half_close_client_first(loopback) -> None:
     server_side: list[Collector] = []
 
     async def handler(req: ConnectRequest) -> None:
-        req.respond(200)
-        c = Collector(req.stream)
-        server_side.append(c)
-        req.stream.set_protocol(c)
+        c = collect_stream(req, server_side)
         await c.eof
         # the client ended its direction; ours keeps flowing
         req.stream.write(b"after your eof")

@@ -19,6 +19,7 @@ from tests.h2loopback import (
     Collector,
     Echo,
     Loopback,
+    collect_stream,
     echo_handler,
     loopback_fixture,  # noqa: F401
     on_loop_body,
@@ -56,10 +57,7 @@ async def test_client_abort_is_a_clean_end_for_the_server(loopback) -> None:
     server_side: list[Collector] = []
 
     async def handler(req: ConnectRequest) -> None:
-        req.respond(200)
-        c = Collector(req.stream)
-        server_side.append(c)
-        req.stream.set_protocol(c)
+        collect_stream(req, server_side)
 
     lb = await loopback(handler)
     conn = await lb.connect()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import gc
 import os
 import time
@@ -40,6 +41,7 @@ MIN_WORK = 0.05  # CPU seconds since the last trim that make a trim worth it
 MIN_INTERVAL = 1.0
 
 
+@functools.cache  # looked up once: every idle trim calls it
 def _glibc() -> ctypes.CDLL | None:
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):

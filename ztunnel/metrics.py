@@ -16,8 +16,8 @@ only `closed` and `failed` carry the final flag.
 Exposition is OpenMetrics text (see `render_openmetrics`) with each family's labels in the order the
 reference emits them (the traffic labels in the order Istio's ztunnel emits them, `docs/operations.md`).
 
-Runtime families: `process_*` of this process (`registry.ProcessCollector`; a proxy's supervisor sums
-them over its processes, `ztunnel.workers.processes`); the reference's `tokio_*` runtime families have
+Runtime families: `process_*` (`ztunnel.processes`: of this process alone, or, in a proxy's
+supervisor, summed over its processes); the reference's `tokio_*` runtime families have
 the workers' `ztunnel_event_loop_*` as their counterpart (`ztunnel.workers.loop_metrics`).
 """
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from ztunnel import logs
+from ztunnel.processes import ProcessTreeCollector
 from ztunnel.registry import (
     CollectorRegistry,
     Counter,
@@ -37,7 +38,6 @@ from ztunnel.registry import (
     GaugeCell,
     HistogramMetricFamily,
     Metric,
-    ProcessCollector,
     go_float,
 )
 
@@ -469,7 +469,7 @@ class Metrics:
         build.labels(component="ztunnel", tag=istio_version or UNKNOWN).set(1)
         self.registry.register(_LogCollector())
         if process_metrics:
-            ProcessCollector(registry=self.registry)
+            self.registry.register(ProcessTreeCollector(tuple))  # this process alone
 
     def open_connection(self, labels: TrafficLabels) -> ConnectionMetrics:
         """Count an opened connection and return its pre-resolved counters."""

@@ -7,15 +7,11 @@ client libraries name them (`_total`; `_bucket` with `le`, then `_count` and `_s
 written against those libraries' families read the same here. `Gauge` and `Counter` are labelled
 values for the few families that are not per connection: plain attributes, no lock (each event loop
 owns its registry), a child per label set made once and kept.
-
-`ProcessCollector` is the `process_*` families of this process (the supervisor of a proxy with
-workers sums them over its processes instead, `ztunnel.workers.processes`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
@@ -221,55 +217,3 @@ def go_float(value: float) -> str:
         mantissa = f"{text[0]}.{text[1:dot]}{text[dot + 1 :]}".rstrip("0.")
         return f"{mantissa}e+{dot - 1:02d}"
     return text
-
-
-class ProcessCollector:
-    """`process_*` of this process, from `/proc/self` (the names and help of the Prometheus clients)."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self._ticks = float(os.sysconf("SC_CLK_TCK"))
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self._boot = 0.0
-        try:
-            with open("/proc/stat", "rb") as f:
-                self._boot = next(float(line.split()[1]) for line in f if line.startswith(b"btime "))
-        except (OSError, StopIteration, ValueError):
-            pass
-        if registry is not None:
-            registry.register(self)
-
-    def collect(self) -> Iterator[Metric]:
-        if not self._boot:
-            return
-        try:
-            with open("/proc/self/stat", "rb") as f:
-                parts = f.read().split(b")")[-1].split()
-        except OSError:
-            parts = []
-        if parts:
-            yield GaugeMetricFamily(
-                "process_virtual_memory_bytes", "Virtual memory size in bytes.", float(parts[20])
-            )
-            yield GaugeMetricFamily(
-                "process_resident_memory_bytes",
-                "Resident memory size in bytes.",
-                float(parts[21]) * self._page,
-            )
-            yield GaugeMetricFamily(
-                "process_start_time_seconds",
-                "Start time of the process since unix epoch in seconds.",
-                float(parts[19]) / self._ticks + self._boot,
-            )
-            yield CounterMetricFamily(
-                "process_cpu_seconds_total",
-                "Total user and system CPU time spent in seconds.",
-                (float(parts[11]) + float(parts[12])) / self._ticks,
-            )
-        try:
-            with open("/proc/self/limits", "rb") as f:
-                max_fds = next(float(line.split()[3]) for line in f if line.startswith(b"Max open file"))
-            open_fds = len(os.listdir("/proc/self/fd"))
-        except (OSError, StopIteration, ValueError):
-            return
-        yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", open_fds)
-        yield GaugeMetricFamily("process_max_fds", "Maximum number of open file descriptors.", max_fds)

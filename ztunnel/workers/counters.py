@@ -22,9 +22,9 @@ from ztunnel.metrics import (
     render_openmetrics,
     wants_openmetrics,
 )
+from ztunnel.processes import ProcessTreeCollector
 from ztunnel.registry import CollectorRegistry, Family, Metric
 from ztunnel.workers.messages import Snapshot
-from ztunnel.workers.processes import ProcessTreeCollector
 
 # The families the workers count (the supervisor shows their sums).
 DATA_PLANE_PREFIXES = (
