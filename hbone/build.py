@@ -137,7 +137,7 @@ def describe() -> dict[str, str | int]:
 
 
 def summary() -> str:
-    """One line: `compiled (mypyc, 10 modules)`, or `pure-python` (with why, when compiled ones exist)."""
+    """One line: `compiled (mypyc, N modules)`, or `pure-python` (with why, when compiled ones exist)."""
     info = describe()
     if info["build"] == "compiled":
         return f"compiled ({info['compiler']}, {info['compiled']} modules)"
