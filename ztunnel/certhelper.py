@@ -263,8 +263,12 @@ class CertHelper(CertWork):
             fut.set_exception(CertWorkError(f"cannot start the certificate helper: {e.strerror or e}"))
             return
         helper.pending[request_id] = (line, fut)
-        # A helper gone meanwhile is its reader's to tell: it fails or resends what is pending.
-        helper.process.stdin.write(line)
+        # A helper gone meanwhile (its pipe closed, a write refused) is its reader's to tell: it
+        # fails or resends what is pending.
+        stdin = helper.process.stdin
+        if not stdin.is_closing():
+            with contextlib.suppress(RuntimeError, OSError):
+                stdin.write(line)
 
     async def _helper(self) -> _Helper:
         async with self._starting:
@@ -316,6 +320,10 @@ class CertHelper(CertWork):
             self._current = None
         pending, helper.pending = helper.pending, {}
         if helper.left and not self._closed:
+            if pending:
+                log.debug(
+                    "certificate helper left before reading %d requests: sent to the next", len(pending)
+                )
             for request_id, (line, fut) in pending.items():
                 if not fut.done():
                     await self._send(request_id, line, fut)
