@@ -90,7 +90,12 @@ def test_idle_memory_of_an_extra_worker(echo: None) -> None:
         try:
             wait_ready(proxy)
             assert exchange(CLIENT, b"warm") == b"warm"
-            # Idle: the certificate helper that made the certificate has left.
+            # Idle: the workload's certificate made (asked for at start-up) and the helper that made
+            # it gone.
+            eventually(
+                lambda p=proxy: [c["state"] for c in p.dump()["certificates"]] == ["Available"],
+                "the workload's certificate",
+            )
             eventually(lambda p=proxy: not cert_helpers(p.process.pid), "the certificate helper to exit")
             pids = [proxy.process.pid, *children(proxy.process.pid)]
             assert len(pids) == workers + 1

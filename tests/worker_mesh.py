@@ -157,8 +157,9 @@ def descendants(pid: int) -> list[int]:
     except FileNotFoundError:
         return out
     for kid in kids:
-        out.append(kid)
-        out.extend(descendants(kid))
+        if alive(kid):  # not a zombie not yet reaped (a helper that just left, say)
+            out.append(kid)
+            out.extend(descendants(kid))
     return out
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
-from ztunnel.certwork import LINGER, CertWorkError, JsonDict
+from ztunnel.certwork import LINGER, CertWorkError, JsonDict, perform
 
 log = logging.getLogger("ztunnel.certhelper")
 
@@ -119,16 +119,12 @@ class InProcess(CertWork):
     """The operations in this process (which then loads cryptography)."""
 
     async def run(self, op: str, **args: Any) -> Any:
-        from ztunnel import certwork
-
-        return certwork.perform(op, args)
+        return perform(op, args)
 
 
 def describe_now(pems: Sequence[bytes]) -> tuple[CertInfo, ...]:
     """`describe` in this process, at once (for a certificate that came without its dump)."""
-    from ztunnel import certwork
-
-    return tuple(certwork.perform("describe", {"pems": [p.decode("ascii") for p in pems]}))
+    return tuple(perform("describe", {"pems": [p.decode("ascii") for p in pems]}))
 
 
 class _Process:

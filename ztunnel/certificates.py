@@ -6,6 +6,10 @@ certificate. It is also the one owner of the TLS contexts: each certificate, whe
 rotated, is turned into `TlsCredentials` (the certificate with its server and client contexts)
 right away, and the listeners ask for those (`credentials(identity)`). Rotation runs at half-life off an injectable clock; `refresh_due(now)` is the step the
 background scheduler takes, so tests can drive rotation without waiting.
+
+What `/config_dump` shows of a certificate comes with it from the CA clients of this package (an
+`IssuedCertificate`), computed where it was made or checked, so the dump needs no cryptography
+here; a certificate that came bare (a worker's, a test's CA) is read here when dumped.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any, Protocol
 from hbone.identity import Identity
 from hbone.tls import TlsCredentials, TlsPolicy, WorkloadCertificate
 from ztunnel.certhelper import CertInfo, CertWork, InProcess, IssuedCertificate, describe_now, issued
-from ztunnel.certwork import CertWorkError
+from ztunnel.certwork import CertWorkError, embedded_file, perform
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,9 @@ class CertificateUnavailable(Exception):
 
 
 class CaClient(Protocol):
-    async def fetch(self, identity: Identity) -> WorkloadCertificate: ...
+    async def fetch(self, identity: Identity) -> WorkloadCertificate:
+        """The identity's certificate (an `IssuedCertificate` carries its dump); raise CaError."""
+        ...
 
 
 class Priority(IntEnum):
@@ -77,11 +83,9 @@ class FakeCA:
 
     def issue(self, identity: Identity, now: datetime | None = None) -> IssuedCertificate:
         """The certificate for `identity` valid from `now` (default: the wall clock), made in this process."""
-        from ztunnel import certwork
-
         try:
-            result = certwork.perform("fake_issue", self._request(identity, now))
-        except certwork.CertWorkError as e:
+            result = perform("fake_issue", self._request(identity, now))
+        except CertWorkError as e:
             raise CaError(str(e)) from None
         return issued(identity, result)
 
@@ -102,8 +106,6 @@ class FakeCA:
 
 @functools.cache
 def _embedded_root_pem() -> bytes:
-    from ztunnel.certwork import embedded_file
-
     return embedded_file("root-cert.pem")
 
 
