@@ -25,6 +25,7 @@ from tests.certs import CA, issue, make_ca
 from xds.channel import AuthToken
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
 from ztunnel.caclient import GrpcCaClient
+from ztunnel.certhelper import CertHelper
 from ztunnel.certificates import CaError, CertificateUnavailable, SecretManager
 
 IDENTITY = Identity("cluster.local", "demo", "client")
@@ -279,3 +280,31 @@ async def test_https_verifies_the_ca_with_its_root_and_follows_a_changed_root(
         assert cert.identity == IDENTITY
     finally:
         await server.server.stop(None)
+
+
+async def test_through_the_helper_process_as_in_this_process(
+    ca_server: CaServer, closing: list[GrpcCaClient]
+) -> None:
+    """The proxy's parent has its helper process make the key and check the answer: the same
+    certificate material, and the same refusal."""
+    helper = CertHelper()
+    try:
+        cert = await client_for(ca_server, closing, work=helper).fetch(IDENTITY)
+        leaf = x509.load_pem_x509_certificate(cert.chain_pem[0])
+        key = serialization.load_pem_private_key(cert.key_pem, password=None)
+        assert key.public_key() == leaf.public_key() and cert.not_before == leaf.not_valid_before_utc
+        local = await client_for(ca_server, closing).fetch(IDENTITY)
+        assert (len(cert.chain_pem), cert.roots_pem) == (len(local.chain_pem), local.roots_pem)
+        assert cert.root_info == local.root_info and len(cert.chain_info) == 2
+        ca_server.ca.reply = lambda ca, request: ca.chain_for(
+            request, uri="spiffe://cluster.local/ns/demo/sa/x"
+        )
+        errors = []
+        for work in (helper, None):
+            with pytest.raises(CaError) as caught:
+                await client_for(ca_server, closing, impersonate=True, work=work).fetch(IDENTITY)
+            errors.append(str(caught.value))
+        assert errors[0] == errors[1] and "did not find expected SAN" in errors[0]
+        assert helper.started == 1
+    finally:
+        await helper.close()

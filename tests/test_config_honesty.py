@@ -151,7 +151,9 @@ async def test_policy_verdicts_at_info_with_authz_policy_info_logging(mesh: Logs
     assert denied.endswith(
         'reason="connection closed due to policy rejection: allow policies exist, but none allowed"'
     )
-    assert f'info\trbac\t"connection allowed by policy"\tsrc.addr={FRONTEND}:' in mesh.getvalue()
+    # Each process's writer thread writes its lines a few ms later: waited for, as the denial.
+    allowed = f'info\trbac\t"connection allowed by policy"\tsrc.addr={FRONTEND}:'
+    await eventually_async(lambda: allowed in mesh.getvalue(), "the allowed verdict at info")
 
 
 @pytest.mark.parametrize("mesh", ["false"], indirect=True)

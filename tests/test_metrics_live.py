@@ -31,6 +31,7 @@ from tests.liveproxy import (
     socks5_reply,
 )
 from tests.waiting import eventually
+from tests.worker_mesh import cert_helpers
 from ztunnel.certificates import FakeCA
 
 pytestmark = pytest.mark.timeout(180)
@@ -92,6 +93,9 @@ def test_process_families_cover_every_process_and_leave_with_a_killed_worker(pro
     """40 connections held through the proxy (each a socket accepted and one dialled, in a worker):
     `process_open_fds` grows by both; it is what the kernel lists for the proxy's processes; a worker
     killed outright takes its sockets out of every gauge, and the CPU seconds never go back."""
+    # The workload's certificate, asked for at start-up, is made by a helper process, counted while
+    # it runs: the figures are compared with the kernel's once it has left (2 s after its work).
+    eventually(lambda: not cert_helpers(proxy.process.pid), "the certificate helper to leave")
     base = scrape(proxy)
     base_fds = value(base, "process_open_fds")
     assert base_fds == pytest.approx(open_fds(process_tree(proxy.process.pid)), abs=4)

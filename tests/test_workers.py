@@ -21,6 +21,7 @@ from tests.worker_mesh import (
     alive,
     children,
     control_plane_fixture,  # noqa: F401 (a fixture)
+    descendants,
     echo_fixture,  # noqa: F401 (a fixture)
     echoes,
     exchange,
@@ -138,15 +139,16 @@ def test_a_killed_worker_is_replaced_while_the_other_keeps_echoing(mesh: Mesh) -
 
 
 def test_stopping_the_parent_leaves_no_worker_behind(mesh: Mesh) -> None:
-    descendants = children(mesh.client.process.pid)
-    assert len(descendants) == 2  # the two workers
+    assert len(children(mesh.client.process.pid)) == 2  # the two workers
+    # and a certificate helper, while one runs: it goes with them
+    left = descendants(mesh.client.process.pid)
     mesh.client.process.kill()  # no chance to clean up: the workers go with it all the same
     mesh.client.process.wait()
-    eventually(lambda: not any(alive(p) for p in descendants), "the workers to exit")
+    eventually(lambda: not any(alive(p) for p in left), "the workers to exit")
     # A graceful stop: exit 0, nothing left.
-    descendants = children(mesh.server.process.pid)
+    left = descendants(mesh.server.process.pid)
     assert stop(mesh.server) == 0
-    assert not any(alive(p) for p in descendants)
+    assert not any(alive(p) for p in left)
 
 
 def test_a_drain_cuts_held_connections_at_its_deadline_in_every_worker(mesh: Mesh) -> None:

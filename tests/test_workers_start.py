@@ -16,6 +16,7 @@ from tests.worker_mesh import (
     CLIENT_ONLY,
     NET,
     ControlPlane,
+    cert_helpers,
     children,
     control_plane_fixture,  # noqa: F401 (a fixture)
     echo_fixture,  # noqa: F401 (a fixture)
@@ -89,6 +90,13 @@ def test_idle_memory_of_an_extra_worker(echo: None) -> None:
         try:
             wait_ready(proxy)
             assert exchange(CLIENT, b"warm") == b"warm"
+            # Idle: the workload's certificate made (asked for at start-up) and the helper that made
+            # it gone.
+            eventually(
+                lambda p=proxy: [c["state"] for c in p.dump()["certificates"]] == ["Available"],
+                "the workload's certificate",
+            )
+            eventually(lambda p=proxy: not cert_helpers(p.process.pid), "the certificate helper to exit")
             pids = [proxy.process.pid, *children(proxy.process.pid)]
             assert len(pids) == workers + 1
             totals[workers] = sum(pss_kib(p) for p in pids)
@@ -106,7 +114,8 @@ def mapped_libraries(pid: int) -> set[str]:
     return {os.path.basename(p) for p in paths if ".so" in os.path.basename(p)}
 
 
-# Extension modules of the control side: gRPC's core, protobuf's, PyYAML's and cryptography's.
+# Extension modules of the control side: gRPC's core, protobuf's, PyYAML's, and cryptography's (which
+# only the certificate helper loads, and the parent with a CRL file).
 CONTROL_SIDE = {"cygrpc": "gRPC", "_message": "protobuf", "_yaml": "PyYAML", "_rust": "cryptography"}
 
 
@@ -117,13 +126,17 @@ def control_side_in(pid: int) -> list[str]:
 
 
 def test_workers_never_load_the_control_sides_libraries(control_plane: ControlPlane) -> None:
-    """With xDS and the CA over gRPC, the parent holds gRPC, protobuf, PyYAML and cryptography; the
-    workers, forked before the parent imported them, map none of them."""
+    """With xDS and the CA over gRPC, the parent holds gRPC, protobuf and PyYAML, but not cryptography
+    (its certificate helper does); the workers, forked before the parent imported them, map none."""
     xds = {"XDS_ADDRESS": f"http://{control_plane.address}", "CA_ADDRESS": f"http://{control_plane.address}"}
     proxy = launch(proxy_env("client", CLIENT, LOCAL_XDS=CLIENT_ONLY, **xds), CLIENT)
     try:
         wait_ready(proxy)
-        assert control_side_in(proxy.process.pid) == ["PyYAML", "cryptography", "gRPC", "protobuf"]
+        # The workload's certificate came from the CA, keyed and checked by the helper.
+        eventually(
+            lambda: [c["state"] for c in proxy.dump()["certificates"]] == ["Available"], "the certificate"
+        )
+        assert control_side_in(proxy.process.pid) == ["PyYAML", "gRPC", "protobuf"]
         helpers = children(proxy.process.pid)
         assert len(helpers) == 2  # the two workers
         assert {pid: control_side_in(pid) for pid in helpers} == {pid: [] for pid in helpers}

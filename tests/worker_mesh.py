@@ -148,8 +148,8 @@ def stop(proxy: Proxy) -> int:
     return proxy.process.returncode
 
 
-def children(pid: int) -> list[int]:
-    """The live descendants of `pid` (its workers)."""
+def descendants(pid: int) -> list[int]:
+    """The live descendants of `pid`: its workers, and its certificate helper while one runs."""
     out: list[int] = []
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -157,9 +157,29 @@ def children(pid: int) -> list[int]:
     except FileNotFoundError:
         return out
     for kid in kids:
-        out.append(kid)
-        out.extend(children(kid))
+        if alive(kid):  # not a zombie not yet reaped (a helper that just left, say)
+            out.append(kid)
+            out.extend(descendants(kid))
     return out
+
+
+def is_cert_helper(pid: int) -> bool:
+    """Whether `pid` is a certificate helper (`python -m ztunnel.certwork`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"ztunnel.certwork" in f.read().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def cert_helpers(pid: int) -> list[int]:
+    """The certificate helpers of the proxy whose parent is `pid` (none once they lingered out)."""
+    return [p for p in descendants(pid) if is_cert_helper(p)]
+
+
+def children(pid: int) -> list[int]:
+    """The live descendants of `pid` but its certificate helper: its workers."""
+    return [p for p in descendants(pid) if not is_cert_helper(p)]
 
 
 def alive(pid: int) -> bool:

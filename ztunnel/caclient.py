@@ -1,8 +1,10 @@
 """The gRPC CA client: workload certificates from `IstioCertificateService/CreateCertificate`.
 
-For each fetch: a fresh ECDSA P-256 key (it never leaves the process), a PEM PKCS#10 request with an
-empty subject and one critical SubjectAltName holding the SPIFFE URI, signed with SHA-256, asking for
-`SECRET_TTL` of validity. In shared mode the proxy signs in for other identities with its own token,
+For each fetch: a fresh ECDSA P-256 key (it never leaves the proxy's processes), a PEM PKCS#10
+request with an empty subject and one critical SubjectAltName holding the SPIFFE URI, signed with
+SHA-256, asking for `SECRET_TTL` of validity. The key, the request and the checks of the answer are
+made where `work` says (`ztunnel/certhelper.py`): the proxy's parent has its helper process make
+them, so that it never loads cryptography itself. In shared mode the proxy signs in for other identities with its own token,
 so the request carries `ImpersonatedIdentity` in its metadata and the returned leaf must name the
 identity asked for. The response chain is leaf, intermediates, and last the trust bundle (which may
 hold several roots). Every failure raises `CaError` with a message naming the CA and the reason.
@@ -18,12 +20,8 @@ from collections.abc import Sequence
 
 import grpc
 import grpc.aio
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from hbone.identity import Identity
-from hbone.tls import WorkloadCertificate, uri_sans
 from xds.channel import (
     AuthToken,
     ControlPlaneAddress,
@@ -33,25 +31,14 @@ from xds.channel import (
     read_root_ca,
 )
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
+from ztunnel.certhelper import CertWork, InProcess, IssuedCertificate
 from ztunnel.certificates import CaError
+from ztunnel.certwork import CertWorkError
 
 log = logging.getLogger(__name__)
 
 IMPERSONATED_IDENTITY = "ImpersonatedIdentity"
 DEFAULT_CALL_TIMEOUT = 60.0
-
-
-def certificate_request(identity: Identity, key: ec.EllipticCurvePrivateKey) -> bytes:
-    """The PEM CSR istiod expects: empty subject, one critical URI SAN, SHA-256."""
-    csr = (
-        x509.CertificateSigningRequestBuilder()
-        .subject_name(x509.Name([]))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]), critical=True
-        )
-        .sign(key, hashes.SHA256())
-    )
-    return csr.public_bytes(serialization.Encoding.PEM)
 
 
 class GrpcCaClient:
@@ -69,9 +56,11 @@ class GrpcCaClient:
         secret_ttl: float = 86400.0,
         impersonate: bool = False,
         call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
+        work: CertWork | None = None,
     ) -> None:
         """`address`: `http://host:port` or `https://host:port` (raises CaError when invalid);
-        `root_ca`: the `CA_ROOT_CA` setting; `impersonate`: shared mode."""
+        `root_ca`: the `CA_ROOT_CA` setting; `impersonate`: shared mode; `work`: where the key is made
+        and the answer checked (default: in this process)."""
         try:
             self.address = ControlPlaneAddress.parse(address)
         except ControlPlaneError as e:
@@ -84,14 +73,17 @@ class GrpcCaClient:
         self._secret_ttl = secret_ttl
         self._impersonate = impersonate
         self._call_timeout = call_timeout
+        self._work = work or InProcess()
         self._channel: grpc.aio.Channel | None = None
         self._channel_roots: bytes | None = None
 
-    async def fetch(self, identity: Identity) -> WorkloadCertificate:
-        key = ec.generate_private_key(ec.SECP256R1())
+    async def fetch(self, identity: Identity) -> IssuedCertificate:
+        try:
+            key = await self._work.new_key(identity)
+        except CertWorkError as e:
+            raise CaError(f"CA {self.address.target}: {e}") from None
         request = ca_pb2.IstioCertificateRequest(
-            csr=certificate_request(identity, key).decode("ascii"),
-            validity_duration=int(self._secret_ttl),
+            csr=key.csr_pem.decode("ascii"), validity_duration=int(self._secret_ttl)
         )
         if self._impersonate:
             request.metadata.update({IMPERSONATED_IDENTITY: str(identity)})
@@ -108,7 +100,12 @@ class GrpcCaClient:
             raise CaError(
                 f"CA {self.address.target} {what}: {e.code().name}: {e.details() or 'no details'}"
             ) from None
-        cert = self._certificate(identity, key, list(response.cert_chain))
+        try:
+            cert = await self._work.check_chain(
+                self.address.target, identity, key.key_pem, response.cert_chain, impersonate=self._impersonate
+            )
+        except CertWorkError as e:
+            raise CaError(str(e)) from None
         log.debug(
             "received certificate",
             extra={"fields": {"identity": str(identity), "expiry": cert.not_after.isoformat()}},
@@ -131,38 +128,3 @@ class GrpcCaClient:
             self._channel = open_channel(self.address, self._root_ca, self._alt_hostname)
             self._channel_roots = roots
         return self._channel
-
-    def _certificate(
-        self, identity: Identity, key: ec.EllipticCurvePrivateKey, chain: list[str]
-    ) -> WorkloadCertificate:
-        if not chain:
-            raise CaError(f"CA {self.address.target} returned an empty certificate chain for {identity}")
-        if len(chain) < 2:
-            raise CaError(f"CA {self.address.target} returned no root certificate for {identity}")
-        try:
-            leaf = x509.load_pem_x509_certificates(chain[0].encode())[0]
-            for pem in chain[1:]:
-                x509.load_pem_x509_certificates(pem.encode())
-        except ValueError as e:
-            raise CaError(f"CA {self.address.target} returned an invalid certificate: {e}") from None
-        if leaf.public_key() != key.public_key():
-            raise CaError(f"CA {self.address.target} returned a certificate for another key")
-        if self._impersonate and str(identity) not in uri_sans(leaf):
-            raise CaError(
-                f"did not find expected SAN {identity} in the certificate from {self.address.target}"
-            )
-        return WorkloadCertificate(
-            identity=identity,
-            chain_pem=tuple(_pem_bytes(pem) for pem in chain[:-1]),
-            key_pem=key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            ),
-            roots_pem=(_pem_bytes(chain[-1]),),
-            not_before=leaf.not_valid_before_utc,
-            not_after=leaf.not_valid_after_utc,
-        )
-
-
-def _pem_bytes(pem: str) -> bytes:
-    data = pem.encode()
-    return data if data.endswith(b"\n") else data + b"\n"

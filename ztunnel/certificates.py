@@ -6,12 +6,15 @@ certificate. It is also the one owner of the TLS contexts: each certificate, whe
 rotated, is turned into `TlsCredentials` (the certificate with its server and client contexts)
 right away, and the listeners ask for those (`credentials(identity)`). Rotation runs at half-life off an injectable clock; `refresh_due(now)` is the step the
 background scheduler takes, so tests can drive rotation without waiting.
+
+What `/config_dump` shows of a certificate comes with it from the CA clients of this package (an
+`IssuedCertificate`), computed where it was made or checked, so the dump needs no cryptography
+here; a certificate that came bare (a worker's, a test's CA) is read here when dumped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import heapq
 import itertools
@@ -20,20 +23,17 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from hbone.identity import Identity, build_leaf
+from hbone.identity import Identity
 from hbone.tls import TlsCredentials, TlsPolicy, WorkloadCertificate
-
-if TYPE_CHECKING:
-    from cryptography import x509
-    from cryptography.hazmat.primitives.asymmetric import ec
+from ztunnel.certhelper import CertInfo, CertWork, InProcess, IssuedCertificate, describe_now, issued
+from ztunnel.certwork import CertWorkError, embedded_file, perform
 
 log = logging.getLogger(__name__)
 
-FAKE_CA_VALIDITY = timedelta(hours=24)
 INITIAL_BACKOFF = 1.0
 MAX_BACKOFF = 150.0
 MAX_CONCURRENT_FETCHES = 8
@@ -50,7 +50,9 @@ class CertificateUnavailable(Exception):
 
 
 class CaClient(Protocol):
-    async def fetch(self, identity: Identity) -> WorkloadCertificate: ...
+    async def fetch(self, identity: Identity) -> WorkloadCertificate:
+        """The identity's certificate (an `IssuedCertificate` carries its dump); raise CaError."""
+        ...
 
 
 class Priority(IntEnum):
@@ -62,78 +64,49 @@ class Priority(IntEnum):
 
 
 # --- fake CA -----------------------------------------------------------------------------------
-# cryptography is imported where a certificate is made or read: a data-plane worker, which only
-# holds a `SecretManager` fed by its parent, never loads it.
-
-
-@functools.cache
-def _embedded_root() -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, bytes]:
-    from importlib import resources
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    data = resources.files("ztunnel") / "testdata"
-    key = serialization.load_pem_private_key(data.joinpath("ca-key.pem").read_bytes(), password=None)
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise TypeError("embedded test CA key is not an EC key")
-    root_pem = data.joinpath("root-cert.pem").read_bytes()
-    return key, x509.load_pem_x509_certificate(root_pem), root_pem
-
-
-@functools.cache
-def _fake_ca_subject() -> x509.Name:
-    from cryptography import x509
-    from cryptography.x509.oid import NameOID
-
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "cluster.local")])
+# Its cryptography runs where `work` says (`ztunnel/certhelper.py`): in this process by default, in a
+# helper process for the proxy's parent. A data-plane worker, which only holds a `SecretManager`
+# fed by its parent, never loads it.
 
 
 class FakeCA:
-    """In-process CA signing with the embedded test root (`FAKE_CA=true`): every process using it trusts
-    every other one. Trust domain `error` with namespace `forgotten` simulates a CA failure."""
+    """CA signing with the embedded test root (`FAKE_CA=true`): every process using it trusts every
+    other one. Trust domain `error` with namespace `forgotten` simulates a CA failure."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.time, work: CertWork | None = None) -> None:
         self._clock = clock
-        self._key, self._root, self._root_pem = _embedded_root()
+        self._work = work or InProcess()
 
     @property
     def root_pem(self) -> bytes:
-        return self._root_pem
+        return _embedded_root_pem()
 
-    def issue(self, identity: Identity, now: datetime | None = None) -> WorkloadCertificate:
+    def issue(self, identity: Identity, now: datetime | None = None) -> IssuedCertificate:
+        """The certificate for `identity` valid from `now` (default: the wall clock), made in this process."""
+        try:
+            result = perform("fake_issue", self._request(identity, now))
+        except CertWorkError as e:
+            raise CaError(str(e)) from None
+        return issued(identity, result)
+
+    async def fetch(self, identity: Identity) -> IssuedCertificate:
+        request = self._request(identity, datetime.fromtimestamp(self._clock(), UTC))
+        try:
+            return issued(identity, await self._work.run("fake_issue", **request))
+        except CertWorkError as e:
+            raise CaError(str(e)) from None
+
+    @staticmethod
+    def _request(identity: Identity, now: datetime | None) -> dict[str, Any]:
         if identity.trust_domain == "error" and identity.namespace == "forgotten":
             raise CaError(f"simulated CA failure for {identity}")
-        # X.509 times have whole seconds; keep WorkloadCertificate equal to what the cert says.
-        not_before = (now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
-        not_after = not_before + FAKE_CA_VALIDITY
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
+        # X.509 times have whole seconds: the certificate starts at the second `now` falls in.
+        return {"identity": str(identity), "not_before": int((now or datetime.now(UTC)).timestamp())}
 
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = build_leaf(
-            [str(identity)],
-            key.public_key(),
-            self._root,
-            self._key,
-            not_before,
-            not_after,
-            subject=_fake_ca_subject(),
-        )
-        return WorkloadCertificate(
-            identity=identity,
-            chain_pem=(cert.public_bytes(serialization.Encoding.PEM),),
-            key_pem=key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            ),
-            roots_pem=(self._root_pem,),
-            not_before=not_before,
-            not_after=not_after,
-        )
 
-    async def fetch(self, identity: Identity) -> WorkloadCertificate:
-        return self.issue(identity, datetime.fromtimestamp(self._clock(), UTC))
+@functools.cache
+def _embedded_root_pem() -> bytes:
+    return embedded_file("root-cert.pem")
 
 
 # --- secret manager ----------------------------------------------------------------------------
@@ -196,6 +169,8 @@ class _Entry:
     ticket: _Ticket | None = None
     refresh_at: float | None = None
     backoff: float = INITIAL_BACKOFF
+    # What /config_dump shows of the certificate's chain and roots (None: not known yet).
+    info: tuple[tuple[CertInfo, ...], tuple[CertInfo, ...]] | None = None
 
     @property
     def cert(self) -> WorkloadCertificate | None:
@@ -286,11 +261,12 @@ class SecretManager:
         out = []
         for identity in self.identities():
             entry = self._entries[identity]
-            chain: list[dict[str, str]] = []
-            roots: list[dict[str, str]] = []
+            chain: list[CertInfo] = []
+            roots: list[CertInfo] = []
             if entry.cert is not None:
-                chain = [_cert_dump(c) for pem in entry.cert.chain_pem for c in _load_certs(pem)]
-                roots = [_cert_dump(c) for pem in entry.cert.roots_pem for c in _load_certs(pem)]
+                if entry.info is None:  # a CA that gave the bare certificate: read it here
+                    entry.info = describe_now(entry.cert.chain_pem), describe_now(entry.cert.roots_pem)
+                chain, roots = [dict(c) for c in entry.info[0]], [dict(c) for c in entry.info[1]]
             out.append(
                 {"identity": str(identity), "state": entry.state, "certChain": chain, "rootCerts": roots}
             )
@@ -335,6 +311,9 @@ class SecretManager:
             await self._slots.acquire(ticket)
             try:
                 cert = await self._ca.fetch(identity)
+                info = (cert.chain_info, cert.root_info) if isinstance(cert, IssuedCertificate) else None
+                if isinstance(cert, IssuedCertificate):
+                    cert = cert.plain()  # what the workers are sent: the certificate alone
                 # The contexts are built with the certificate, so a handshake never builds one.
                 creds = TlsCredentials.build(cert, self._tls)
             except asyncio.CancelledError:
@@ -343,7 +322,7 @@ class SecretManager:
                 return self._fetch_failed(identity, entry, e)
             finally:
                 self._slots.release()
-            entry.creds, entry.error, entry.backoff = creds, None, INITIAL_BACKOFF
+            entry.creds, entry.error, entry.backoff, entry.info = creds, None, INITIAL_BACKOFF, info
             not_before, not_after = cert.not_before.timestamp(), cert.not_after.timestamp()
             entry.refresh_at = not_before + (not_after - not_before) / 2
             log.debug("fetched certificate for %s, refresh at %s", identity, entry.refresh_at)
@@ -404,24 +383,3 @@ def _consume_result(task: asyncio.Task[TlsCredentials]) -> None:
     # Prefetch and rotation fetches have no waiter; their failures are already in the entry's state.
     if not task.cancelled():
         task.exception()
-
-
-def _load_certs(pem: bytes) -> list[x509.Certificate]:
-    from cryptography import x509
-
-    return x509.load_pem_x509_certificates(pem)
-
-
-def _rfc3339(when: datetime) -> str:
-    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _cert_dump(cert: x509.Certificate) -> dict[str, str]:
-    from cryptography.hazmat.primitives import serialization
-
-    return {
-        "pem": base64.b64encode(cert.public_bytes(serialization.Encoding.PEM)).decode("ascii"),
-        "serialNumber": str(cert.serial_number),
-        "validFrom": _rfc3339(cert.not_valid_before_utc),
-        "expirationTime": _rfc3339(cert.not_valid_after_utc),
-    }

@@ -1,7 +1,7 @@
 """The control runtime of `ztunnel proxy`: everything the supervisor process does besides its workers.
 
-It runs the local config file, the one xDS stream, the CA client and the certificates, the CRL
-watcher, the operator endpoints (readiness :15021, admin :15000, metrics :15020) and, in in-pod
+It runs the local config file, the one xDS stream, the CA client and the certificates (their
+cryptography in a short-lived helper process, `ztunnel/certhelper.py`), the CRL watcher, the operator endpoints (readiness :15021, admin :15000, metrics :15020) and, in in-pod
 mode, the workload proxy manager (ZDS). It carries no proxied connection: the data plane is the
 workers'. What the supervisor adds is given at construction (`ControlHooks`): the store it
 replicates, the metrics that sum the workers', the hooks the endpoints call (a scrape first asks
@@ -36,9 +36,9 @@ from ztunnel.admin import (
     readiness_server,
     stats_server,
 )
+from ztunnel.certhelper import CertHelper
 from ztunnel.certificates import FakeCA, SecretManager
 from ztunnel.config import Config
-from ztunnel.crl import CrlError, CrlWatcher
 from ztunnel.explain import explain_route
 from ztunnel.metrics import Metrics
 from ztunnel.startup import StartupError
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from xds.channel import AuthToken
     from xds.client import XdsClient
     from ztunnel.caclient import GrpcCaClient
+    from ztunnel.crl import CrlWatcher
     from ztunnel.inpod.manager import PodRuntime, WorkloadProxyManager
 
 log = logging.getLogger("ztunnel.control")
@@ -102,13 +103,13 @@ class ControlRuntime:
         self.state = hooks.state
         self.metrics = hooks.metrics
         self.readiness = hooks.readiness
-        try:
-            self.crl = CrlWatcher.load(config.crl_path, self.metrics) if config.crl_path else None
-        except CrlError as e:
-            raise StartupError(str(e)) from None
+        self.crl = self._load_crl(config.crl_path) if config.crl_path else None
         # Every TLS context of the process is built under this policy (by the secret manager).
         self.tls = TlsPolicy(tls12=config.tls12_enabled, revocation=self.crl.revocation if self.crl else None)
-        self.secrets = SecretManager(FakeCA(), tls=self.tls) if config.fake_ca else None
+        # cryptography runs in a helper process started when a certificate is made or checked, and
+        # gone a moment later: this process never holds it (but for the CRLs, when configured).
+        self.certwork = CertHelper()
+        self.secrets = SecretManager(FakeCA(work=self.certwork), tls=self.tls) if config.fake_ca else None
         self.static: LocalConfig | None = None
         self._servers: list[HttpServer] = []
         self._ca: GrpcCaClient | None = None
@@ -117,6 +118,15 @@ class ControlRuntime:
         self.inpod: WorkloadProxyManager | None = None
         self._inpod_task: asyncio.Task[None] | None = None
         self.exit_code = 0
+
+    def _load_crl(self, path: str) -> CrlWatcher:
+        # cryptography's X.509, which the CRLs need in this process: loaded only with a CRL file.
+        from ztunnel.crl import CrlError, CrlWatcher
+
+        try:
+            return CrlWatcher.load(path, self.metrics)
+        except CrlError as e:
+            raise StartupError(str(e)) from None
 
     def config_dump(self) -> dict[str, Any]:
         dump: dict[str, Any] = dict(self.state.dump())
@@ -184,6 +194,7 @@ class ControlRuntime:
             headers=cfg.ca_headers,
             secret_ttl=cfg.secret_ttl,
             impersonate=cfg.proxy_mode == "shared",
+            work=self.certwork,
         )
         return SecretManager(self._ca, tls=self.tls)
 
@@ -293,3 +304,4 @@ class ControlRuntime:
             await self.crl.close()
         if self._ca is not None:
             await self._ca.close()
+        await self.certwork.close()

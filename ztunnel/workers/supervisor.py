@@ -171,8 +171,11 @@ class Supervisor:
         }
 
     def _helper_pids(self) -> list[int]:
-        """The workers alive now (the processes `process_*` sum with this one)."""
-        return [s.pid for s in self.slots if s.alive and s.pid is not None]
+        """The workers alive now, and the certificate helper while one runs (the processes
+        `process_*` sum with this one; a helper's CPU seconds, once it is reaped, are this one's)."""
+        pids = [s.pid for s in self.slots if s.alive and s.pid is not None]
+        helper = self.control.certwork.pid
+        return pids if helper is None else [*pids, helper]
 
     @property
     def secrets(self) -> SecretManager:
