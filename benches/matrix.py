@@ -162,6 +162,7 @@ FIGURES = (
     *FIGURES,
 )
 FIGURE_KEYS = tuple(f.key for f in FIGURES)
+CERT_HELPER = "ztunnel.certwork"  # a ztunnel's certificate helper: python -m ztunnel.certwork
 
 
 @dataclass(frozen=True)
@@ -420,6 +421,7 @@ class Matrix:
                 self._call(hbone, "pss_per_worker_mb", "hold", entry=hbone.entry, count=3)
                 self._call(hbone, "pss_per_worker_mb", "release")
                 time.sleep(0.3)
+                self._without_cert_work(hbone)
                 idle_pss[n] = max(procfs.total_pss_kib(p.pids()) for p in hbone.processes)
                 for mode in measured:
                     key = f"throughput_w{n}"
@@ -444,6 +446,7 @@ class Matrix:
         self._call(mode, "rss_per_conn_kib", "hold", entry=mode.entry, count=3)
         self._call(mode, "rss_per_conn_kib", "release")
         time.sleep(0.3)
+        self._without_cert_work(mode)
         idle = {p.name: procfs.total_rss_kib(p.pids()) for p in mode.processes}
         idle_pss = [procfs.total_pss_kib(p.pids()) for p in mode.processes]
         count = min(s.hold, mode.max_hold or s.hold)
@@ -457,6 +460,18 @@ class Matrix:
         if mode.processes:
             out["rss_idle_mb"] = max(idle_pss) * 1024 / 1e6
             out["rss_per_conn_kib"] = (sum(held.values()) - sum(idle.values())) / max(res["held"], 1)
+
+    def _without_cert_work(self, mode: Mode, timeout: float = 10.0) -> None:
+        """Wait until no proxy of `mode` runs its certificate helper (`python -m ztunnel.certwork`,
+        started for a certificate and gone 2 s after its last one): idle means no work in flight,
+        and a proxy's start-up certificate is such work. A helper still there after `timeout`
+        is an error of the run (certificate work that never ends), and is measured with the rest."""
+        deadline = time.monotonic() + timeout
+        while any(procfs.running_module(p.pids(), CERT_HELPER) for p in mode.processes):
+            if time.monotonic() >= deadline:
+                self.errors.append(f"{mode.name}: its certificate helper still runs {timeout:g} s into idle")
+                return
+            time.sleep(0.1)
 
     def _loaded(self, mode: Mode, out: dict[str, float | None]) -> None:
         if mode.processes:

@@ -95,6 +95,19 @@ def tree(pid: int) -> list[int]:
     return out
 
 
+def running_module(pids: Iterable[int], module: str) -> bool:
+    """Whether one of `pids` is a `python -m <module>` process (its command line says so)."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if module.encode() in argv and b"-m" in argv:
+            return True
+    return False
+
+
 def total_cpu(pids: Iterable[int]) -> float:
     return sum(cpu_seconds(p) for p in pids)
 

@@ -8,12 +8,13 @@ import os
 import subprocess
 import sys
 import time
+import types
 from typing import Any
 
 import pytest
 
-from benches import paced
-from benches.matrix import FIGURE_KEYS
+from benches import paced, procfs
+from benches.matrix import FIGURE_KEYS, Matrix
 from benches.report import table, targets_report
 
 
@@ -127,3 +128,41 @@ def test_the_sampler_sees_a_busy_process_use_a_core() -> None:
     assert paced.window_rates(samples, t0, time.monotonic(), ticks=True)["busy"] == pytest.approx(
         rates["busy"], abs=0.1
     )
+
+
+class _Proxy:
+    """What `Matrix` reads of a proxy's processes: their pids, the gone ones left out."""
+
+    def __init__(self, *popens: subprocess.Popen[bytes]) -> None:
+        self.popens = popens
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.popens if p.poll() is None]
+
+
+def _helper(linger: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ztunnel.certwork", "--linger", str(linger)], stdin=subprocess.PIPE
+    )
+
+
+def test_idle_memory_waits_for_a_certificate_helper_to_leave() -> None:
+    """The idle figure is taken once no `python -m ztunnel.certwork` runs under a proxy (it leaves
+    after its linger); one that does not leave fails the run instead of passing for idle."""
+    matrix = Matrix.__new__(Matrix)  # only its error list is used here
+    matrix.errors = []
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    short, long = _helper(0.5), _helper(60)
+    try:
+        assert procfs.running_module([sleeper.pid, short.pid], "ztunnel.certwork")
+        assert not procfs.running_module([sleeper.pid], "ztunnel.certwork")
+        t0 = time.monotonic()
+        matrix._without_cert_work(types.SimpleNamespace(name="hbone", processes=[_Proxy(sleeper, short)]))
+        assert short.poll() is not None and time.monotonic() - t0 < 10, "returned before the helper left"
+        assert matrix.errors == []
+        matrix._without_cert_work(types.SimpleNamespace(name="tcp", processes=[_Proxy(long)]), timeout=0.5)
+        assert matrix.errors == ["tcp: its certificate helper still runs 0.5 s into idle"]
+    finally:
+        for p in (sleeper, short, long):
+            p.kill()
+            p.wait()
