@@ -49,14 +49,6 @@ def gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
-async def wait_for(check: object, what: str, timeout: float = 10.0) -> None:
-    assert callable(check)
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 # --- the same answers in both places ---------------------------------------------------------------
 
 
@@ -148,7 +140,7 @@ async def test_the_helper_leaves_after_its_linger_and_comes_back(helper: CertHel
     pid = helper.pid
     assert pid is not None and not gone(pid)
     started = asyncio.get_running_loop().time()
-    await wait_for(lambda: gone(pid), "the helper to exit")
+    await eventually_async(lambda: gone(pid), "the helper to exit")
     assert asyncio.get_running_loop().time() - started >= 0.3  # not before its linger (0.5 s)
     assert helper.pid is None
     await helper.describe(FakeCA().issue(CLIENT).roots_pem)
@@ -216,7 +208,7 @@ async def test_the_helpers_stderr_goes_to_the_log(
     with pytest.raises(CertWorkError, match="certificate operation describe failed: ValueError"):
         await helper.describe([b"garbage"])
     pid = helper.pid
-    await wait_for(
+    await eventually_async(
         lambda: any(f"certificate helper (pid {pid}): Traceback" in r.getMessage() for r in caplog.records),
         "the traceback in the log",
     )
@@ -267,7 +259,7 @@ async def test_a_proxy_serves_hbone_and_its_parent_never_maps_cryptography(fleet
         for proxy in (client, server):
             assert proxy.process is not None
             parent = proxy.process.pid
-            await wait_for(lambda p=parent: not cert_helpers(p), "the certificate helper to leave")
+            await eventually_async(lambda p=parent: not cert_helpers(p), "the certificate helper to leave")
             assert not maps_cryptography(parent)
             [entry] = (await asyncio.to_thread(proxy.config_dump))["certificates"]
             assert entry["state"] == "Available"

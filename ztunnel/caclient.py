@@ -4,9 +4,9 @@ For each fetch: a fresh ECDSA P-256 key (it never leaves the proxy's processes),
 request with an empty subject and one critical SubjectAltName holding the SPIFFE URI, signed with
 SHA-256, asking for `SECRET_TTL` of validity. The key, the request and the checks of the answer are
 made where `work` says (`ztunnel/certhelper.py`): the proxy's parent has its helper process make
-them, so that it never loads cryptography itself. In shared mode the proxy signs in for other identities with its own token,
-so the request carries `ImpersonatedIdentity` in its metadata and the returned leaf must name the
-identity asked for. The response chain is leaf, intermediates, and last the trust bundle (which may
+them, so that it never loads cryptography itself. In shared mode the proxy signs in for other
+identities with its own token, so the request carries `ImpersonatedIdentity` in its metadata and
+the returned leaf must name the identity asked for. The response chain is leaf, intermediates, and last the trust bundle (which may
 hold several roots). Every failure raises `CaError` with a message naming the CA and the reason.
 
 The channel, TLS roots and per-call headers are those of the xDS client (`xds.channel`); with https the

@@ -83,25 +83,25 @@ class FakeCA:
 
     def issue(self, identity: Identity, now: datetime | None = None) -> IssuedCertificate:
         """The certificate for `identity` valid from `now` (default: the wall clock), made in this process."""
+        _refuse_simulated_failure(identity)
+        # X.509 times have whole seconds: the certificate starts at the second `now` falls in.
+        args = {"identity": str(identity), "not_before": int((now or datetime.now(UTC)).timestamp())}
         try:
-            result = perform("fake_issue", self._request(identity, now))
+            return issued(identity, perform("fake_issue", args))
         except CertWorkError as e:
             raise CaError(str(e)) from None
-        return issued(identity, result)
 
     async def fetch(self, identity: Identity) -> IssuedCertificate:
-        request = self._request(identity, datetime.fromtimestamp(self._clock(), UTC))
+        _refuse_simulated_failure(identity)
         try:
-            return issued(identity, await self._work.run("fake_issue", **request))
+            return await self._work.fake_issue(identity, datetime.fromtimestamp(self._clock(), UTC))
         except CertWorkError as e:
             raise CaError(str(e)) from None
 
-    @staticmethod
-    def _request(identity: Identity, now: datetime | None) -> dict[str, Any]:
-        if identity.trust_domain == "error" and identity.namespace == "forgotten":
-            raise CaError(f"simulated CA failure for {identity}")
-        # X.509 times have whole seconds: the certificate starts at the second `now` falls in.
-        return {"identity": str(identity), "not_before": int((now or datetime.now(UTC)).timestamp())}
+
+def _refuse_simulated_failure(identity: Identity) -> None:
+    if identity.trust_domain == "error" and identity.namespace == "forgotten":
+        raise CaError(f"simulated CA failure for {identity}")
 
 
 @functools.cache
@@ -311,9 +311,9 @@ class SecretManager:
             await self._slots.acquire(ticket)
             try:
                 cert = await self._ca.fetch(identity)
-                info = (cert.chain_info, cert.root_info) if isinstance(cert, IssuedCertificate) else None
-                if isinstance(cert, IssuedCertificate):
-                    cert = cert.plain()  # what the workers are sent: the certificate alone
+                info = None
+                if isinstance(cert, IssuedCertificate):  # kept: the certificate alone, as workers get it
+                    info, cert = (cert.chain_info, cert.root_info), cert.plain()
                 # The contexts are built with the certificate, so a handshake never builds one.
                 creds = TlsCredentials.build(cert, self._tls)
             except asyncio.CancelledError:

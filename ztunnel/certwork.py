@@ -267,13 +267,12 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def main(argv: list[str]) -> int:
-    import ctypes
     import signal
 
+    from ztunnel.workers.spawning import set_pdeathsig
+
     linger = float(argv[argv.index("--linger") + 1]) if "--linger" in argv else LINGER
-    # PR_SET_PDEATHSIG: die with the parent (gone already, stdin is closed). prctl from the symbols
-    # already loaded: looking libc up by name would run a subprocess at every start.
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    set_pdeathsig(signal.SIGKILL)  # die with the parent (gone already: stdin is closed)
     try:
         return serve(sys.stdin.fileno(), sys.stdout.fileno(), linger)
     except BrokenPipeError:

@@ -1,9 +1,10 @@
 """The control runtime of `ztunnel proxy`: everything the supervisor process does besides its workers.
 
 It runs the local config file, the one xDS stream, the CA client and the certificates (their
-cryptography in a short-lived helper process, `ztunnel/certhelper.py`), the CRL watcher, the operator endpoints (readiness :15021, admin :15000, metrics :15020) and, in in-pod
-mode, the workload proxy manager (ZDS). It carries no proxied connection: the data plane is the
-workers'. What the supervisor adds is given at construction (`ControlHooks`): the store it
+cryptography in a short-lived helper process, `ztunnel/certhelper.py`), the CRL watcher, the
+operator endpoints (readiness :15021, admin :15000, metrics :15020) and, in in-pod mode, the
+workload proxy manager (ZDS). It carries no proxied connection: the data plane is the workers'.
+What the supervisor adds is given at construction (`ControlHooks`): the store it
 replicates, the metrics that sum the workers', the hooks the endpoints call (a scrape first asks
 the workers, a log filter is passed on to them, profilers sample every process, `/config_dump`
 adds the workers, `/quitquitquit` stops the supervisor) and where the pods' proxies run.

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -43,8 +42,9 @@ class WorkerProcess:
 
 
 def set_pdeathsig(sig: int) -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    """`sig` to this process when its parent dies. prctl from the symbols already loaded (libc's):
+    looking libc up by name (`ctypes.util.find_library`) would run a subprocess each time."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 def fork_workers(body: WorkerBody, count: int) -> list[WorkerProcess]:
