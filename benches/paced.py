@@ -3,8 +3,8 @@ requests/s of 1 KB each way over 4 persistent connections (`tools paced`, open l
 each request's intended send time), and what each proxy of the mode costs meanwhile.
 
 While the tool runs, a thread of the harness samples every proxy of the mode: its CPU (the
-scheduler's nanosecond count over all threads of all its processes: a ztunnel's parent, fork
-server and workers) every 0.2 s, its PSS (summed over those processes) every second. A proxy's
+scheduler's nanosecond count over all threads of all its processes: a ztunnel's parent, its
+workers, and its certificate helper while one runs) every 0.2 s, its PSS (summed over those processes) every second. A proxy's
 vCPU is its CPU seconds per wall second between the first and the last sample inside the tool's
 own window (which `tools paced` reports on the same monotonic clock), so the connections' set-up,
 the warm-up requests and the tear-down stay out of it. The figure is the busier proxy's; every

@@ -175,8 +175,8 @@ def exchange(s: socket.socket, payload: bytes) -> bytes:
 
 
 def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants, as the kernel lists them now (a proxy: its supervisor, fork
-    server and workers)."""
+    """`pid` and its descendants, as the kernel lists them now (a proxy: its supervisor, its
+    workers, and its certificate helper while one runs)."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
