@@ -157,19 +157,25 @@ def descendants(pid: int) -> list[int]:
     except FileNotFoundError:
         return out
     for kid in kids:
-        if alive(kid):  # not a zombie not yet reaped (a helper that just left, say)
+        # Neither a zombie not yet reaped nor a process exiting (its memory, and with it its
+        # command line, already released): a helper that just left, say.
+        if alive(kid) and _cmdline(kid):
             out.append(kid)
             out.extend(descendants(kid))
     return out
 
 
-def is_cert_helper(pid: int) -> bool:
-    """Whether `pid` is a certificate helper (`python -m ztunnel.certwork`)."""
+def _cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"ztunnel.certwork" in f.read().split(b"\0")
+            return f.read()
     except (FileNotFoundError, ProcessLookupError):
-        return False
+        return b""
+
+
+def is_cert_helper(pid: int) -> bool:
+    """Whether `pid` is a certificate helper (`python -m ztunnel.certwork`)."""
+    return b"ztunnel.certwork" in _cmdline(pid).split(b"\0")
 
 
 def cert_helpers(pid: int) -> list[int]:

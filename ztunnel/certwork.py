@@ -267,12 +267,13 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def main(argv: list[str]) -> int:
+    import ctypes
     import signal
 
-    from ztunnel.workers.spawning import set_pdeathsig
-
     linger = float(argv[argv.index("--linger") + 1]) if "--linger" in argv else LINGER
-    set_pdeathsig(signal.SIGKILL)  # die with the parent (gone already: stdin is closed)
+    # Die with the parent (gone already: stdin is closed): PR_SET_PDEATHSIG (1), as a worker does
+    # (`ztunnel.workers.spawning.set_pdeathsig`, a package this one may not import).
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
     try:
         return serve(sys.stdin.fileno(), sys.stdout.fileno(), linger)
     except BrokenPipeError:
