@@ -6,6 +6,7 @@ Bad input ends with a single line naming what is wrong and a non-zero exit, neve
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -47,13 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fatal(message: str) -> int:
+    """A command's last word on stderr, after the log lines written before it (each process's
+    writer thread writes those a moment later): exit code 1."""
+    for handler in logging.root.handlers:
+        handler.flush()
+    print(message, file=sys.stderr)
+    return 1
+
+
 def _setup_logging(command: str) -> bool:
     from ztunnel.logs import setup_logging
 
     try:
         setup_logging(os.environ.get("LOG_FORMAT", "plain"), os.environ.get("LOG_LEVEL", "info"))
     except ValueError as e:
-        print(f"ztunnel: {command}: LOG_FORMAT or LOG_LEVEL: {e}", file=sys.stderr)
+        _fatal(f"ztunnel: {command}: LOG_FORMAT or LOG_LEVEL: {e}")
         return False
     return True
 
@@ -74,8 +84,7 @@ def _control_plane(args: argparse.Namespace) -> int:
             kube=args.kube,
         )
     except ControlPlaneError as e:
-        print(f"ztunnel: control-plane: {e}", file=sys.stderr)
-        return 1
+        return _fatal(f"ztunnel: control-plane: {e}")
 
 
 def _cni_agent(args: argparse.Namespace) -> int:
@@ -87,8 +96,7 @@ def _cni_agent(args: argparse.Namespace) -> int:
     try:
         return run_agent(args)
     except AgentError as e:
-        print(f"ztunnel: cni-agent: {e}", file=sys.stderr)
-        return 1
+        return _fatal(f"ztunnel: cni-agent: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_proxy(dict(os.environ))
     except StartupError as e:
-        print(f"ztunnel: {e}", file=sys.stderr)
-        return 1
+        return _fatal(f"ztunnel: {e}")
     except KeyboardInterrupt:
         return 130
