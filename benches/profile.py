@@ -1,6 +1,7 @@
 """`python -m benches.profile`: py-spy profiles of the proxies while the load generator runs one test.
 
     python -m benches.profile --mode hbone --test throughput_1 --seconds 5
+    python -m benches.profile --topology capture --mode hbone --test paced --seconds 8
 
 starts the same topology as `python -m benches`, warms the path up, then records every process of
 the mode with `py-spy record` (raw collapsed stacks, idle frames left out) while the test runs, and
@@ -19,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benches.capture import CaptureTopology
 from benches.topology import LoadGenerator, Mode, Topology
 
 TESTS = {
@@ -27,6 +29,8 @@ TESTS = {
     "rr": ("rr", {"max_count": 10_000_000}),
     "connrate": ("connrate", {"concurrency": 8, "max_count": 10_000_000}),
     "handshake": ("connrate", {"concurrency": 8, "max_count": 10_000_000}),
+    # The published load of the matrix's paced figure: 1,000 requests/s of 1 KB over 4 connections.
+    "paced": ("paced", {"rate": 1000, "connections": 4, "size": 1024}),
 }
 
 
@@ -56,24 +60,68 @@ def summarize(raw: Path, top: int) -> str:
     return "\n".join(out)
 
 
+def summarize_perf(data: Path, top: int) -> str:
+    """The symbols with the most samples (self), with the shared object each is in."""
+    report = subprocess.run(
+        ["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", "dso,sym", "-g", "none"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    rows = [line for line in report.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    return (
+        "\n".join("  " + line.strip() for line in rows[:top]) or f"  (perf report: {report.stderr.strip()})"
+    )
+
+
+def _record(args: argparse.Namespace, pyspy: str, pid: int, out_file: Path) -> subprocess.Popen[bytes]:
+    seconds = str(int(args.seconds + 2))
+    if args.profiler == "perf":
+        cmd = ["perf", "record", "-F", str(args.rate), "-g", "-p", str(pid), "-o", str(out_file)]
+        cmd += ["--", "sleep", seconds]
+    else:
+        cmd = [pyspy, "record", "-p", str(pid), "-r", str(args.rate), "-d", seconds]
+        cmd += ["-f", "raw", "-o", str(out_file), "--nonblocking"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benches.profile")
+    p.add_argument(
+        "--topology",
+        default="loopback",
+        choices=["loopback", "capture"],
+        help="as `python -m benches`: SOCKS5 on loopback, or (root) iptables capture between namespaces",
+    )
     p.add_argument("--mode", default="hbone", choices=["tcp", "hbone", "stunnel"])
     p.add_argument("--test", default="throughput_1", choices=sorted(TESTS))
     p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument(
+        "--profiler",
+        default="py-spy",
+        choices=["py-spy", "perf"],
+        help="py-spy: Python stacks (the compiled modules and uvloop show as their Python caller); "
+        "perf: native symbols, the compiled modules', OpenSSL's, the kernel's",
+    )
+    p.add_argument("--rate", type=int, default=250, help="samples per second")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--workers", type=int)
     p.add_argument("--out", type=Path, default=Path("results/profile"))
     args = p.parse_args(argv)
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     workdir = Path(tempfile.mkdtemp(prefix="ztunnel-profile-"))
-    topo = Topology(workdir, workers=args.workers, with_stunnel=args.mode == "stunnel")
-    gen = None
+    topo: Topology | CaptureTopology
+    if args.topology == "capture":
+        topo = CaptureTopology(workdir, workers=args.workers, with_stunnel=args.mode == "stunnel")
+    else:
+        topo = Topology(workdir, workers=args.workers, with_stunnel=args.mode == "stunnel")
+    own: LoadGenerator | None = None
     try:
         modes = {m.name: m for m in topo.start()}
         mode: Mode = modes[args.mode]
-        gen = LoadGenerator(workdir / "loadgen.log")
+        gen = mode.gen  # the capture topology's, inside the client namespace
+        if gen is None:
+            gen = own = LoadGenerator(workdir / "loadgen.log")
         cmd, extra = TESTS[args.test]
         entry = mode.fresh_entry if args.test == "handshake" and mode.fresh_entry else mode.entry
         warm = gen.call(cmd, entry=entry, seconds=0.5, **extra)
@@ -84,46 +132,24 @@ def main(argv: list[str] | None = None) -> int:
         spies = []
         for proc in mode.processes:
             for pid in proc.pids():
-                raw = args.out / f"{args.mode}-{args.test}-{proc.name}-{pid}.txt"
-                spies.append(
-                    (
-                        f"{proc.name} (pid {pid})",
-                        raw,
-                        subprocess.Popen(
-                            [
-                                pyspy,
-                                "record",
-                                "-p",
-                                str(pid),
-                                "-r",
-                                str(args.rate),
-                                "-d",
-                                str(int(args.seconds + 2)),
-                                "-f",
-                                "raw",
-                                "-o",
-                                str(raw),
-                                "--nonblocking",
-                            ],
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL,
-                        ),
-                    )
-                )
-        time.sleep(1.0)  # py-spy attaches
+                stem = args.out / f"{args.mode}-{args.test}-{proc.name}-{pid}"
+                out_file = stem.with_suffix(".perf.data" if args.profiler == "perf" else ".txt")
+                spies.append((f"{proc.name} (pid {pid})", out_file, _record(args, pyspy, pid, out_file)))
+        time.sleep(1.0)  # the profilers attach
         result = gen.call(cmd, entry=entry, seconds=args.seconds, **extra)
         print({k: v for k, v in result.items() if not isinstance(v, list)})
-        for name, raw, spy in spies:
+        for name, out_file, spy in spies:
             spy.wait(timeout=args.seconds + 30)
-            print(f"\n{name}: {raw}")
-            print(
-                summarize(raw, args.top)
-                if raw.exists()
-                else "  (py-spy wrote nothing: not a Python process?)"
-            )
+            print(f"\n{name}: {out_file}")
+            if not out_file.exists():
+                print("  (the profiler wrote nothing: not a Python process?)")
+            elif args.profiler == "perf":
+                print(summarize_perf(out_file, args.top))
+            else:
+                print(summarize(out_file, args.top))
     finally:
-        if gen is not None:
-            gen.close()
+        if own is not None:
+            own.close()
         topo.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

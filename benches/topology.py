@@ -185,11 +185,13 @@ def _can_connect(addr: tuple[str, int]) -> bool:
 
 def ztunnel_env(name: str, config: Path, workers: int | None) -> dict[str, str]:
     """The environment of a bench ztunnel: dedicated mode, the fake CA, the local config file, and
-    nothing inherited that would change its behaviour (control plane, pool, worker settings)."""
+    nothing inherited that would change its behaviour (control plane, pool, worker settings), except
+    `ZTUNNEL_BUILD` (`pure` benches the Python build of a compiled install)."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("XDS_", "CA_", "PROXY_", "LOCAL_XDS", "POOL_", "HTTP2_", "ZTUNNEL_"))
+        if k == "ZTUNNEL_BUILD"
+        or not k.startswith(("XDS_", "CA_", "PROXY_", "LOCAL_XDS", "POOL_", "HTTP2_", "ZTUNNEL_"))
     }
     env.update(
         PROXY_MODE="dedicated",
