@@ -25,7 +25,8 @@ from hbone.h2conn import H2Session
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import REVOKED, TlsCredentials
+from hbone.tls import REVOKED, TLS_PEER, TlsCredentials
+from hbone.tlsio import OpenSslTls, start_tls_on_socket
 
 
 class HboneConnection:
@@ -61,6 +62,18 @@ class HboneConnection:
             taken = True  # from here on the loop owns (and closes) the socket
             return session
 
+        if tls.openssl is not None:  # CRLs before Python 3.13: TLS on pyOpenSSL
+            try:
+                transport: asyncio.Transport = await start_tls_on_socket(
+                    sock,
+                    OpenSslTls(tls.openssl.client, server_side=False),
+                    session,
+                    handshake_timeout,
+                    chain=True,
+                )
+            except (ssl.SSLError, OSError, TimeoutError) as e:
+                raise TlsHandshakeError(f"tls handshake error: {e}") from e
+            return await settle(session, transport, tls, expected, deadline, handshake_timeout, max_streams)
         try:
             # server_hostname "" means: no SNI and no host name check.
             transport, _ = await loop.create_connection(
@@ -164,8 +177,8 @@ async def settle(
     the server's SETTINGS. While the connection lives, a new CRL revoking the server drops it."""
     where = " (inner)" if inner else ""
     try:
-        ssl_object = transport.get_extra_info("ssl_object")
-        session.peer_identity = tls.verify_server(ssl_object, expected)
+        peer = tls.peer(transport)
+        session.peer_identity = tls.verify_server(peer, expected)
     except BaseException:
         transport.abort()
         raise
@@ -174,7 +187,8 @@ async def settle(
         session.extra[REVOKED] = err  # read by whoever relays over the connection's streams
         session.abort(err)
 
-    release = tls.watch(ssl_object, revoked)
+    session.extra[TLS_PEER] = peer
+    release = tls.watch(peer, revoked)
     session.closed.add_done_callback(lambda _: release())
     session.start()
     loop = asyncio.get_running_loop()

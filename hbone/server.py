@@ -27,7 +27,8 @@ from hbone.h2conn import H2Session, Headers
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import REVOKED, TlsCredentials
+from hbone.tls import REVOKED, TLS_PEER, TlsCredentials
+from hbone.tlsio import OpenSslTls, start_tls_on_socket
 
 log = logging.getLogger("hbone")
 
@@ -277,33 +278,38 @@ class HboneServer:
             )
             return
         try:
-            # On failure or cancellation the loop closes the transport, and with it the socket.
-            tls, _ = await loop.connect_accepted_socket(
-                lambda: session,
-                sock,
-                ssl=creds.server,
-                ssl_handshake_timeout=max(deadline - loop.time(), 0.001),
-            )
+            remaining = max(deadline - loop.time(), 0.001)
+            if creds.openssl is not None:  # CRLs before Python 3.13: TLS on pyOpenSSL
+                engine = OpenSslTls(creds.openssl.server, server_side=True)
+                tls: asyncio.Transport = await start_tls_on_socket(
+                    sock, engine, session, remaining, chain=True
+                )
+            else:
+                # On failure or cancellation the loop closes the transport, and with it the socket.
+                transport, _ = await loop.connect_accepted_socket(
+                    lambda: session, sock, ssl=creds.server, ssl_handshake_timeout=remaining
+                )
+                tls = cast(asyncio.Transport, transport)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._tls_error(peer, local, TlsHandshakeError(f"tls handshake error: {e}"))
             return
-        tls = cast(asyncio.Transport, tls)
         try:
-            ssl_object = tls.get_extra_info("ssl_object")
+            tls_peer = creds.peer(tls)
             td = self._trust_domain() if callable(self._trust_domain) else self._trust_domain
-            session.peer_identity = creds.verify_client(ssl_object, td)
+            session.peer_identity = creds.verify_client(tls_peer, td)
         except Exception as e:
             tls.abort()
             err = e if isinstance(e, HboneError) else TlsHandshakeError(f"tls handshake error: {e}")
             self._tls_error(peer, local, err)
             return
+        session.extra[TLS_PEER] = tls_peer
         if self._shutting_down:
             tls.abort()
             return
         self.sessions.add(session)
-        release = creds.watch(ssl_object, lambda err: _revoked(session, err))
+        release = creds.watch(tls_peer, lambda err: _revoked(session, err))
 
         def closed(_: object) -> None:
             self.sessions.discard(session)

@@ -13,13 +13,17 @@ secret manager does it), or in a worker process from the PEM bytes its parent sh
 (`TlsCredentials.from_pem`). Nothing here is module-global: whoever holds the credentials holds
 their contexts.
 
-The peer checks read the verified leaf as OpenSSL decoded it (`getpeercert`); cryptography's X.509
-parser is loaded only for what needs certificate objects (PEM credentials, CRLs and the chains
-they are checked against), so a process without CRLs never loads it for its connections.
+The peer checks read a `TlsPeer` (the ALPN chosen, the verified leaf's URI SANs, and with CRLs its
+verified chain), whichever engine ran the handshake; cryptography's X.509 parser is loaded only for
+what needs certificate objects (PEM credentials, CRLs and the chains they are checked against), so a
+process without CRLs never loads it for its connections.
 
 Revocation (`Revocation`): the CRLs in force, checked against the peer's verified chain after each
 handshake (a chain no CRL speaks about is accepted: unknown status fails open), and a registry of
 the live sessions with their peer chains, re-checked and torn down when new CRLs are installed.
+Python's `ssl` gives the verified chain publicly only from 3.13; before, with CRLs in force, HBONE's
+TLS runs on pyOpenSSL contexts built beside the `ssl` ones (`OpenSslContexts`, driven by
+`hbone.tlsio`), whose verified chain is public API.
 
 Limitation: Python's `ssl` (3.11) cannot restrict the TLS 1.3 cipher suites (`set_ciphers` only
 governs TLS 1.2 and below), so OpenSSL's default TLS 1.3 list applies, which also contains
@@ -29,22 +33,25 @@ TLS_AES_256_GCM_SHA384, so ChaCha20 is only used with a peer that offers no AES-
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import shutil
 import ssl
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from hbone.errors import CertificateRevoked, IdentityMismatch, TlsHandshakeError
 from hbone.identity import Identity
 
 if TYPE_CHECKING:
     from cryptography import x509
+    from OpenSSL import SSL
 
 log = logging.getLogger("hbone")
 
@@ -58,6 +65,13 @@ TLS12_CIPHERS = ":".join(
         "ECDHE-RSA-AES128-GCM-SHA256",
     )
 )
+# TLS 1.3 suites of the pyOpenSSL contexts (the `ssl` module cannot restrict them): AES-GCM only.
+TLS13_SUITES = "TLS_AES_256_GCM_SHA384:TLS_AES_128_GCM_SHA256"
+# Python's `ssl` gives the peer's verified chain publicly from 3.13 on. Before, with CRLs in force
+# (whose checks need the chain), HBONE's TLS runs on pyOpenSSL, where it is public too.
+STDLIB_VERIFIED_CHAIN = sys.version_info >= (3, 13)
+# `get_extra_info` key of a TLS transport of `hbone.tlsio`: its peer (`TlsPeer`).
+TLS_PEER = "tls_peer"
 # `get_extra_info` key of a session's streams once a new CRL tore the session down: the
 # `CertificateRevoked` saying why (what the proxy reports as response flag CERT_REVOKED).
 REVOKED = "revoked_by_crl"
@@ -138,6 +152,65 @@ def _client_context(cert: WorkloadCertificate, policy: TlsPolicy) -> ssl.SSLCont
 
 
 @dataclass(frozen=True, eq=False)
+class OpenSslContexts:
+    """pyOpenSSL contexts presenting one certificate, for `hbone.tlsio.OpenSslTls`: built with the
+    `ssl` ones when CRLs are in force on a Python before 3.13 (see `STDLIB_VERIFIED_CHAIN`)."""
+
+    server: SSL.Context
+    client: SSL.Context
+
+
+def _openssl_context(cert: WorkloadCertificate, policy: TlsPolicy, *, server_side: bool) -> SSL.Context:
+    """The pyOpenSSL twin of `_server_context` / `_client_context`: the same versions, ALPN, mutual
+    authentication against the same roots, no compression or renegotiation; TLS 1.3 restricted to
+    AES-GCM (`TLS13_SUITES`). No session is cached, so none resumes; OpenSSL's TLS 1.3 server
+    still sends its (then unusable) tickets, since pyOpenSSL cannot set their count to zero."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+    from OpenSSL import SSL, crypto
+
+    ctx = SSL.Context(SSL.TLS_SERVER_METHOD if server_side else SSL.TLS_CLIENT_METHOD)
+    ctx.set_min_proto_version(SSL.TLS1_2_VERSION if policy.tls12 else SSL.TLS1_3_VERSION)
+    ctx.set_max_proto_version(SSL.TLS1_3_VERSION)
+    if policy.tls12:
+        ctx.set_cipher_list(TLS12_CIPHERS.encode("ascii"))
+    ctx.set_tls13_ciphersuites(TLS13_SUITES.encode("ascii"))
+    ctx.set_options(SSL.OP_NO_TICKET | SSL.OP_NO_COMPRESSION | SSL.OP_NO_RENEGOTIATION)
+    ctx.set_session_cache_mode(SSL.SESS_CACHE_OFF)
+    ctx.set_verify(SSL.VERIFY_PEER | SSL.VERIFY_FAIL_IF_NO_PEER_CERT)
+    roots = [c for pem in cert.roots_pem for c in x509.load_pem_x509_certificates(pem)]
+    if not roots:
+        raise ValueError(f"certificate for {cert.identity} has no trust roots")
+    store = ctx.get_cert_store()
+    assert store is not None  # a new context always has its store
+    for root in roots:
+        store.add_cert(crypto.X509.from_cryptography(root))
+    chain = [c for pem in cert.chain_pem for c in x509.load_pem_x509_certificates(pem)]
+    key = serialization.load_pem_private_key(cert.key_pem, password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey):
+        raise ValueError(f"a {type(key).__name__} cannot sign a TLS handshake here")
+    ctx.use_certificate(chain[0])
+    for intermediate in chain[1:]:
+        ctx.add_extra_chain_cert(intermediate)
+    ctx.use_privatekey(key)
+    ctx.check_privatekey()
+    if server_side:
+        ctx.set_options(SSL.OP_CIPHER_SERVER_PREFERENCE)
+        ctx.set_alpn_select_callback(_select_h2)
+    else:
+        ctx.set_alpn_protos([ALPN_H2.encode("ascii")])
+    return ctx
+
+
+def _select_h2(conn: SSL.Connection, offered: list[bytes]) -> Any:
+    # A client not offering h2 gets no ALPN (as from `ssl`), which the peer checks then refuse.
+    from OpenSSL import SSL
+
+    return ALPN_H2.encode("ascii") if ALPN_H2.encode("ascii") in offered else SSL.NO_OVERLAPPING_PROTOCOLS
+
+
+@dataclass(frozen=True, eq=False)
 class TlsCredentials:
     """One workload certificate and the two contexts that present it, built together, once.
 
@@ -151,6 +224,8 @@ class TlsCredentials:
     client: ssl.SSLContext = field(repr=False)
     policy: TlsPolicy
     _roots: tuple[x509.Certificate, ...] = field(repr=False)
+    # pyOpenSSL contexts, when the TLS of HBONE runs on it (CRLs before Python 3.13); else None
+    openssl: OpenSslContexts | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, cert: WorkloadCertificate, policy: TlsPolicy | None = None) -> TlsCredentials:
@@ -162,7 +237,16 @@ class TlsCredentials:
             from cryptography import x509
 
             roots = tuple(c for pem in cert.roots_pem for c in x509.load_pem_x509_certificates(pem))
-        return cls(cert, server, client, policy, roots)
+        openssl = None
+        if policy.revocation is not None and not STDLIB_VERIFIED_CHAIN:
+            try:
+                openssl = OpenSslContexts(
+                    _openssl_context(cert, policy, server_side=True),
+                    _openssl_context(cert, policy, server_side=False),
+                )
+            except Exception as e:  # pyOpenSSL's errors name OpenSSL's reason
+                raise ValueError(f"certificate for {cert.identity} does not load: {e}") from e
+        return cls(cert, server, client, policy, roots, openssl)
 
     @classmethod
     def from_pem(
@@ -200,68 +284,92 @@ class TlsCredentials:
     def identity(self) -> Identity:
         return self.cert.identity
 
-    def verify_server(
-        self, ssl_object: ssl.SSLObject | ssl.SSLSocket, expected: Sequence[Identity]
-    ) -> Identity:
+    def verify_server(self, peer: TlsPeer, expected: Sequence[Identity]) -> Identity:
         """Client side, after the handshake: ALPN, the server's identity (`check_server_identity`)
         and its chain's revocation status. Returns the server's identity; raises TlsHandshakeError."""
-        check_alpn(ssl_object)
-        identity = check_server_identity(ssl_object, expected)
-        self._check_revocation(ssl_object)
+        check_alpn(peer)
+        identity = check_server_identity(peer, expected)
+        self._check_revocation(peer)
         return identity
 
-    def verify_client(
-        self, ssl_object: ssl.SSLObject | ssl.SSLSocket, trust_domain: str | None = None
-    ) -> Identity:
+    def verify_client(self, peer: TlsPeer, trust_domain: str | None = None) -> Identity:
         """Server side, after the handshake: ALPN, a client identity in `trust_domain` (default: our
         own certificate's) and the client chain's revocation status. Returns the client's identity."""
-        check_alpn(ssl_object)
-        identity = check_client_trust_domain(ssl_object, trust_domain or self.identity.trust_domain)
-        self._check_revocation(ssl_object)
+        check_alpn(peer)
+        identity = check_client_trust_domain(peer, trust_domain or self.identity.trust_domain)
+        self._check_revocation(peer)
         return identity
 
-    def watch(
-        self, ssl_object: ssl.SSLObject | ssl.SSLSocket, teardown: Callable[[CertificateRevoked], None]
-    ) -> Callable[[], None]:
+    def watch(self, peer: TlsPeer, teardown: Callable[[CertificateRevoked], None]) -> Callable[[], None]:
         """Keep a live session's peer chain for re-checks: `teardown` is called if a later CRL revokes
         it. Returns the function to call when the session ends (does nothing without CRLs)."""
         revocation = self.policy.revocation
         if revocation is None:
             return _nothing
-        return revocation.track(peer_chain(ssl_object), teardown, self._roots)
+        return revocation.track(peer_chain(peer), teardown, self._roots)
 
-    def _check_revocation(self, ssl_object: ssl.SSLObject | ssl.SSLSocket) -> None:
+    def peer(self, transport: asyncio.BaseTransport) -> TlsPeer:
+        """What the checks read of a TLS transport's peer: our own TLS transport (`hbone.tlsio`)
+        says it (`TLS_PEER`); one of the event loop's is read through its `ssl_object`."""
+        peer = transport.get_extra_info(TLS_PEER)
+        if peer is None:
+            peer = TlsPeer.of_ssl(
+                transport.get_extra_info("ssl_object"), chain=self.policy.revocation is not None
+            )
+        return cast(TlsPeer, peer)
+
+    def _check_revocation(self, peer: TlsPeer) -> None:
         if self.policy.revocation is not None:
-            self.policy.revocation.check(peer_chain(ssl_object), self._roots)
+            self.policy.revocation.check(peer_chain(peer), self._roots)
 
 
 def _nothing() -> None:
     return None
 
 
-def peer_chain(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[x509.Certificate]:
-    """The peer's verified chain, leaf first, up to the trust anchor.
+@dataclass(frozen=True)
+class TlsPeer:
+    """What a finished handshake says of the peer, whichever TLS engine ran it: the protocol ALPN
+    chose, the verified leaf's URI SANs (in certificate order) and, when revocation is checked, its
+    verified chain (DER, leaf first, up to the trust anchor; the leaf alone when the engine cannot
+    give more)."""
 
-    Python 3.11 has the verified chain only on the private `_sslobj` (public from 3.13 as
-    `get_verified_chain`); without it, the leaf alone (its issuer is then looked up in our roots).
-    """
+    alpn: str | None
+    uri_sans: tuple[str, ...]
+    chain: tuple[bytes, ...] = ()
+
+    @classmethod
+    def of_ssl(cls, ssl_object: ssl.SSLObject | ssl.SSLSocket, *, chain: bool = False) -> TlsPeer:
+        """From the `ssl` module's TLS object. Every context here requires and verifies the peer's
+        certificate, so `getpeercert` has the leaf as OpenSSL decoded it. The verified chain is
+        public from Python 3.13 (`get_verified_chain`); before, the leaf alone (its issuer is then
+        looked up in our roots), which is why CRLs on an older Python run TLS on pyOpenSSL."""
+        cert = ssl_object.getpeercert() or {}
+        sans = tuple(
+            str(entry[1])
+            for entry in cert.get("subjectAltName", ())
+            if isinstance(entry, tuple) and entry[0] == "URI"
+        )
+        der: tuple[bytes, ...] = ()
+        if chain:
+            if STDLIB_VERIFIED_CHAIN:
+                der = tuple(ssl_object.get_verified_chain())  # type: ignore[union-attr]
+            else:
+                leaf = ssl_object.getpeercert(binary_form=True)
+                der = (leaf,) if leaf else ()
+        return cls(ssl_object.selected_alpn_protocol(), sans, der)
+
+    @property
+    def identities(self) -> list[Identity]:
+        """The URI SANs that parse as SPIFFE identities, in certificate order."""
+        return [i for uri in self.uri_sans if (i := Identity.try_parse(uri)) is not None]
+
+
+def peer_chain(peer: TlsPeer) -> list[x509.Certificate]:
+    """The peer's chain as certificate objects, leaf first."""
     from cryptography import x509
 
-    inner = getattr(ssl_object, "_sslobj", None)
-    getter = getattr(ssl_object, "get_verified_chain", None) or getattr(inner, "get_verified_chain", None)
-    if getter is not None:
-        chain = getter()
-        if chain:
-            # DER bytes from the public method (3.13); certificate objects, whose public_bytes()
-            # gives PEM by default, from the private one.
-            return [
-                x509.load_der_x509_certificate(
-                    c if isinstance(c, bytes) else ssl.PEM_cert_to_DER_cert(c.public_bytes())
-                )
-                for c in chain
-            ]
-    der = ssl_object.getpeercert(binary_form=True)
-    return [x509.load_der_x509_certificate(der)] if der else []
+    return [x509.load_der_x509_certificate(der) for der in peer.chain]
 
 
 # --- revocation ----------------------------------------------------------------------------------
@@ -446,54 +554,34 @@ def uri_sans(leaf: x509.Certificate) -> list[str]:
     return list(san.get_values_for_type(x509.UniformResourceIdentifier))
 
 
-def peer_uri_sans(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[str]:
-    """URI SANs of the peer's verified leaf certificate, in certificate order (empty without one).
-
-    As OpenSSL decoded them for the handshake: every context here requires and verifies the peer's
-    certificate, so `getpeercert` has it."""
-    cert = ssl_object.getpeercert()
-    if not cert:
-        return []
-    sans = cert.get("subjectAltName", ())
-    return [str(entry[1]) for entry in sans if isinstance(entry, tuple) and entry[0] == "URI"]
-
-
-def peer_identities(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> list[Identity]:
+def peer_identities(peer: TlsPeer) -> list[Identity]:
     """The peer leaf's URI SANs that parse as SPIFFE identities, in certificate order."""
-    out = []
-    for uri in peer_uri_sans(ssl_object):
-        ident = Identity.try_parse(uri)
-        if ident is not None:
-            out.append(ident)
-    return out
+    return peer.identities
 
 
-def check_alpn(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> None:
-    proto = ssl_object.selected_alpn_protocol()
-    if proto != ALPN_H2:
-        raise TlsHandshakeError(f"tls handshake error: ALPN negotiated {proto!r}, expected 'h2'")
+def check_alpn(peer: TlsPeer) -> None:
+    if peer.alpn != ALPN_H2:
+        raise TlsHandshakeError(f"tls handshake error: ALPN negotiated {peer.alpn!r}, expected 'h2'")
 
 
-def check_server_identity(
-    ssl_object: ssl.SSLObject | ssl.SSLSocket, expected: Sequence[Identity]
-) -> Identity:
+def check_server_identity(peer: TlsPeer, expected: Sequence[Identity]) -> Identity:
     """Client side: any URI SAN of the server leaf must equal any expected identity.
 
     Returns the server's identity (its first SPIFFE SAN); raises `IdentityMismatch`.
     """
-    got = peer_identities(ssl_object)
+    got = peer.identities
     wanted = set(expected)
     if not any(i in wanted for i in got):
         raise IdentityMismatch(expected, got)
     return got[0]
 
 
-def check_client_trust_domain(ssl_object: ssl.SSLObject | ssl.SSLSocket, trust_domain: str) -> Identity:
+def check_client_trust_domain(peer: TlsPeer, trust_domain: str) -> Identity:
     """Server side: the client leaf must have a SPIFFE SAN in our trust domain.
 
     Returns the client's identity (its first SPIFFE SAN); raises `TlsHandshakeError`.
     """
-    got = peer_identities(ssl_object)
+    got = peer.identities
     if not any(i.trust_domain == trust_domain for i in got):
         raise TlsHandshakeError(
             f"tls handshake error: client identity {[str(i) for i in got]} is not in trust domain {trust_domain!r}"

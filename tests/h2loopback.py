@@ -17,7 +17,7 @@ from hbone.h2conn import H2Session
 from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
-from hbone.tls import TlsCredentials
+from hbone.tls import TlsCredentials, TlsPolicy
 from tests.certs import CA, issue, make_ca, spiffe
 
 Handler = Callable[[ConnectRequest], Awaitable[None]]
@@ -111,12 +111,20 @@ async def echo_handler(req: ConnectRequest) -> None:
 class Loopback:
     """An HBONE server on 127.0.0.1 and a way to open client connections to it."""
 
-    def __init__(self, handler: Handler, settings: H2Settings, client_settings: H2Settings) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        settings: H2Settings,
+        client_settings: H2Settings,
+        server_policy: TlsPolicy | None = None,
+        client_policy: TlsPolicy | None = None,
+    ) -> None:
         self.server_cert = issue(ca(), SERVER_ID)
         self.client_cert = issue(ca(), CLIENT_ID)
+        self.client_policy = client_policy
         self.tls_errors: list[Exception] = []
         self.server = HboneServer(
-            TlsCredentials.build(self.server_cert),
+            TlsCredentials.build(self.server_cert, server_policy),
             handler,
             settings,
             "cluster.local",
@@ -139,7 +147,7 @@ class Loopback:
     async def connect(self, settings: H2Settings | None = None) -> HboneConnection:
         conn = await HboneConnection.open(
             await self.dial(),
-            TlsCredentials.build(self.client_cert),
+            TlsCredentials.build(self.client_cert, self.client_policy),
             [self.server_cert.identity],
             settings or self.client_settings,
         )
@@ -158,8 +166,13 @@ async def loopback_fixture() -> AsyncIterator[Callable[..., Awaitable[Loopback]]
         handler: Handler = echo_handler,
         settings: H2Settings | None = None,
         client_settings: H2Settings | None = None,
+        *,
+        server_policy: TlsPolicy | None = None,
+        client_policy: TlsPolicy | None = None,
     ) -> Loopback:
-        lb = Loopback(handler, settings or H2Settings(), client_settings or H2Settings())
+        lb = Loopback(
+            handler, settings or H2Settings(), client_settings or H2Settings(), server_policy, client_policy
+        )
         await lb.server.serve(lb.listener)
         made.append(lb)
         return lb

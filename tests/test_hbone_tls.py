@@ -16,7 +16,7 @@ from hbone.errors import H2HandshakeError, HboneError, IdentityMismatch, TlsHand
 from hbone.identity import Identity
 from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
-from hbone.tls import TlsCredentials, WorkloadCertificate, peer_identities
+from hbone.tls import TLS_PEER, TlsCredentials, WorkloadCertificate, peer_identities
 from tests.certs import CA, issue, make_ca, spiffe
 
 pytestmark = pytest.mark.timeout(30)
@@ -368,6 +368,6 @@ async def test_peer_identities_ignore_non_spiffe_uris(ca: CA, serve) -> None:
         await srv.dial(), TlsCredentials.build(issue(ca, CLIENT_ID)), [ok], H2Settings()
     )
     # The verified leaf as the handshake saw it: only the SAN that is a SPIFFE identity counts.
-    assert peer_identities(conn.get_extra_info("ssl_object")) == [ok]
+    assert peer_identities(conn.get_extra_info(TLS_PEER)) == [ok]
     assert conn.peer_identity == ok
     conn.abort()
