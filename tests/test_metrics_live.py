@@ -215,6 +215,8 @@ def test_an_http2_handshake_failure_is_flagged(proxy: LiveProxy, tmp_path: Path)
 def test_each_workers_event_loop_reports_its_lag_tasks_and_busy_time(proxy: LiveProxy) -> None:
     """Per worker index: a worker stopped for a second (SIGSTOP) shows a tick that late, the other
     none; a connection being set up is a task; the loops' busy time is part of the proxy's CPU."""
+    # The module's proxy may still be replacing the worker an earlier test killed: both ready first.
+    eventually(lambda: [w["state"] for w in workers(proxy)] == ["ready", "ready"], "both workers ready")
     listed = {int(str(w["index"])): int(str(w["pid"])) for w in workers(proxy)}
     assert sorted(listed) == [0, 1]
     eventually(lambda: value(scrape(proxy), "ztunnel_event_loop_lag_seconds_count", worker="1") >= 4, "ticks")
