@@ -23,13 +23,28 @@ import socket
 import ssl
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hbone.tls import TLS_PEER, TlsPeer, uri_sans
+from hbone.tls import STDLIB_VERIFIED_CHAIN, TLS_PEER, TlsPeer, uri_sans
 
 if TYPE_CHECKING:
     from OpenSSL import SSL
 
 _READ_SIZE = 256 * 1024  # plaintext taken out of the engine per call
 _BIO_READ = 256 * 1024  # ciphertext taken out of pyOpenSSL's outgoing buffer per call
+
+
+def preload_revocation() -> None:
+    """Import what TLS with CRLs loads at its first use: cryptography's certificate parsing and,
+    before Python 3.13, pyOpenSSL. A parent calls it before forking its workers, so that they share
+    these modules instead of each loading its own."""
+    import cryptography.hazmat.primitives.asymmetric.ec
+    import cryptography.hazmat.primitives.asymmetric.ed25519
+    import cryptography.hazmat.primitives.asymmetric.rsa
+    import cryptography.hazmat.primitives.serialization
+    import cryptography.x509  # noqa: F401
+
+    if not STDLIB_VERIFIED_CHAIN:
+        import OpenSSL.crypto
+        import OpenSSL.SSL  # noqa: F401
 
 
 class TlsApp(Protocol):

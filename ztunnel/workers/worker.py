@@ -22,6 +22,7 @@ import uvloop
 
 from hbone.identity import Identity
 from hbone.tls import TlsPolicy, WorkloadCertificate
+from hbone.tlsio import preload_revocation
 from ztunnel import logs
 from ztunnel.allocator import trim_when_idle
 from ztunnel.certificates import CaError, SecretManager
@@ -378,7 +379,8 @@ def preload(config: Config) -> None:
     if config.proxy_mode == "shared":
         names += ["ztunnel.inpod.netns", "ztunnel.workers.pod_proxies"]
     if config.crl_path:
-        names.append("ztunnel.crl")  # and cryptography's X.509, for the peers' chains
+        names.append("ztunnel.crl")
+        preload_revocation()  # cryptography's X.509 for the peers' chains, and the TLS engine
     for name in names:
         importlib.import_module(name)
 
