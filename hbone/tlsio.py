@@ -201,10 +201,13 @@ class OpenSslTls:
         chunks = []
         while True:
             try:
-                chunks.append(self._conn.bio_read(_BIO_READ))
-            except self._SSL.WantReadError:
+                chunk = self._conn.bio_read(_BIO_READ)
+            except self._SSL.WantReadError:  # empty
                 break
-        return b"".join(chunks)
+            chunks.append(chunk)
+            if len(chunk) < _BIO_READ:  # a memory BIO gives all it holds: it is empty now
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def close_notify(self) -> None:
         try:
