@@ -52,13 +52,16 @@ class Counts:
 class Peer:
     """An HBONE server on 127.0.0.1 that holds every accepted stream open."""
 
-    def __init__(self, creds: TlsCredentials) -> None:
+    def __init__(self, creds: TlsCredentials, handshake_timeout: float | None = None) -> None:
         self.errors: list[Exception] = []
         self.requests: list[ConnectRequest] = []
-        self.server = HboneServer(creds, self._handle, H2Settings(), on_tls_error=self._error)
+        self.server = HboneServer(
+            creds, self._handle, H2Settings(), on_tls_error=self._error, handshake_timeout=handshake_timeout
+        )
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(16)
+        self.addr: tuple[str, int] = self.listener.getsockname()
 
     async def _handle(self, req: ConnectRequest) -> None:
         self.requests.append(req)
@@ -83,16 +86,16 @@ class Peer:
         return sock
 
 
-@pytest.fixture
-async def peers() -> AsyncIterator[list[Peer]]:
+@pytest.fixture(name="peers")
+async def peers_fixture() -> AsyncIterator[list[Peer]]:
     made: list[Peer] = []
     yield made
     for p in made:
         await p.server.shutdown(graceful=False)
 
 
-async def start(peers: list[Peer], creds: TlsCredentials) -> Peer:
-    p = Peer(creds)
+async def start(peers: list[Peer], creds: TlsCredentials, handshake_timeout: float | None = None) -> Peer:
+    p = Peer(creds, handshake_timeout)
     await p.server.serve(p.listener)
     peers.append(p)
     return p

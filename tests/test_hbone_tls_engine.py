@@ -15,7 +15,6 @@ import dataclasses
 import socket
 import ssl
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -23,11 +22,11 @@ import pytest
 from hbone.client import HboneConnection
 from hbone.errors import TlsHandshakeError
 from hbone.identity import Identity
-from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
 from hbone.tls import TLS_PEER, Revocation, TlsCredentials, TlsPeer, TlsPolicy
 from tests.certs import CA, issue, make_ca, spiffe
 from tests.h2loopback import loopback_fixture, transfer_8mib  # noqa: F401  (the fixture)
+from tests.test_hbone_revocation import Peer, peers_fixture, start  # noqa: F401  (the fixture)
 from tests.waiting import eventually_async
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,50 +45,6 @@ def ca() -> CA:
     return make_ca()
 
 
-class Server:
-    """An HBONE server on 127.0.0.1 answering every CONNECT with 200, keeping its TLS errors."""
-
-    def __init__(self, creds: TlsCredentials, handshake_timeout: float | None = None) -> None:
-        self.creds = creds
-        self.errors: list[Exception] = []
-        self.requests: list[ConnectRequest] = []
-        self.server = HboneServer(
-            creds, self._handle, H2Settings(), on_tls_error=self._error, handshake_timeout=handshake_timeout
-        )
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(16)
-        self.addr = self.listener.getsockname()
-
-    async def _handle(self, req: ConnectRequest) -> None:
-        self.requests.append(req)
-        req.respond(200)
-
-    def _error(self, _peer: tuple[str, int], _local: tuple[str, int], err: Exception) -> None:
-        self.errors.append(err)
-
-    async def dial(self) -> socket.socket:
-        sock = socket.socket()
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, self.addr)
-        return sock
-
-
-@pytest.fixture
-async def servers() -> AsyncIterator[list[Server]]:
-    made: list[Server] = []
-    yield made
-    for s in made:
-        await s.server.shutdown(graceful=False)
-
-
-async def serve(made: list[Server], creds: TlsCredentials, handshake_timeout: float | None = None) -> Server:
-    s = Server(creds, handshake_timeout)
-    await s.server.serve(s.listener)
-    made.append(s)
-    return s
-
-
 def test_crls_before_python_313_build_pyopenssl_contexts(ca: CA) -> None:
     plain = TlsCredentials.build(issue(ca, SERVER_ID))
     with_crls = TlsCredentials.build(issue(ca, SERVER_ID), crl_policy())
@@ -98,11 +53,9 @@ def test_crls_before_python_313_build_pyopenssl_contexts(ca: CA) -> None:
 
 
 @pytest.mark.skipif(not ON_PYOPENSSL, reason="Python 3.13 has the verified chain in ssl")
-async def test_on_pyopenssl_the_handshake_is_tls13_h2_with_both_identities(
-    ca: CA, servers: list[Server]
-) -> None:
+async def test_on_pyopenssl_the_handshake_is_tls13_h2_with_both_identities(ca: CA, peers: list[Peer]) -> None:
     mid = make_ca("hbone test intermediate", parent=ca)
-    srv = await serve(servers, TlsCredentials.build(issue(mid, SERVER_ID), crl_policy()))
+    srv = await start(peers, TlsCredentials.build(issue(mid, SERVER_ID), crl_policy()))
     conn = await HboneConnection.open(
         await srv.dial(),
         TlsCredentials.build(issue(ca, CLIENT_ID), crl_policy()),
@@ -137,9 +90,9 @@ async def test_8mib_each_way_across_either_engine(loopback, server_crls: bool, c
 
 
 async def test_a_server_from_an_untrusted_ca_is_refused_with_openssls_reason(
-    ca: CA, servers: list[Server]
+    ca: CA, peers: list[Peer]
 ) -> None:
-    srv = await serve(servers, TlsCredentials.build(issue(make_ca("stranger"), SERVER_ID)))
+    srv = await start(peers, TlsCredentials.build(issue(make_ca("stranger"), SERVER_ID)))
     with pytest.raises(TlsHandshakeError) as err:
         await HboneConnection.open(
             await srv.dial(),
@@ -151,9 +104,9 @@ async def test_a_server_from_an_untrusted_ca_is_refused_with_openssls_reason(
 
 
 async def test_a_client_from_an_untrusted_ca_is_refused_and_the_server_says_why(
-    ca: CA, servers: list[Server]
+    ca: CA, peers: list[Peer]
 ) -> None:
-    srv = await serve(servers, TlsCredentials.build(issue(ca, SERVER_ID), crl_policy()))
+    srv = await start(peers, TlsCredentials.build(issue(ca, SERVER_ID), crl_policy()))
     with pytest.raises(TlsHandshakeError):
         await HboneConnection.open(
             await srv.dial(),
@@ -178,8 +131,8 @@ async def test_a_client_from_an_untrusted_ca_is_refused_and_the_server_says_why(
     conn.abort()
 
 
-async def test_a_client_without_alpn_h2_is_refused(ca: CA, servers: list[Server], tmp_path: Path) -> None:
-    srv = await serve(servers, TlsCredentials.build(issue(ca, SERVER_ID), crl_policy()))
+async def test_a_client_without_alpn_h2_is_refused(ca: CA, peers: list[Peer], tmp_path: Path) -> None:
+    srv = await start(peers, TlsCredentials.build(issue(ca, SERVER_ID), crl_policy()))
     cert = issue(ca, CLIENT_ID)
     pair = tmp_path / "pair.pem"
     pair.write_bytes(cert.key_pem + b"".join(cert.chain_pem))
@@ -209,11 +162,9 @@ def _client_hello(ca: CA) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO, 
 
 
 async def test_a_handshake_that_stalls_times_out_and_one_cut_short_is_reported(
-    ca: CA, servers: list[Server]
+    ca: CA, peers: list[Peer]
 ) -> None:
-    srv = await serve(
-        servers, TlsCredentials.build(issue(ca, SERVER_ID), crl_policy()), handshake_timeout=0.5
-    )
+    srv = await start(peers, TlsCredentials.build(issue(ca, SERVER_ID), crl_policy()), handshake_timeout=0.5)
     loop = asyncio.get_running_loop()
     stalled = await srv.dial()
     await loop.sock_sendall(stalled, _client_hello(ca)[3])  # then never answers the ServerHello
@@ -272,9 +223,9 @@ async def _s_client(args: list[str], wait_for: str = "Verify return code") -> st
 
 @pytest.mark.skipif(not ON_PYOPENSSL, reason="Python 3.13 has the verified chain in ssl")
 async def test_openssl_s_client_sees_tls13_aes_gcm_h2_and_no_resumption(
-    ca: CA, servers: list[Server], tmp_path: Path
+    ca: CA, peers: list[Peer], tmp_path: Path
 ) -> None:
-    srv = await serve(servers, TlsCredentials.build(issue(ca, SERVER_ID), crl_policy()))
+    srv = await start(peers, TlsCredentials.build(issue(ca, SERVER_ID), crl_policy()))
     cert = issue(ca, CLIENT_ID)
     (tmp_path / "cert.pem").write_bytes(b"".join(cert.chain_pem))
     (tmp_path / "key.pem").write_bytes(cert.key_pem)
