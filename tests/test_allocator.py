@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ztunnel.allocator import IdleTrim, trim_when_idle
+from ztunnel.allocator import IdleTrim, IdleTrimmer, trim_when_idle
 
 # Allocates and frees 2 MiB blocks (the size of a large TLS write) 400 times, after one warm-up
 # round; prints whether the tuning took and the minor page faults of the 400.
@@ -112,3 +112,60 @@ async def test_trim_when_idle_releases_after_a_burst() -> None:
         await asyncio.wait_for(released.wait(), 1.0)  # then idle (the policy's tests say when)
     finally:
         task.cancel()
+
+
+async def test_a_closed_connection_brings_the_look_that_gives_memory_back() -> None:
+    """A worker's trimmer wakes once a second, not ten times: traffic that stops with its
+    connections (a poke per close) is seen `settle` after the last close, and a burst of closes
+    makes one look, not one per close."""
+    cpu = [0.0]
+    looks = [0]
+    released = asyncio.Event()
+
+    def read_cpu() -> float:
+        looks[0] += 1
+        return cpu[0]
+
+    trimmer = IdleTrimmer(tick=10.0, settle=0.05, cpu=read_cpu, release=released.set)
+    trimmer.start(asyncio.get_running_loop())
+    try:
+        for _ in range(10):  # a busy stretch: 100 % of the CPU for 0.1 s, no connection closing
+            cpu[0] += 0.01
+            await asyncio.sleep(0.01)
+        assert looks[0] == 1  # only the start's: the periodic look is 10 s away
+        for _ in range(50):
+            trimmer.poke()  # the connections close, all at once
+        assert looks[0] == 2  # the first poke looked (the busy stretch counted as work)
+        await asyncio.wait_for(released.wait(), 1.0)
+        assert looks[0] == 3  # and one look `settle` later saw the idle
+    finally:
+        trimmer.stop()
+
+
+async def test_traffic_that_stops_on_held_connections_is_seen_by_the_periodic_look() -> None:
+    cpu = [0.0]
+    released = asyncio.Event()
+    trimmer = IdleTrimmer(tick=0.05, settle=10.0, cpu=lambda: cpu[0], release=released.set)
+    trimmer.start(asyncio.get_running_loop())
+    try:
+        for _ in range(20):
+            cpu[0] += 0.01
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(released.wait(), 1.0)  # no poke: the periodic look finds it idle
+    finally:
+        trimmer.stop()
+
+
+async def test_a_stopped_trimmer_looks_no_more() -> None:
+    looks = [0]
+
+    def read_cpu() -> float:
+        looks[0] += 1
+        return 0.0
+
+    trimmer = IdleTrimmer(tick=0.01, settle=0.01, cpu=read_cpu, release=lambda: None)
+    trimmer.start(asyncio.get_running_loop())
+    trimmer.stop()
+    trimmer.poke()
+    await asyncio.sleep(0.05)
+    assert looks[0] == 1  # the start's only

@@ -12,10 +12,16 @@ MALLOC_TRIM_THRESHOLD of free heap for reuse. The glibc environment variables of
 
 What the heap keeps for reuse is memory a process holds after the traffic is gone. `IdleTrim`
 decides when to give it back: once a process has done some work (`MIN_WORK` of CPU time since the
-last trim) and then spends a tick of `TRIM_TICK` nearly idle (under `IDLE_SHARE` of it on the CPU),
-`trim_when_idle` collects garbage and calls `malloc_trim(0)`, which returns every free page of the
-heap; at most once per `MIN_INTERVAL`. The page faults come back once per burst, when the next one
-grows the heap again, not on every read.
+last trim) and then spends a look's window nearly idle (under `IDLE_SHARE` of it on the CPU), the
+garbage is collected and `malloc_trim(0)` called, which returns every free page of the heap; at
+most once per `MIN_INTERVAL`. The page faults come back once per burst, when the next one grows the
+heap again, not on every read.
+
+Looking costs a wake-up: ten a second were most of an idle proxy's CPU. So the looks are a slow
+periodic one (`TRIM_TICK`) and, in a worker, one `SETTLE` after a connection closes (`IdleTrimmer`):
+traffic usually stops with its connections, and its memory goes back a tenth of a second later;
+traffic that stops on held connections is seen by the next periodic look. The control process
+looks only periodically (`trim_when_idle`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ MALLOC_TRIM_THRESHOLD = 16 << 20
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 
-TRIM_TICK = 0.1  # seconds between looks at the process's CPU time
+TRIM_TICK = 1.0  # seconds between periodic looks at the process's CPU time
+# After a connection closes: the look that sees whether the traffic stopped with it.
+SETTLE = 0.1
 IDLE_SHARE = 0.02  # a tick with less CPU time than this share of it is idle
 MIN_WORK = 0.05  # CPU seconds since the last trim that make a trim worth it
 # At most one trim a second: traffic that pauses often pays the heap's page faults again at most
@@ -112,6 +120,66 @@ class IdleTrim:
         self._work = 0.0
         self._trimmed = now
         return True
+
+
+class IdleTrimmer:
+    """The looks of `IdleTrim` on an event loop: one every `tick`, and one `settle` after each
+    `poke` (a connection closed; a burst of closes makes one look, not one each)."""
+
+    def __init__(
+        self,
+        policy: IdleTrim | None = None,
+        *,
+        tick: float = TRIM_TICK,
+        settle: float = SETTLE,
+        cpu: Callable[[], float] = time.process_time,
+        release: Callable[[], None] = release_free_memory,
+    ) -> None:
+        self.policy = policy or IdleTrim()
+        self.tick = tick
+        self.settle = settle
+        self._cpu = cpu
+        self._release = release
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._periodic: asyncio.TimerHandle | None = None
+        self._settling: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._look()  # the first window starts now
+        self._periodic = loop.call_later(self.tick, self._periodic_look)
+
+    def stop(self) -> None:
+        for handle in (self._periodic, self._settling):
+            if handle is not None:
+                handle.cancel()
+        self._periodic = self._settling = None
+        self._loop = None
+
+    def poke(self) -> None:
+        """Something that may have ended the traffic happened: look now (what ran until now was
+        work) and again `settle` later (idle by then if the traffic stopped)."""
+        loop = self._loop
+        if loop is None or self._settling is not None:
+            return
+        self._look()
+        self._settling = loop.call_later(self.settle, self._settled)
+
+    def _settled(self) -> None:
+        self._settling = None
+        self._look()
+
+    def _periodic_look(self) -> None:
+        if self._loop is None:
+            return
+        self._look()
+        self._periodic = self._loop.call_later(self.tick, self._periodic_look)
+
+    def _look(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        if self.policy.tick(loop.time(), self._cpu()):
+            loop.call_soon(self._release)  # not inside whatever poked (a connection's close)
 
 
 async def trim_when_idle(

@@ -24,7 +24,7 @@ the workers' `ztunnel_event_loop_*` as their counterpart (`ztunnel.workers.loop_
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -231,6 +231,9 @@ class ConnectionMetrics:
         closed.value += 1
         if failed is not None:
             failed.value += 1
+        hook = self._metrics.on_connection_closed
+        if hook is not None:
+            hook()
 
 
 class XdsCounters:
@@ -444,6 +447,8 @@ class Metrics:
             TRAFFIC_LABEL_NAMES,
         )
         self._traffic = (self._opened, self._closed, self._received, self._sent, self._failed)
+        # Called after each connection's close is counted (a worker's idle trimmer looks then).
+        self.on_connection_closed: Callable[[], None] | None = None
         self.registry.register(_TrafficCollector(self._traffic))
         # Every traffic series by its fresh-connection values (the opened series' key), and the same
         # per label set object (the listeners share one per pair of peers): a cache, emptied when

@@ -24,7 +24,7 @@ from hbone.identity import Identity
 from hbone.tls import TlsPolicy, WorkloadCertificate
 from hbone.tlsio import preload_revocation
 from ztunnel import logs
-from ztunnel.allocator import trim_when_idle
+from ztunnel.allocator import IdleTrimmer
 from ztunnel.certificates import CaError, SecretManager
 from ztunnel.config import Config, WorkloadInfo
 from ztunnel.metrics import Metrics
@@ -212,7 +212,10 @@ class WorkerRuntime:
         reader = loop.create_task(self._read())
         pusher = loop.create_task(self._push_counters())
         janitor = loop.create_task(self._drop_stale_series())
-        trimmer = loop.create_task(trim_when_idle())  # the heap's free memory, once traffic stops
+        # The heap's free memory, given back once traffic stops (looked at as connections close).
+        trimmer = IdleTrimmer()
+        trimmer.start(loop)
+        self.metrics.on_connection_closed = trimmer.poke
         try:
             while True:
                 message, fds = await self.actions.get()
@@ -222,7 +225,8 @@ class WorkerRuntime:
                 await self._act(message, fds)
         finally:
             self.loop_metrics.stop()
-            trimmer.cancel()
+            self.metrics.on_connection_closed = None
+            trimmer.stop()
             janitor.cancel()
             pusher.cancel()
             reader.cancel()
