@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ztunnel.allocator import IdleTrim, IdleTrimmer, trim_when_idle
+from ztunnel.allocator import IdleTrim, IdleTrimmer
 
 # Allocates and frees 2 MiB blocks (the size of a large TLS write) 400 times, after one warm-up
 # round; prints whether the tuning took and the minor page faults of the 400.
@@ -99,19 +99,18 @@ def test_idle_trim_judges_a_late_tick_by_its_length() -> None:
     assert trim.tick(2.1, 0.09)
 
 
-async def test_trim_when_idle_releases_after_a_burst() -> None:
+async def test_trimming_releases_after_a_burst() -> None:
     cpu = [0.0]
     released = asyncio.Event()
-    task = asyncio.get_running_loop().create_task(
-        trim_when_idle(0.01, cpu=lambda: cpu[0], release=released.set)
-    )
+    trimmer = IdleTrimmer(tick=0.01, cpu=lambda: cpu[0], release=released.set)
+    trimmer.start(asyncio.get_running_loop())
     try:
         for _ in range(20):  # a burst: 100 % of the CPU (10 ms a tick) for 20 ticks
             cpu[0] += 0.01
             await asyncio.sleep(0.01)
         await asyncio.wait_for(released.wait(), 1.0)  # then idle (the policy's tests say when)
     finally:
-        task.cancel()
+        trimmer.stop()
 
 
 async def test_a_closed_connection_brings_the_look_that_gives_memory_back() -> None:

@@ -21,7 +21,7 @@ Looking costs a wake-up: ten a second were most of an idle proxy's CPU. So the l
 periodic one (`TRIM_TICK`) and, in a worker, one `SETTLE` after a connection closes (`IdleTrimmer`):
 traffic usually stops with its connections, and its memory goes back a tenth of a second later;
 traffic that stops on held connections is seen by the next periodic look. The control process
-looks only periodically (`trim_when_idle`).
+has no connections to poke its trimmer: it looks only periodically.
 """
 
 from __future__ import annotations
@@ -170,9 +170,8 @@ class IdleTrimmer:
         self._look()
 
     def _periodic_look(self) -> None:
-        if self._loop is None:
-            return
         self._look()
+        assert self._loop is not None  # `stop` cancels this callback
         self._periodic = self._loop.call_later(self.tick, self._periodic_look)
 
     def _look(self) -> None:
@@ -180,19 +179,3 @@ class IdleTrimmer:
         assert loop is not None
         if self.policy.tick(loop.time(), self._cpu()):
             loop.call_soon(self._release)  # not inside whatever poked (a connection's close)
-
-
-async def trim_when_idle(
-    tick: float = TRIM_TICK,
-    *,
-    policy: IdleTrim | None = None,
-    cpu: Callable[[], float] = time.process_time,
-    release: Callable[[], None] = release_free_memory,
-) -> None:
-    """Until cancelled: every `tick`, give the free memory back when `policy` says so."""
-    policy = policy or IdleTrim()
-    loop = asyncio.get_running_loop()
-    while True:
-        await asyncio.sleep(tick)
-        if policy.tick(loop.time(), cpu()):
-            release()

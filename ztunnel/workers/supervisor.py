@@ -26,7 +26,7 @@ from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
 from ztunnel import logs
 from ztunnel.admin import Readiness, ReadinessHandle
-from ztunnel.allocator import trim_when_idle
+from ztunnel.allocator import IdleTrimmer
 from ztunnel.certificates import CertificateUnavailable, SecretManager
 from ztunnel.config import Config
 from ztunnel.control import ControlHooks, ControlRuntime
@@ -416,6 +416,8 @@ class Supervisor:
                 loop.add_signal_handler(sig, self.shutdown)
         stop = loop.create_task(self._wait_stop())
         background: list[asyncio.Task[None]] = []
+        trimmer = IdleTrimmer()  # looks once a second: no connection of ours pokes it
+        trimmer.start(loop)
         try:
             await self.control.start()
             if self.config.proxy_mode == "dedicated":
@@ -426,7 +428,6 @@ class Supervisor:
                 loop.create_task(self._wait_synced()),
                 loop.create_task(self._heartbeat()),
                 loop.create_task(self._drop_stale_series()),
-                loop.create_task(trim_when_idle()),
             ]
             await asyncio.wait([self._started, stop], return_when=asyncio.FIRST_COMPLETED)
             if self._started.done():
@@ -437,6 +438,7 @@ class Supervisor:
             await stop
         finally:
             stop.cancel()
+            trimmer.stop()
             for task in background:
                 task.cancel()
             if self._started.done() and self._started.exception() is None:
