@@ -20,7 +20,7 @@ PURE_TESTS := tests/test_build.py tests/test_hbone_frames.py tests/test_hbone_h2
 # The compiler and headers of the compiled build (Debian's python3 keeps Python.h in python3-dev; a
 # pyenv or python.org Python has its own).
 BUILD_DEBS := gcc libc6-dev python3-dev
-DEBIAN_PACKAGES := iptables iproute2 nghttp2-proxy tinyproxy stunnel4 openssl curl containernetworking-plugins util-linux bind9-dnsutils dnsmasq-base dnsperf buildah debootstrap iperf3 $(BUILD_DEBS) prometheus
+DEBIAN_PACKAGES := iptables iproute2 nghttp2-proxy tinyproxy stunnel4 openssl curl containernetworking-plugins util-linux bind9-dnsutils dnsmasq-base dnsperf buildah debootstrap iperf3 strace $(BUILD_DEBS) prometheus
 
 .PHONY: demo test lint typecheck unit test-pure fuzz debs build-deps proto clean image
 

@@ -1,12 +1,15 @@
-"""`python -m benches.profile`: py-spy profiles of the proxies while the load generator runs one test.
+"""`python -m benches.profile`: profiles of the proxies while the load generator runs one test.
 
     python -m benches.profile --mode hbone --test throughput_1 --seconds 5
     python -m benches.profile --topology capture --mode hbone --test paced --seconds 8
+    python -m benches.profile --topology capture --mode hbone --test paced --profiler strace
 
 starts the same topology as `python -m benches`, warms the path up, then records every process of
 the mode with `py-spy record` (raw collapsed stacks, idle frames left out) while the test runs, and
 prints for each process the functions with the most samples, self and inclusive. The raw stacks
-stay in the output folder (`--out`, default `results/profile/`) for a flame graph tool.
+stay in the output folder (`--out`, default `results/profile/`) for a flame graph tool. With
+`--profiler perf`, native symbols instead; with `--profiler strace`, `strace -c`'s count of each
+system call, and the calls per operation of the test (a request, a connection, a round trip).
 """
 
 from __future__ import annotations
@@ -74,11 +77,42 @@ def summarize_perf(data: Path, top: int) -> str:
     )
 
 
+def summarize_strace(table: Path, top: int, operations: int) -> str:
+    """`strace -c`'s rows with the most calls, each with its calls per operation of the test."""
+    rows = []
+    for line in table.read_text().splitlines():
+        fields = line.split()
+        # % time, seconds, usecs/call, calls, [errors,] syscall
+        if len(fields) >= 5 and fields[0][0].isdigit() and fields[3].isdigit() and fields[-1] != "total":
+            rows.append((int(fields[3]), fields[-1]))
+    rows.sort(reverse=True)
+    if not rows:
+        return "  (strace counted no call)"
+    total = sum(n for n, _ in rows)
+    per = f", {total / operations:.2f} per operation" if operations else ""
+    out = [f"  {total} calls{per}:"]
+    for n, name in rows[:top]:
+        out.append(f"    {n:8d}  {name}" + (f"  ({n / operations:.2f} per operation)" if operations else ""))
+    return "\n".join(out)
+
+
+def _operations(result: dict[str, object]) -> int:
+    """How many operations (requests, connections, round trips) the test's result counts."""
+    for key in ("requests", "count", "connections_made", "round_trips"):
+        value = result.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
 def _record(args: argparse.Namespace, pyspy: str, pid: int, out_file: Path) -> subprocess.Popen[bytes]:
     seconds = str(int(args.seconds + 2))
     if args.profiler == "perf":
         cmd = ["perf", "record", "-F", str(args.rate), "-g", "-p", str(pid), "-o", str(out_file)]
         cmd += ["--", "sleep", seconds]
+    elif args.profiler == "strace":
+        # Every thread, counted; `timeout` ends it with SIGINT, on which strace writes the table.
+        cmd = ["timeout", "-s", "INT", seconds, "strace", "-c", "-f", "-p", str(pid), "-o", str(out_file)]
     else:
         cmd = [pyspy, "record", "-p", str(pid), "-r", str(args.rate), "-d", seconds]
         cmd += ["-f", "raw", "-o", str(out_file), "--nonblocking"]
@@ -99,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--profiler",
         default="py-spy",
-        choices=["py-spy", "perf"],
+        choices=["py-spy", "perf", "strace"],
         help="py-spy: Python stacks (the compiled modules and uvloop show as their Python caller); "
-        "perf: native symbols, the compiled modules', OpenSSL's, the kernel's",
+        "perf: native symbols, the compiled modules', OpenSSL's, the kernel's; "
+        "strace: the system calls, counted",
     )
     p.add_argument("--rate", type=int, default=250, help="samples per second")
     p.add_argument("--top", type=int, default=25)
@@ -133,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         for proc in mode.processes:
             for pid in proc.pids():
                 stem = args.out / f"{args.mode}-{args.test}-{proc.name}-{pid}"
-                out_file = stem.with_suffix(".perf.data" if args.profiler == "perf" else ".txt")
+                suffix = {"perf": ".perf.data", "strace": ".strace.txt"}.get(args.profiler, ".txt")
+                out_file = stem.with_suffix(suffix)
                 spies.append((f"{proc.name} (pid {pid})", out_file, _record(args, pyspy, pid, out_file)))
         time.sleep(1.0)  # the profilers attach
         result = gen.call(cmd, entry=entry, seconds=args.seconds, **extra)
@@ -145,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("  (the profiler wrote nothing: not a Python process?)")
             elif args.profiler == "perf":
                 print(summarize_perf(out_file, args.top))
+            elif args.profiler == "strace":
+                print(summarize_strace(out_file, args.top, _operations(result)))
             else:
                 print(summarize(out_file, args.top))
     finally:

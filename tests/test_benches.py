@@ -203,3 +203,22 @@ def test_soak_durations_and_drift() -> None:
     assert d["rss_pct"] == pytest.approx(5.0) and d["rss_max_pct"] == pytest.approx(10.0)
     assert d["fds"] == 4
     assert drift(samples[:2], warmup=10)["rss_pct"] is None
+
+
+def test_profile_counts_system_calls_per_operation(tmp_path: Path) -> None:
+    """`benches.profile --profiler strace` reads strace's own table: a process that makes 200
+    writes of its own shows at least one write per operation of 200, and every call is counted."""
+    from benches.profile import _operations, summarize_strace
+
+    (strace,) = require_tools("strace", hint="apt-get install strace")
+    table = tmp_path / "table.txt"
+    program = "import os\nfor _ in range(200):\n    os.write(2, b'')\n"
+    subprocess.run([strace, "-c", "-f", "-o", str(table), sys.executable, "-c", program], check=True)
+    operations = _operations({"count": 200, "seconds": 1.0, "per_s": 200.0})
+    assert operations == 200
+    text = summarize_strace(table, 50, operations)
+    rows = {line.split()[1]: line for line in text.splitlines()[1:]}
+    assert "write" in rows and float(rows["write"].split("(")[1].split()[0]) >= 1.0, text
+    total = int(text.split()[0])
+    assert total == sum(int(line.split()[0]) for line in text.splitlines()[1:]), text
+    assert "per operation" not in summarize_strace(table, 5, 0)
