@@ -97,12 +97,10 @@ def summarize_strace(table: Path, top: int, operations: int) -> str:
 
 
 def _operations(result: dict[str, object]) -> int:
-    """How many operations (requests, connections, round trips) the test's result counts."""
-    for key in ("requests", "count", "connections_made", "round_trips"):
-        value = result.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
+    """How many operations (requests, connections, round trips) the test's result counts: its
+    `count`; 0 for a throughput test, which counts bytes."""
+    value = result.get("count")
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 def _record(args: argparse.Namespace, pyspy: str, pid: int, out_file: Path) -> subprocess.Popen[bytes]:

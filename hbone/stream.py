@@ -136,8 +136,7 @@ class HboneStream(asyncio.Transport):
         # No `super().__init__()`: all it does is store an `extra` mapping in a slot of
         # asyncio.BaseTransport, which `get_extra_info` below never reads; and the compiled build's
         # deallocator does not release slots of an interpreted base class, so that mapping (an
-        # empty dict) outlived every stream: a leak of 64 bytes per stream that also pinned the
-        # allocator's arenas, so a proxy never gave back the memory of connections it had held.
+        # empty dict) outlived every stream: a leak of 64 bytes per stream, for good.
         self._session = session
         self._loop = session.loop
         self.stream_id = stream_id
