@@ -299,9 +299,9 @@ async def _serve(mesh: Path, addr: tuple[str, int]) -> None:
     from ztunnel.dns.forwarder import Forwarder, UpstreamConfig
     from ztunnel.dns.resolver import ResolverSettings
     from ztunnel.dns.server import DnsServer
-    from ztunnel.metrics import Metrics
+    from ztunnel.metrics.families import Metrics
     from ztunnel.sockets import SocketFactory
-    from ztunnel.state import ProxyState
+    from ztunnel.state.store import ProxyState
 
     state = ProxyState()
     state.apply_local_config(parse_local_config(mesh.read_text()))

@@ -162,7 +162,9 @@ FIGURES = (
     *FIGURES,
 )
 FIGURE_KEYS = tuple(f.key for f in FIGURES)
-CERT_HELPER = "ztunnel.certwork"  # a ztunnel's certificate helper: python -m ztunnel.certwork
+CERT_HELPER = (
+    "ztunnel.identity.certwork"  # a ztunnel's certificate helper: python -m ztunnel.identity.certwork
+)
 
 
 @dataclass(frozen=True)
@@ -462,7 +464,7 @@ class Matrix:
             out["rss_per_conn_kib"] = (sum(held.values()) - sum(idle.values())) / max(res["held"], 1)
 
     def _without_cert_work(self, mode: Mode, timeout: float = 10.0) -> None:
-        """Wait until no proxy of `mode` runs its certificate helper (`python -m ztunnel.certwork`,
+        """Wait until no proxy of `mode` runs its certificate helper (`python -m ztunnel.identity.certwork`,
         started for a certificate and gone 2 s after its last one): idle means no work in flight,
         and a proxy's start-up certificate is such work. A helper still there after `timeout`
         is an error of the run (certificate work that never ends), and is measured with the rest."""

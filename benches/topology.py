@@ -216,7 +216,7 @@ def with_workers(env: dict[str, str] | None, workers: int | None) -> dict[str, s
 def stunnel_certs(workdir: Path) -> Path:
     """Client and server certificates for stunnel from a fresh fake CA, in `workdir/stunnel-certs`."""
     from hbone.identity import Identity
-    from ztunnel.certificates import FakeCA
+    from ztunnel.identity.certificates import FakeCA
 
     ca = FakeCA()
     certs = workdir / "stunnel-certs"

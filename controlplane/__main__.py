@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s\t%(levelname)s\t%(name)s\t%(message)s")
-    from controlplane.server import ControlPlaneError, run
+    from controlplane.server import ControlPlaneStartError, run
 
     try:
         return run(
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster_id=args.cluster_id,
             kube=args.kube,
         )
-    except ControlPlaneError as e:
+    except ControlPlaneStartError as e:
         print(f"control-plane: {e}", file=sys.stderr)
         return 1
 

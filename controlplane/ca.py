@@ -40,7 +40,7 @@ ROOT_SUBJECT = x509.Name(
 )
 
 
-class CaError(Exception):
+class CaDirectoryError(Exception):
     """The CA directory cannot be used (unreadable, unwritable, or not a CA we can sign with)."""
 
 
@@ -97,7 +97,7 @@ class CertificateAuthority:
                 return cls._load(cert_path, key_path, max_ttl)
             return cls._create(directory, cert_path, key_path, max_ttl)
         except OSError as e:
-            raise CaError(f"CA directory {directory}: {e.strerror or e}") from None
+            raise CaDirectoryError(f"CA directory {directory}: {e.strerror or e}") from None
 
     @classmethod
     def _load(cls, cert_path: Path, key_path: Path, max_ttl: datetime.timedelta) -> CertificateAuthority:
@@ -105,9 +105,9 @@ class CertificateAuthority:
             root = x509.load_pem_x509_certificate(cert_path.read_bytes())
             key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
         except ValueError as e:
-            raise CaError(f"CA directory {cert_path.parent}: cannot load the root: {e}") from None
+            raise CaDirectoryError(f"CA directory {cert_path.parent}: cannot load the root: {e}") from None
         if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != root.public_key():
-            raise CaError(f"{key_path}: not the EC private key of {cert_path}")
+            raise CaDirectoryError(f"{key_path}: not the EC private key of {cert_path}")
         return cls(key, root, cert_path, max_ttl)
 
     @classmethod

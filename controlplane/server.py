@@ -21,7 +21,7 @@ import uvloop
 from controlplane import DEFAULT_LISTEN
 from controlplane.ads import AggregatedDiscoveryService
 from controlplane.auth import CallerCheck
-from controlplane.ca import CaError, CertificateAuthority, CertificateService, default_ca_dir
+from controlplane.ca import CaDirectoryError, CertificateAuthority, CertificateService, default_ca_dir
 from controlplane.kube.cluster import Options
 from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
 from xds.client import MAX_MESSAGE_BYTES  # the client's limit: a large file fails on neither side
@@ -34,12 +34,12 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE = 1.0
 
 
-class ControlPlaneError(Exception):
+class ControlPlaneStartError(Exception):
     """The control plane cannot start; the message is one line naming what is wrong."""
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
-    """`host:port` or `[v6]:port` into (host, port); raise ControlPlaneError when it is neither."""
+    """`host:port` or `[v6]:port` into (host, port); raise ControlPlaneStartError when it is neither."""
     host, sep, port_text = listen.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -50,7 +50,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
         if not 0 <= port <= 65535:
             raise ValueError
     except ValueError:
-        raise ControlPlaneError(f"invalid --listen {listen!r} (expected host:port)") from None
+        raise ControlPlaneStartError(f"invalid --listen {listen!r} (expected host:port)") from None
     return host, port
 
 
@@ -72,7 +72,9 @@ def _check_bindable(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
             probe.bind(address)
     except OSError as e:
-        raise ControlPlaneError(f"cannot listen on {_host_port(host, port)}: {e.strerror or e}") from None
+        raise ControlPlaneStartError(
+            f"cannot listen on {_host_port(host, port)}: {e.strerror or e}"
+        ) from None
 
 
 class ControlPlane:
@@ -94,7 +96,7 @@ class ControlPlane:
         `auth_token`, `cluster_id`: what every caller must present (`controlplane.auth`); the cluster
         id is also the one the manifests' workloads are named in."""
         if config_path is None and kube_path is None:
-            raise ControlPlaneError("nothing to serve: give --config FILE, --kube PATH, or both")
+            raise ControlPlaneStartError("nothing to serve: give --config FILE, --kube PATH, or both")
         options = Options(cluster_id=cluster_id) if cluster_id else Options()
         self.source = ConfigSource(config_path, poll_interval, kube=kube_path, kube_options=options)
         self.host, self._port = parse_listen(listen)
@@ -124,16 +126,16 @@ class ControlPlane:
         try:
             snapshot = self.source.load()
         except LocalConfigError as e:
-            raise ControlPlaneError(e.message) from None
+            raise ControlPlaneStartError(e.message) from None
         _check_bindable(self.host, self._port)
         try:
             self.ca = CertificateAuthority.load_or_create(self.ca_dir)
-        except CaError as e:
-            raise ControlPlaneError(str(e)) from None
+        except CaDirectoryError as e:
+            raise ControlPlaneStartError(str(e)) from None
         self.ads = AggregatedDiscoveryService(snapshot)
         token_path = self.caller_check.token_path if self.caller_check is not None else None
         if token_path is not None and not token_path.is_file():
-            raise ControlPlaneError(f"--auth-token {token_path}: no such file")
+            raise ControlPlaneStartError(f"--auth-token {token_path}: no such file")
         server = grpc.aio.server(
             interceptors=[self.caller_check] if self.caller_check is not None else None,
             options=[
@@ -155,7 +157,7 @@ class ControlPlane:
         except RuntimeError:
             port = 0
         if port == 0:
-            raise ControlPlaneError(f"cannot listen on {target} (address in use or not local)")
+            raise ControlPlaneStartError(f"cannot listen on {target} (address in use or not local)")
         self._port = port
         await server.start()
         self._server = server
@@ -198,7 +200,7 @@ def run(
     cluster_id: str | None = None,
     kube: str | None = None,
 ) -> int:
-    """Serve until SIGINT or SIGTERM, then exit 0; raise ControlPlaneError if it cannot start."""
+    """Serve until SIGINT or SIGTERM, then exit 0; raise ControlPlaneStartError if it cannot start."""
     control_plane = ControlPlane(
         Path(config) if config is not None else None,
         kube_path=Path(kube) if kube is not None else None,

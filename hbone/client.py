@@ -23,7 +23,7 @@ from hbone.errors import (
 )
 from hbone.h2conn import H2Session
 from hbone.identity import Identity
-from hbone.settings import H2Settings
+from hbone.settings import POOL_MAX_STREAMS, H2Settings
 from hbone.stream import HboneStream
 from hbone.tls import REVOKED, TLS_PEER, TlsCredentials
 from hbone.tlsio import OpenSslTls, start_tls_on_socket
@@ -44,7 +44,7 @@ class HboneConnection:
         expected: Sequence[Identity],
         settings: H2Settings,
         *,
-        max_streams: int = 100,
+        max_streams: int = POOL_MAX_STREAMS,
         handshake_timeout: float = 10.0,
     ) -> HboneConnection:
         """Take over a connected non-blocking TCP socket and set up HBONE on it, presenting `tls`.
@@ -102,7 +102,7 @@ class HboneConnection:
         `early_data` (what the app sent before the tunnel was up) goes out with the HEADERS, in the
         same TLS record; the server holds it until it answers 200, and drops it otherwise.
         Returns the stream once the peer answered 200 (`stream.response_headers` holds its headers);
-        raises `HttpStatusError` for any other status, `StreamReset` or `ConnectionClosed`.
+        raises `HttpStatusError` for any other status, `StreamResetError` or `ConnectionClosed`.
         """
         stream = self._session.open_stream(
             [(":method", "CONNECT"), (":authority", authority), *headers], flush=not early_data

@@ -58,7 +58,7 @@ class HttpStatusError(HboneError):
         super().__init__(f"http status: {status}")
 
 
-class StreamReset(HboneError, ConnectionResetError):
+class StreamResetError(HboneError, ConnectionResetError):
     """The peer reset the stream (RST_STREAM) with an error code that is not a clean end.
 
     It is also a `ConnectionResetError`, so code written for TCP transports treats it as a reset.

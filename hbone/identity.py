@@ -3,7 +3,7 @@ X.509 profile of a workload leaf that carries one (`build_leaf`).
 
 The leaf profile lives here, beside the identity it carries and next to the peer checks that judge
 it (`hbone/tls.py`), so that every issuer of the project signs the same certificate: the fake CA
-(`ztunnel/certificates.py`), the development control plane's CA (`controlplane/ca.py`) and the tests.
+(`ztunnel/identity/certificates.py`), the development control plane's CA (`controlplane/ca.py`) and the tests.
 `hbone/` imports nothing else of ours, so both the proxy and the control plane may import it.
 """
 

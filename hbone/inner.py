@@ -21,7 +21,7 @@ from hbone.client import HboneConnection, settle
 from hbone.errors import TlsHandshakeError
 from hbone.h2conn import H2Session
 from hbone.identity import Identity
-from hbone.settings import H2Settings
+from hbone.settings import POOL_MAX_STREAMS, H2Settings
 from hbone.stream import HboneStream
 from hbone.tls import TlsCredentials
 from hbone.tlsio import OpenSslTls, StdlibTls, TlsEngine, TlsTransport
@@ -33,7 +33,7 @@ async def open_inner(
     expected: Sequence[Identity],
     settings: H2Settings,
     *,
-    max_streams: int = 100,
+    max_streams: int = POOL_MAX_STREAMS,
     handshake_timeout: float = 10.0,
 ) -> HboneConnection:
     """Run TLS (presenting `credentials`, expecting one of `expected`) and HTTP/2 inside an established

@@ -20,6 +20,7 @@ from typing import Generic, Protocol, TypeVar
 
 from hbone.errors import ConnectionClosed
 from hbone.identity import Identity
+from hbone.settings import POOL_IDLE_TIMEOUT, POOL_MAX_STREAMS
 from hbone.stream import HboneStream
 
 log = logging.getLogger("hbone")
@@ -72,8 +73,8 @@ class Pool(Generic[C]):
         self,
         connector: Callable[[PoolKey], Awaitable[C]],
         *,
-        max_streams: int = 100,
-        idle_timeout: float = 300.0,
+        max_streams: int = POOL_MAX_STREAMS,
+        idle_timeout: float = POOL_IDLE_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._connector = connector

@@ -11,6 +11,12 @@ from dataclasses import dataclass
 
 from hbone.h2core.codes import SettingCode
 
+# The pool's defaults, as the reference's (`POOL_MAX_STREAMS_PER_CONNECTION`,
+# `POOL_UNUSED_RELEASE_TIMEOUT`): streams one pooled connection carries at once, and how long a pooled
+# connection that carries none is kept. Written here once; the configuration and the pool read them.
+POOL_MAX_STREAMS = 100
+POOL_IDLE_TIMEOUT = 300.0
+
 
 @dataclass(frozen=True)
 class H2Settings:

@@ -5,7 +5,7 @@ flow-control window allows (the rest is buffered, with `pause_writing`/`resume_w
 write-buffer marks); received DATA is handed to the protocol and the receive window is released as
 it is consumed, so a paused reader stops the peer. `write_eof` sends END_STREAM; END_STREAM and a
 clean reset (NO_ERROR, CANCEL) arrive as `eof_received`; any other reset ends the stream with
-`StreamReset`; a dead connection ends it with `ConnectionClosed`.
+`StreamResetError`; a dead connection ends it with `ConnectionClosed`.
 
 The module owns both sides of the session/stream boundary as typed protocols: `StreamSession` is
 what a stream needs of its HTTP/2 connection, `SessionStream` the events the connection delivers
@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from hbone.errors import HboneError, StreamReset
+from hbone.errors import HboneError, StreamResetError
 from hbone.h2core.codes import ErrorCode
 from hbone.identity import Identity
 from hbone.stream_state import TRANSITIONS, StreamEvent, StreamState
@@ -391,7 +391,7 @@ class HboneStream(asyncio.Transport):
             return
         self._drop_outbox()
         if self._response is not None and not self._response.done():
-            self._fail_response(StreamReset(error_code))
+            self._fail_response(StreamResetError(error_code))
         clean = error_code in _CLEAN_RESETS
         if not self._client_side and not self.responded:
             self._abandon()  # reset before it was answered: nobody will read it
@@ -408,7 +408,7 @@ class HboneStream(asyncio.Transport):
                 self._deliver()
             return
         self._drop_inbox()
-        self._finish(None if clean else StreamReset(error_code))
+        self._finish(None if clean else StreamResetError(error_code))
 
     def window_available(self) -> None:
         """Send buffered bytes as the window allows (called by the session on WINDOW_UPDATE)."""

@@ -24,7 +24,7 @@ from xds.client import (
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
 from xds.gen.istio.security import authorization_pb2
 from xds.gen.istio.workload import workload_pb2
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 TIMEOUT = 10.0
 

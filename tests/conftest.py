@@ -14,7 +14,7 @@ import pytest
 import uvloop
 
 from tests.mesh import Fleet
-from ztunnel.logs import reset_logging, setup_logging
+from ztunnel.logs.lines import reset_logging, setup_logging
 
 
 class LogLines(io.StringIO):
@@ -66,7 +66,7 @@ def profile_pb2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType
     from grpc_tools import protoc
 
     out = tmp_path_factory.mktemp("pprof_proto")
-    proto_dir = Path(str(resources.files("ztunnel"))).resolve()
+    proto_dir = Path(str(resources.files("ztunnel.admin"))).resolve()
     well_known = str(resources.files("grpc_tools") / "_proto")
     assert (
         protoc.main(["protoc", f"-I{proto_dir}", f"-I{well_known}", f"--python_out={out}", "profile.proto"])

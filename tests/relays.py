@@ -23,7 +23,7 @@ from hbone.relay import Inbox, start_relay
 from hbone.server import ConnectRequest, HboneServer
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials, WorkloadCertificate
-from ztunnel.certificates import FakeCA
+from ztunnel.identity.certificates import FakeCA
 
 TRUST_DOMAIN = "cluster.local"
 

@@ -7,7 +7,7 @@ import ipaddress
 import pytest
 
 from xds.localconfig import parse_local_config
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 TD = "spiffe://cluster.local/ns"
 

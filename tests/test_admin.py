@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from ztunnel import logs
-from ztunnel.admin import (
+from ztunnel.admin.server import (
     HttpEndpoint,
     HttpServer,
     Readiness,
@@ -21,7 +20,8 @@ from ztunnel.admin import (
     readiness_server,
     stats_server,
 )
-from ztunnel.metrics import OPENMETRICS_CONTENT_TYPE, Metrics, TrafficLabels
+from ztunnel.logs import lines as logs
+from ztunnel.metrics.families import OPENMETRICS_CONTENT_TYPE, Metrics, TrafficLabels
 
 
 class Reply:

@@ -16,12 +16,15 @@ from hbone.errors import (
     H2HandshakeError,
     HttpStatusError,
     IdentityMismatch,
-    StreamReset,
+    StreamResetError,
     TlsHandshakeError,
 )
 from hbone.identity import Identity
 from xds.localconfig import parse_local_config
-from ztunnel.admission import (
+from ztunnel.proxy.socks5_codec import Reply
+from ztunnel.proxy.socks5_listener import reply_for
+from ztunnel.proxy.upstream import DUMP_PROTOCOL, NETWORK_POLICY_HINT, FailureKind, classify_upstream_error
+from ztunnel.state.admission import (
     RECURSIVE_CALL,
     UNKNOWN_LOCAL,
     AdmissionRules,
@@ -32,11 +35,8 @@ from ztunnel.admission import (
     forwarded_host,
     is_self_call,
 )
-from ztunnel.proxy.socks5_listener import reply_for
-from ztunnel.proxy.upstream import DUMP_PROTOCOL, NETWORK_POLICY_HINT, FailureKind, classify_upstream_error
-from ztunnel.route import Protocol
-from ztunnel.socks5_codec import Reply
-from ztunnel.state import ProxyState
+from ztunnel.state.route import Protocol
+from ztunnel.state.store import ProxyState
 
 CONFIG = """
 workloads:
@@ -317,7 +317,7 @@ def test_self_call_guard(dst: str, port: int, ours: bool, expected: bool) -> Non
             Reply.GENERAL_FAILURE,
         ),
         (
-            StreamReset(2),
+            StreamResetError(2),
             Protocol.HBONE,
             "H2_HANDSHAKE_FAILURE",
             FailureKind.UNREACHABLE,

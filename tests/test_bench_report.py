@@ -142,20 +142,20 @@ class _Proxy:
 
 def _helper(linger: float) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "ztunnel.certwork", "--linger", str(linger)], stdin=subprocess.PIPE
+        [sys.executable, "-m", "ztunnel.identity.certwork", "--linger", str(linger)], stdin=subprocess.PIPE
     )
 
 
 def test_idle_memory_waits_for_a_certificate_helper_to_leave() -> None:
-    """The idle figure is taken once no `python -m ztunnel.certwork` runs under a proxy (it leaves
+    """The idle figure is taken once no `python -m ztunnel.identity.certwork` runs under a proxy (it leaves
     after its linger); one that does not leave fails the run instead of passing for idle."""
     matrix = Matrix.__new__(Matrix)  # only its error list is used here
     matrix.errors = []
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     short, long = _helper(0.5), _helper(60)
     try:
-        assert procfs.running_module([sleeper.pid, short.pid], "ztunnel.certwork")
-        assert not procfs.running_module([sleeper.pid], "ztunnel.certwork")
+        assert procfs.running_module([sleeper.pid, short.pid], "ztunnel.identity.certwork")
+        assert not procfs.running_module([sleeper.pid], "ztunnel.identity.certwork")
         t0 = time.monotonic()
         matrix._without_cert_work(types.SimpleNamespace(name="hbone", processes=[_Proxy(sleeper, short)]))
         assert short.poll() is not None and time.monotonic() - t0 < 10, "returned before the helper left"

@@ -24,9 +24,9 @@ from hbone.tls import TlsCredentials
 from tests.certs import CA, issue, make_ca
 from xds.channel import AuthToken
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
-from ztunnel.caclient import GrpcCaClient
-from ztunnel.certhelper import CertHelper
-from ztunnel.certificates import CaError, CertificateUnavailable, SecretManager
+from ztunnel.identity.caclient import GrpcCaClient
+from ztunnel.identity.certhelper import CertHelper
+from ztunnel.identity.certificates import CaError, CertificateUnavailable, SecretManager
 
 IDENTITY = Identity("cluster.local", "demo", "client")
 

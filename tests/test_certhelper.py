@@ -23,9 +23,9 @@ from tests.certs import make_ca
 from tests.mesh import Fleet, echo_roundtrip, loopback_net, proxy_env, sha, start_echo, workload_yaml
 from tests.waiting import eventually_async
 from tests.worker_mesh import cert_helpers, children
-from ztunnel.certhelper import CertHelper, InProcess, IssuedCertificate
-from ztunnel.certificates import CaError, CertificateUnavailable, FakeCA, SecretManager
-from ztunnel.certwork import CertWorkError
+from ztunnel.identity.certhelper import CertHelper, InProcess, IssuedCertificate
+from ztunnel.identity.certificates import CaError, CertificateUnavailable, FakeCA, SecretManager
+from ztunnel.identity.certwork import CertWorkError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,7 +203,7 @@ async def test_the_secret_manager_retries_after_a_helper_died(helper: CertHelper
 async def test_the_helpers_stderr_goes_to_the_log(
     helper: CertHelper, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, "ztunnel.certhelper")
+    caplog.set_level(logging.WARNING, "ztunnel.identity.certhelper")
     # Not PEM: an unexpected failure of the operation, its traceback on the helper's stderr.
     with pytest.raises(CertWorkError, match="certificate operation describe failed: ValueError"):
         await helper.describe([b"garbage"])
@@ -276,7 +276,7 @@ async def test_a_proxy_serves_hbone_and_its_parent_never_maps_cryptography(fleet
 def test_the_control_sides_modules_import_no_cryptography() -> None:
     """What the parent imports to run its certificates and its CA client loads no cryptography."""
     code = (
-        "import sys, ztunnel.control, ztunnel.caclient, ztunnel.certificates, ztunnel.workers.supervisor; "
+        "import sys, ztunnel.control, ztunnel.identity.caclient, ztunnel.identity.certificates, ztunnel.workers.supervisor; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cryptography'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

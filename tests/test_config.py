@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ztunnel.config import (
+from ztunnel.config.settings import (
     Config,
     ConfigError,
     WorkloadInfo,

@@ -28,17 +28,17 @@ from tests.mesh import (
     workload_yaml,
 )
 from tests.waiting import eventually_async
-from ztunnel.config import Config
+from ztunnel.config.settings import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ztunnel", "hbone", "xds", "policy", "cni", "controlplane", "benches")
 CONFIGURATION_DOC = ROOT / "docs" / "configuration.md"
 # The modules that read the environment into a `Config`: the setting is used elsewhere or not at all.
 CONFIG_MODULES = (
-    "ztunnel/config.py",
-    "ztunnel/envvars.py",
-    "ztunnel/proxyconfig.py",
-    "ztunnel/workercount.py",
+    "ztunnel/config/settings.py",
+    "ztunnel/config/envvars.py",
+    "ztunnel/config/proxyconfig.py",
+    "ztunnel/config/workercount.py",
 )
 
 

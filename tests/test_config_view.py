@@ -22,8 +22,8 @@ import yaml
 from tests.inpod_mesh import hold, mesh_fixture, mesh_yaml, start_echo, start_node  # noqa: F401
 from tests.liveproxy import LiveProxy, live_proxy, loopback_net, proxy_env
 from tests.waiting import eventually
-from ztunnel import configview
-from ztunnel.configview import ConfigViewError, admin_url, log_query
+from ztunnel.admin import configview
+from ztunnel.admin.configview import ConfigViewError, admin_url, log_query
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -257,6 +257,19 @@ def test_log_lists_changes_and_resets_the_level(proxy: LiveProxy) -> None:
     )
     assert shown("log", proxy.admin) == f"{proxy.admin}:\ncurrent log level is warn,access=debug\n\n"
     assert shown("log", proxy.admin, "-r") == f"{proxy.admin}:\ncurrent log level is info\n\n"
+
+
+def test_the_admin_flag_names_the_proxy_as_the_address_does(proxy: LiveProxy) -> None:
+    """`--admin HOST:PORT`, as the contract names it, beside the positional address: every view."""
+    for view in ("workload", "service", "policy", "certificate", "all"):
+        assert shown(view, "--admin", proxy.admin) == shown(view, proxy.admin), view
+    assert "current log level is info" in shown("log", "--admin", proxy.admin)
+    assert shown("workload", proxy.admin, "--admin", proxy.admin) == shown("workload", proxy.admin)
+    done = ztunnel_config("workload", f"{NET}.2:1", "--admin", proxy.admin)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip() == (
+        f"ztunnel config workload: two admin addresses: '{NET}.2:1' and --admin '{proxy.admin}'"
+    )
 
 
 def test_bad_input_fails_with_one_line(proxy: LiveProxy, tmp_path: Path) -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controlplane.server import ControlPlane, ControlPlaneError
+from controlplane.server import ControlPlane, ControlPlaneStartError
 from hbone.identity import Identity
 from xds.channel import AuthToken
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
-from ztunnel.caclient import GrpcCaClient
-from ztunnel.certificates import CaError
+from ztunnel.identity.caclient import GrpcCaClient
+from ztunnel.identity.certificates import CaError
 
 TOKEN = "header.payload.signature"
 CLUSTER = "cluster-east"
@@ -112,5 +112,5 @@ async def test_a_missing_token_file_stops_start_up(tmp_path: Path) -> None:
     config = tmp_path / "mesh.yaml"
     config.write_text("workloads: []\n")
     cp = ControlPlane(config, listen="127.0.0.1:0", ca_dir=tmp_path / "ca", auth_token=tmp_path / "nope")
-    with pytest.raises(ControlPlaneError, match=r"--auth-token .*nope: no such file"):
+    with pytest.raises(ControlPlaneStartError, match=r"--auth-token .*nope: no such file"):
         await cp.start()

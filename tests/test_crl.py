@@ -11,8 +11,8 @@ import pytest
 
 from tests.certs import CA, issue, leaf, make_ca, make_crl
 from tests.test_cli import dedicated, run
-from ztunnel.crl import CrlError, CrlWatcher
-from ztunnel.metrics import Metrics
+from ztunnel.identity.crl import CrlError, CrlWatcher
+from ztunnel.metrics.families import Metrics
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +64,11 @@ def test_reload_on_change_and_a_bad_reload_keeps_the_last_good_list(
     assert watcher.check() is True
     assert watcher.revocation.revoked(chain) is not None
 
-    caplog.set_level(logging.WARNING, logger="ztunnel.crl")
+    caplog.set_level(logging.WARNING, logger="ztunnel.identity.crl")
     path.write_bytes(b"garbage")
     assert watcher.check() is False
     assert watcher.revocation.revoked(chain) is not None  # the last good list stays
-    [record] = [r for r in caplog.records if r.name == "ztunnel.crl"]
+    [record] = [r for r in caplog.records if r.name == "ztunnel.identity.crl"]
     assert "CRL reload failed, keeping the last good list" in record.getMessage()
     assert "no PEM CRL" in record.getMessage()
 

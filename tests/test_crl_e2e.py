@@ -24,7 +24,7 @@ from hbone.tls import TlsCredentials, TlsPolicy
 from tests.certs import CA, make_crl
 from tests.mesh import Echo, Fleet, Proxy, proxy_env, socks5_connect, start_echo
 from tests.waiting import eventually_async
-from ztunnel.certificates import FakeCA
+from ztunnel.identity.certificates import FakeCA
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.netns import Netns, require_root, require_tools
 from tests.test_dns_server import Running, start
-from ztunnel.config import Config
+from ztunnel.config.settings import Config
 from ztunnel.dns import dns_on_ipv6_loopback
 
 pytestmark = pytest.mark.timeout(120)

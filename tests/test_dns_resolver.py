@@ -24,7 +24,7 @@ from ztunnel.dns.resolver import (
     kube_expansions,
     resolve,
 )
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 # The mesh every DNS test uses: clients in ns1 and ns2, services of each kind the proxy answers for.
 MESH = """

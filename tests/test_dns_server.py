@@ -29,9 +29,9 @@ from xds.localconfig import parse_local_config
 from xds.model import Endpoint, Service, Workload
 from ztunnel.dns.forwarder import Forwarder, UpstreamConfig
 from ztunnel.dns.server import DnsServer
-from ztunnel.metrics import Metrics
+from ztunnel.metrics.families import Metrics
 from ztunnel.sockets import SocketFactory
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 UPSTREAM_TXT = "from-upstream"
 

@@ -12,7 +12,7 @@ import pytest
 from h2.errors import ErrorCodes
 
 from hbone.client import HboneConnection
-from hbone.errors import ConnectionClosed, HboneError, HttpStatusError, StreamReset
+from hbone.errors import ConnectionClosed, HboneError, HttpStatusError, StreamResetError
 from hbone.server import ConnectRequest
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
@@ -116,7 +116,7 @@ async def test_reset_with_error_code_fails_only_that_stream(loopback) -> None:
     other, other_sink = await open_stream(conn)
     stream, sink = await open_stream(conn, "reset:1")
     exc = await asyncio.wait_for(sink.lost, 5)
-    assert isinstance(exc, StreamReset)
+    assert isinstance(exc, StreamResetError)
     assert exc.error_code == ErrorCodes.INTERNAL_ERROR
     assert not sink.eof.done()
     assert stream.is_closing()
@@ -132,10 +132,10 @@ async def test_reset_before_response_raises_stream_reset(loopback) -> None:
 
     lb = await loopback(handler)
     conn = await lb.connect()
-    with pytest.raises(StreamReset) as err:
+    with pytest.raises(StreamResetError) as err:
         await conn.connect("127.0.0.1:80")
     assert err.value.error_code == ErrorCodes.REFUSED_STREAM
-    with pytest.raises(StreamReset) as err:
+    with pytest.raises(StreamResetError) as err:
         await conn.connect("cancel:1")  # even a "clean" reset is a failed CONNECT
     assert err.value.error_code == ErrorCodes.CANCEL
     assert conn.active_streams == 0  # nothing left behind on either side

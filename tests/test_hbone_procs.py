@@ -29,7 +29,7 @@ from tests import h2peer
 from tests.h2peer import RawH2, rst
 from tests.mesh import Echo, loopback_net, proxy_env, socks5_connect, start_echo, workload_yaml
 from tests.waiting import eventually
-from ztunnel.certificates import FakeCA
+from ztunnel.identity.certificates import FakeCA
 
 pytestmark = pytest.mark.timeout(120)
 

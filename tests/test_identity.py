@@ -18,7 +18,7 @@ from cryptography.x509.verification import PolicyBuilder, Store
 
 from hbone.identity import Identity
 from hbone.tls import TlsPolicy, WorkloadCertificate
-from ztunnel.certificates import CaError, CertificateUnavailable, FakeCA, SecretManager
+from ztunnel.identity.certificates import CaError, CertificateUnavailable, FakeCA, SecretManager
 
 CLIENT = Identity("cluster.local", "demo", "client")
 SERVER = Identity("cluster.local", "demo", "server")

@@ -106,7 +106,7 @@ from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
 from xds.channel import AuthToken
-from ztunnel.caclient import GrpcCaClient
+from ztunnel.identity.caclient import GrpcCaClient
 
 class Collect(asyncio.Protocol):
     def __init__(self):

@@ -15,7 +15,7 @@ from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
 from tests.mesh import Fleet, Proxy, loopback_net, proxy_env, workload_yaml
 from tests.waiting import eventually_async
-from ztunnel.certificates import FakeCA
+from ztunnel.identity.certificates import FakeCA
 
 pytestmark = pytest.mark.timeout(60)
 

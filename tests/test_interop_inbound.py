@@ -30,7 +30,7 @@ from tests.mesh import (
 )
 from tests.netns import require_tools
 from tests.waiting import eventually_async
-from ztunnel.certificates import FakeCA
+from ztunnel.identity.certificates import FakeCA
 
 pytestmark = pytest.mark.interop
 

@@ -304,3 +304,10 @@ ztunnel.proxy.outbound <- ztunnel.proxy.instance
 def test_rules_read_as_written(importer: str, imported: str, allowed: bool) -> None:
     found = violations({importer: {imported}}, parse_rules(RULES))
     assert (found == []) is allowed, found
+
+
+def test_ztunnel_root_holds_only_entry_points_and_wiring() -> None:
+    """`ztunnel/` is grouped by concern: at its root at most 12 modules (the entry points and the
+    wiring), every other module in the package of its concern."""
+    root_modules = sorted(p.name for p in (ROOT / "ztunnel").glob("*.py"))
+    assert len(root_modules) <= 12, root_modules

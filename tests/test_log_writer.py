@@ -20,8 +20,8 @@ import pytest
 
 from tests.liveproxy import echo_server, exchange, loopback_net, proxy_env, socks5
 from tests.waiting import eventually
-from ztunnel import logs
-from ztunnel.metrics import Metrics
+from ztunnel.logs import lines as logs
+from ztunnel.metrics.families import Metrics
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,7 +6,7 @@ import re
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from ztunnel.metrics import (
+from ztunnel.metrics.families import (
     OPENMETRICS_CONTENT_TYPE,
     TEXT_CONTENT_TYPE,
     Metrics,

@@ -32,7 +32,7 @@ from tests.liveproxy import (
 )
 from tests.waiting import eventually
 from tests.worker_mesh import cert_helpers
-from ztunnel.certificates import FakeCA
+from ztunnel.identity.certificates import FakeCA
 
 pytestmark = pytest.mark.timeout(180)
 

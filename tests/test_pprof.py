@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.mesh import Fleet, Proxy, echo_roundtrip, loopback_net, proxy_env, sha, start_echo, workload_yaml
-from ztunnel import profiling
+from ztunnel.admin import profiling
 
 NET = loopback_net()
 SERVER, CLIENT = f"{NET}.3", f"{NET}.2"

@@ -11,13 +11,13 @@ from dataclasses import replace
 
 import pytest
 
-from ztunnel.certificates import FakeCA, SecretManager
-from ztunnel.config import Config, WorkloadInfo
-from ztunnel.metrics import Metrics
+from ztunnel.config.settings import Config, WorkloadInfo
+from ztunnel.identity.certificates import FakeCA, SecretManager
+from ztunnel.metrics.families import Metrics
 from ztunnel.proxy.instance import ProxyInputs, build_proxy
 from ztunnel.proxy.plan import ListenSpec, listen_plan
 from ztunnel.sockets import SocketFactory
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 INFO = WorkloadInfo(namespace="ns", name="client", service_account="client")
 BIND = "127.0.0.9"

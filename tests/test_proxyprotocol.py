@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from ztunnel.proxyprotocol import (
+from ztunnel.proxy.proxyprotocol import (
     SIGNATURE,
     TLV_PEER_IDENTITY,
     Command,

@@ -19,14 +19,14 @@ from tests.route_mesh import (
     addr,
     state_fixture,  # noqa: F401 (a fixture)
 )
-from ztunnel.route import (
+from ztunnel.state.route import (
     NoRoute,
     Protocol,
     Route,
     pick_resolved,
     route,
 )
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 
 @dataclass(frozen=True)

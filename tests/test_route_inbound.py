@@ -9,12 +9,12 @@ from tests.route_mesh import (
     IP,
     state_fixture,  # noqa: F401 (a fixture)
 )
-from ztunnel.route import (
+from ztunnel.state.route import (
     hostname_target,
     is_waypoint_for,
     locality_rank,
 )
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 # --- locality rank -------------------------------------------------------------------------------
 

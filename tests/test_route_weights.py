@@ -12,11 +12,11 @@ from tests.route_mesh import (
     state_fixture,  # noqa: F401 (a fixture)
 )
 from xds.localconfig import parse_local_config
-from ztunnel.route import (
+from ztunnel.state.route import (
     Route,
     route,
 )
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 # --- weighted choices, statistically --------------------------------------------------------------
 

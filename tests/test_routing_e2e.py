@@ -23,7 +23,7 @@ from hbone.tls import TlsCredentials
 from tests.mesh import Echo, Fleet, Proxy, echo_roundtrip, proxy_env, sha, socks5_connect, start_echo
 from tests.relays import Onward, Relay, certificate, dial, start_gateway, start_waypoint
 from tests.waiting import eventually_async
-from ztunnel.proxyprotocol import ProxyHeader, decode
+from ztunnel.proxy.proxyprotocol import ProxyHeader, decode
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
 

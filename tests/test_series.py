@@ -4,8 +4,8 @@ workers that are gone."""
 
 from __future__ import annotations
 
-from ztunnel.metrics import Metrics, TrafficLabels
-from ztunnel.series import StaleWorkloads
+from ztunnel.metrics.families import Metrics, TrafficLabels
+from ztunnel.metrics.series import StaleWorkloads
 from ztunnel.workers.counters import TrafficSums, traffic_snapshot
 
 GONE, STAYS, CLIENT = ("demo", "gone"), ("demo", "stays"), ("demo", "client")

@@ -18,7 +18,7 @@ import pytest
 
 from tests.netns import Netns, require_root
 from tests.waiting import eventually
-from ztunnel.config import Config
+from ztunnel.config.settings import Config
 from ztunnel.sockets import SocketFactory, SocketOptions, user_timeout_ms
 
 

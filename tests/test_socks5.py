@@ -4,7 +4,7 @@ import ipaddress
 
 import pytest
 
-from ztunnel.socks5_codec import (
+from ztunnel.proxy.socks5_codec import (
     ConnectRequested,
     HandshakeFailed,
     Reply,

@@ -30,7 +30,7 @@ from xds.model import (
     Workload,
     WorkloadStatus,
 )
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 # --- endpoints -------------------------------------------------------------------------------------
 

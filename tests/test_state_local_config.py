@@ -15,7 +15,7 @@ from tests.workloads import (
     workload,
 )
 from xds.localconfig import LocalConfig, parse_local_config
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 # --- the local config ------------------------------------------------------------------------------
 

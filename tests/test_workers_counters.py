@@ -3,7 +3,7 @@ histograms of a worker that is gone stay in the totals, its gauges leave with it
 
 from __future__ import annotations
 
-from ztunnel.metrics import Metrics
+from ztunnel.metrics.families import Metrics
 from ztunnel.workers.counters import SummedMetrics, TrafficSums, traffic_snapshot
 
 

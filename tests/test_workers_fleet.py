@@ -9,7 +9,7 @@ from ztunnel.workers.fleet import (
     Event,
     Fleet,
     Phase,
-    Readiness,
+    ReadinessChanged,
     Restart,
     Started,
     StartupFailed,
@@ -23,11 +23,11 @@ def test_the_proxy_is_ready_once_every_worker_is_and_start_up_ends_once() -> Non
     assert fleet.spawned(0, 0.0) == []
     assert fleet.spawned(1, 0.0) == []
     assert fleet.became_ready(0, 0.5) == []  # one of two
-    assert fleet.became_ready(1, 0.6) == [Readiness(True), Started()]
-    assert fleet.gone(1, 20.0) == [Readiness(False), Restart(1, 0.5)]
+    assert fleet.became_ready(1, 0.6) == [ReadinessChanged(True), Started()]
+    assert fleet.gone(1, 20.0) == [ReadinessChanged(False), Restart(1, 0.5)]
     assert fleet.phase(1) is Phase.RESTARTING
     assert fleet.spawned(1, 20.5) == []
-    assert fleet.became_ready(1, 21.0) == [Readiness(True)]  # no second Started
+    assert fleet.became_ready(1, 21.0) == [ReadinessChanged(True)]  # no second Started
     assert fleet.members[1].restarts == 1 and fleet.members[0].restarts == 0
 
 
@@ -68,7 +68,7 @@ def test_a_failure_after_start_up_is_restarted_and_named() -> None:
     fleet = Fleet(1)
     fleet.spawned(0, 0.0)
     fleet.became_ready(0, 0.1)
-    assert fleet.gone(0, 30.0, "boom") == [Readiness(False), Restart(0, 0.5, "boom")]
+    assert fleet.gone(0, 30.0, "boom") == [ReadinessChanged(False), Restart(0, 0.5, "boom")]
 
 
 def test_a_silent_worker_is_down_until_it_answers_and_pings_go_to_serving_workers() -> None:
@@ -82,10 +82,10 @@ def test_a_silent_worker_is_down_until_it_answers_and_pings_go_to_serving_worker
     assert fleet.tick(5.0) == []
     fleet.heard(0, 5.5)
     assert fleet.tick(6.0) == []  # 1 has been silent exactly 5 s: not yet
-    assert fleet.tick(6.5) == [Unresponsive(1, 5.5), Readiness(False)]
+    assert fleet.tick(6.5) == [Unresponsive(1, 5.5), ReadinessChanged(False)]
     assert fleet.tick(7.5) == []  # said once
     assert fleet.to_ping() == [0, 1]  # still pinged
-    assert fleet.heard(1, 8.0) == [Answers(1), Readiness(True)]
+    assert fleet.heard(1, 8.0) == [Answers(1), ReadinessChanged(True)]
     assert fleet.heard(1, 8.1) == []
 
 

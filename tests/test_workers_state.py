@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 
 from xds.localconfig import parse_local_config
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 from ztunnel.workers.messages import StateChanges
 from ztunnel.workers.replication import ReplicatedState, apply_changes, demand_arrived
 

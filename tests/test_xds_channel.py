@@ -26,7 +26,7 @@ from xds.client import (
     AUTHORIZATION_TYPE_URL,
     AuthToken,
 )
-from ztunnel.metrics import Metrics
+from ztunnel.metrics.families import Metrics
 
 
 async def test_initial_requests_name_the_node_and_carry_credentials(

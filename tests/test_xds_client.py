@@ -41,7 +41,7 @@ from xds.client import (
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
 from xds.gen.istio.security import authorization_pb2
 from xds.model import NetworkAddress, Service, TunnelProtocol, Workload
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 
 async def test_responses_are_applied_and_acked_and_readiness_follows_both_types(

@@ -177,7 +177,7 @@ async def test_openssl_sees_the_workload_san_chained_to_the_control_plane_root(
 ) -> None:
     # A client certificate from the same CA, as another workload would have.
     from hbone.identity import Identity
-    from ztunnel.caclient import GrpcCaClient
+    from ztunnel.identity.caclient import GrpcCaClient
 
     ca = GrpcCaClient(f"http://{mesh.cp.address}")
     cert = await ca.fetch(Identity("cluster.local", "demo", "client"))

@@ -33,7 +33,7 @@ from xds.client import (
     StreamStatus,
     reconnect_delay,
 )
-from ztunnel.metrics import Metrics
+from ztunnel.metrics.families import Metrics
 
 
 async def test_reconnect_lists_the_accepted_resources_and_keeps_state(

@@ -174,8 +174,8 @@ def _cmdline(pid: int) -> bytes:
 
 
 def is_cert_helper(pid: int) -> bool:
-    """Whether `pid` is a certificate helper (`python -m ztunnel.certwork`)."""
-    return b"ztunnel.certwork" in _cmdline(pid).split(b"\0")
+    """Whether `pid` is a certificate helper (`python -m ztunnel.identity.certwork`)."""
+    return b"ztunnel.identity.certwork" in _cmdline(pid).split(b"\0")
 
 
 def cert_helpers(pid: int) -> list[int]:

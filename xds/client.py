@@ -10,7 +10,7 @@ and named in the NACK, the rest are applied), and answered with an ACK or a NACK
 URL and nonce. Readiness: once the first response of each watched type has been answered,
 `wait_synced()` returns and `on_synced` is called.
 
-The store is anything with the `XdsStore` methods (`ztunnel.state.ProxyState`); metrics go to an
+The store is anything with the `XdsStore` methods (`ztunnel.state.store.ProxyState`); metrics go to an
 optional `XdsMetrics` hook. The clock's only use, the backoff sleep, is injectable.
 """
 
@@ -76,7 +76,7 @@ _RECONNECT_MESSAGES = ("transport is closing", "received prior goaway")
 
 
 class XdsStore(Protocol):
-    """The store the client applies responses to (`ztunnel.state.ProxyState`)."""
+    """The store the client applies responses to (`ztunnel.state.store.ProxyState`)."""
 
     def batch(self) -> contextlib.AbstractContextManager[None]: ...
     def upsert_workload(self, w: Workload) -> None: ...

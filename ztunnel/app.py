@@ -18,8 +18,8 @@ from collections.abc import Mapping
 import uvloop
 
 from ztunnel.allocator import tune_allocator
-from ztunnel.config import Config, ConfigError
-from ztunnel.logs import setup_logging
+from ztunnel.config.settings import Config, ConfigError
+from ztunnel.logs.lines import setup_logging
 from ztunnel.startup import StartupError
 from ztunnel.workers.spawning import Spawner, fork_workers
 

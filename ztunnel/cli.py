@@ -13,7 +13,7 @@ import sys
 from cni import add_arguments as add_agent_arguments
 from controlplane import add_arguments as add_control_plane_arguments
 from ztunnel import __version__
-from ztunnel.configview import add_arguments as add_config_view_arguments
+from ztunnel.admin.configview import add_arguments as add_config_view_arguments
 
 
 def _version() -> int:
@@ -58,7 +58,7 @@ def _fatal(message: str) -> int:
 
 
 def _setup_logging(command: str) -> bool:
-    from ztunnel.logs import setup_logging
+    from ztunnel.logs.lines import setup_logging
 
     try:
         setup_logging(os.environ.get("LOG_FORMAT", "plain"), os.environ.get("LOG_LEVEL", "info"))
@@ -69,7 +69,7 @@ def _setup_logging(command: str) -> bool:
 
 
 def _control_plane(args: argparse.Namespace) -> int:
-    from controlplane.server import ControlPlaneError, run
+    from controlplane.server import ControlPlaneStartError, run
 
     if not _setup_logging("control-plane"):
         return 1
@@ -83,7 +83,7 @@ def _control_plane(args: argparse.Namespace) -> int:
             cluster_id=args.cluster_id,
             kube=args.kube,
         )
-    except ControlPlaneError as e:
+    except ControlPlaneStartError as e:
         return _fatal(f"ztunnel: control-plane: {e}")
 
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["proxy"]
     args = parser.parse_args(argv)
     if args.command == "config":
-        from ztunnel.configview import run as run_config_view
+        from ztunnel.admin.configview import run as run_config_view
 
         return run_config_view(args)
     from ztunnel.startup import StartupError

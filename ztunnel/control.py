@@ -1,7 +1,7 @@
 """The control runtime of `ztunnel proxy`: everything the supervisor process does besides its workers.
 
 It runs the local config file, the one xDS stream, the CA client and the certificates (their
-cryptography in a short-lived helper process, `ztunnel/certhelper.py`), the CRL watcher, the
+cryptography in a short-lived helper process, `ztunnel/identity/certhelper.py`), the CRL watcher, the
 operator endpoints (readiness :15021, admin :15000, metrics :15020) and, in in-pod mode, the
 workload proxy manager (ZDS). It carries no proxied connection: the data plane is the workers'.
 What the supervisor adds is given at construction (`ControlHooks`): the store it
@@ -27,7 +27,8 @@ from hbone import build as hbone_build
 from hbone.tls import TlsPolicy
 from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
-from ztunnel.admin import (
+from ztunnel.admin.explain import explain_route
+from ztunnel.admin.server import (
     CpuProfiler,
     HeapProfiler,
     HttpServer,
@@ -37,19 +38,18 @@ from ztunnel.admin import (
     readiness_server,
     stats_server,
 )
-from ztunnel.certhelper import CertHelper
-from ztunnel.certificates import FakeCA, SecretManager
-from ztunnel.config import Config
-from ztunnel.explain import explain_route
-from ztunnel.metrics import Metrics
+from ztunnel.config.settings import Config
+from ztunnel.identity.certhelper import CertHelper
+from ztunnel.identity.certificates import FakeCA, SecretManager
+from ztunnel.metrics.families import Metrics
 from ztunnel.startup import StartupError
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 if TYPE_CHECKING:
     from xds.channel import AuthToken
     from xds.client import XdsClient
-    from ztunnel.caclient import GrpcCaClient
-    from ztunnel.crl import CrlWatcher
+    from ztunnel.identity.caclient import GrpcCaClient
+    from ztunnel.identity.crl import CrlWatcher
     from ztunnel.inpod.manager import PodRuntime, WorkloadProxyManager
 
 log = logging.getLogger("ztunnel.control")
@@ -122,7 +122,7 @@ class ControlRuntime:
 
     def _load_crl(self, path: str) -> CrlWatcher:
         # cryptography's X.509, which the CRLs need in this process: loaded only with a CRL file.
-        from ztunnel.crl import CrlError, CrlWatcher
+        from ztunnel.identity.crl import CrlError, CrlWatcher
 
         try:
             return CrlWatcher.load(path, self.metrics)
@@ -184,7 +184,7 @@ class ControlRuntime:
         cfg = self.config
         if not cfg.ca_address:
             raise StartupError("CA_ADDRESS is empty and FAKE_CA is not set: no way to get certificates")
-        from ztunnel.caclient import GrpcCaClient
+        from ztunnel.identity.caclient import GrpcCaClient
 
         self._ca = GrpcCaClient(
             cfg.ca_address,

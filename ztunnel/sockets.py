@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from hbone.address import canonical_addr, canonical_host
 
 if TYPE_CHECKING:
-    from ztunnel.config import Config
+    from ztunnel.config.settings import Config
 
 SOL_IP = 0
 SOL_IPV6 = 41

@@ -8,7 +8,7 @@ import ipaddress
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ztunnel.proxyprotocol import (
+from ztunnel.proxy.proxyprotocol import (
     HEADER_MIN,
     SIGNATURE,
     Command,

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.mesh import Fleet, proxy_env
-from ztunnel.socks5_codec import ConnectRequested, HandshakeFailed, Reply, Socks5Handshake
+from ztunnel.proxy.socks5_codec import ConnectRequested, HandshakeFailed, Reply, Socks5Handshake
 
 REPLY_CODES = {int(code) for code in Reply}
 DOMAINS = st.one_of(

@@ -26,7 +26,7 @@ from xds.gen.envoy.service.discovery.v3 import discovery_pb2
 from xds.gen.istio.security import authorization_pb2
 from xds.gen.istio.workload import workload_pb2
 from xds.model import ConversionError, Service, Workload
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 TEXT = st.text(st.characters(codec="utf-8"), max_size=6)
 NAME = st.text("abcz-./", min_size=1, max_size=6)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ztunnel.config import Config
+from ztunnel.config.settings import Config
 from ztunnel.dns.forwarder import RESOLV_CONF, Forwarder, read_resolv_conf
 from ztunnel.dns.resolver import ResolverSettings
-from ztunnel.metrics import Metrics
+from ztunnel.metrics.families import Metrics
 from ztunnel.sockets import SocketFactory
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 if TYPE_CHECKING:
     from ztunnel.dns.server import ClientWorkload, DnsServer

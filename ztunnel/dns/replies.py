@@ -16,7 +16,7 @@ import dns.rrset
 
 from xds.model import Workload
 from ztunnel.dns.resolver import Authoritative, ResolverSettings, resolve
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 TTL: Final = 30
 MIN_UDP_PAYLOAD: Final = 512

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from xds.model import IPAddress, IPFamilies, Service, Workload
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 # The record types answered here (RFC 1035's A, RFC 3596's AAAA).
 RDTYPE_A: Final = 1

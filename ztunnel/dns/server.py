@@ -37,10 +37,10 @@ from xds.model import Workload
 from ztunnel.dns.forwarder import Forwarder, UpstreamError
 from ztunnel.dns.replies import MIN_UDP_PAYLOAD, answer, question_name, response_for
 from ztunnel.dns.resolver import ResolverSettings
-from ztunnel.logs import Bare, log_fields
-from ztunnel.metrics import UNKNOWN, CounterCell, DnsMetrics
+from ztunnel.logs.lines import Bare, log_fields
+from ztunnel.metrics.families import UNKNOWN, CounterCell, DnsMetrics
 from ztunnel.sockets import SocketFactory
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 log = logging.getLogger("dns")
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from xds import zds
-from ztunnel.admin import Readiness, ReadinessHandle
+from ztunnel.admin.server import Readiness, ReadinessHandle
 from ztunnel.inpod.netns import Netns
 from ztunnel.inpod.protocol import Outcome, PodInfo, StartProxy, StopProxy, ZdsStateMachine
-from ztunnel.metrics import WorkloadManagerMetrics
+from ztunnel.metrics.families import WorkloadManagerMetrics
 
 log = logging.getLogger("ztunnel.inpod")
 

@@ -19,7 +19,7 @@ from hbone.relay import Inbox, RelayResult, start_relay
 from hbone.tls import REVOKED
 from policy import Authorization, Connection, Deny, authorize
 from ztunnel.proxy.telemetry import ConnectionRecord
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 log = logging.getLogger("ztunnel.proxy")
 

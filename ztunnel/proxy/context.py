@@ -18,7 +18,16 @@ from hbone.relay import Inbox
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
 from xds.model import Workload
-from ztunnel.admission import (
+from ztunnel.config.settings import Config, WorkloadInfo
+from ztunnel.dns.resolver import ResolverSettings
+from ztunnel.identity.certificates import SecretManager
+from ztunnel.metrics.families import Metrics
+from ztunnel.proxy.connections import ConnectionTracker
+from ztunnel.proxy.local import LocalWorkload
+from ztunnel.proxy.tasks import TaskSet
+from ztunnel.proxy.telemetry import ConnectionRecord
+from ztunnel.sockets import SocketFactory
+from ztunnel.state.admission import (
     UNKNOWN_LOCAL,
     AdmissionRules,
     Admit,
@@ -27,16 +36,7 @@ from ztunnel.admission import (
     admit,
     parse_authority,
 )
-from ztunnel.certificates import SecretManager
-from ztunnel.config import Config, WorkloadInfo
-from ztunnel.dns.resolver import ResolverSettings
-from ztunnel.metrics import Metrics
-from ztunnel.proxy.connections import ConnectionTracker
-from ztunnel.proxy.local import LocalWorkload
-from ztunnel.proxy.tasks import TaskSet
-from ztunnel.proxy.telemetry import ConnectionRecord
-from ztunnel.sockets import SocketFactory
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 
 CONNECT_TIMEOUT = 10.0
 

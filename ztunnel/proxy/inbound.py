@@ -1,7 +1,7 @@
 """The inbound HBONE listener (15008): each CONNECT stream admitted, authorized and delivered.
 
 The TLS and HTTP/2 side is `hbone.server.HboneServer`; each request it hands over is described as an
-`InboundRequest` and judged by `admit()` (pure, in `ztunnel.admission`). A rejection before
+`InboundRequest` and judged by `admit()` (pure, in `ztunnel.state.admission`). A rejection before
 authorization is a "connection failed" warning and its status (400/503); a denial is a 401 and a
 recorded connection with the `DENY` flag. An admitted stream gets its app connection (503 when
 that fails), then the 200 (with the destination's baggage), the PROXY v2 header for an application
@@ -17,11 +17,11 @@ from hbone.h2conn import H2Session
 from hbone.identity import Identity
 from hbone.server import ConnectRequest, HboneServer
 from xds.model import Workload
-from ztunnel import baggage
-from ztunnel.admission import InboundRequest, Reject, forwarded_host, parse_ip, uri_of
-from ztunnel.logs import Bare
+from ztunnel.logs.lines import Bare
+from ztunnel.proxy import baggage
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.context import ProxyContext
+from ztunnel.proxy.proxyprotocol import encode_tunnel_header
 from ztunnel.proxy.telemetry import (
     ConnectionRecord,
     Peer,
@@ -31,7 +31,7 @@ from ztunnel.proxy.telemetry import (
     trace_id,
 )
 from ztunnel.proxy.upstream import describe
-from ztunnel.proxyprotocol import encode_tunnel_header
+from ztunnel.state.admission import InboundRequest, Reject, forwarded_host, parse_ip, uri_of
 
 
 class Inbound:

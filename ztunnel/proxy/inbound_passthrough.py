@@ -13,8 +13,7 @@ import asyncio
 
 from hbone.address import canonical_addr, format_addr
 from hbone.relay import Inbox, RelayResult
-from ztunnel.admission import InboundRequest, Reject, parse_ip
-from ztunnel.logs import Bare
+from ztunnel.logs.lines import Bare
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.telemetry import (
@@ -27,6 +26,7 @@ from ztunnel.proxy.telemetry import (
 )
 from ztunnel.proxy.upstream import describe
 from ztunnel.sockets import original_dst
+from ztunnel.state.admission import InboundRequest, Reject, parse_ip
 
 
 class InboundPassthrough:

@@ -24,10 +24,10 @@ from hbone.relay import Inbox
 from hbone.settings import H2Settings
 from xds.model import Workload
 from ztunnel import dns
-from ztunnel.admission import AdmissionRules
-from ztunnel.certificates import SecretManager
-from ztunnel.config import Config, WorkloadInfo, illegal_ports
-from ztunnel.metrics import Metrics
+from ztunnel.config.settings import Config, WorkloadInfo, illegal_ports
+from ztunnel.identity.certificates import SecretManager
+from ztunnel.metrics.families import Metrics
+from ztunnel.metrics.registry import GaugeCell
 from ztunnel.proxy.connections import NO_CONTEXT, ConnectionTracker
 from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.inbound import Inbound
@@ -48,9 +48,9 @@ from ztunnel.proxy.plan import (
 from ztunnel.proxy.socks5_listener import Socks5Listener
 from ztunnel.proxy.tasks import TaskSet
 from ztunnel.proxy.upstream import Upstreams
-from ztunnel.registry import GaugeCell
 from ztunnel.sockets import SocketFactory, is_transparent
-from ztunnel.state import ProxyState
+from ztunnel.state.admission import AdmissionRules
+from ztunnel.state.store import ProxyState
 
 log = logging.getLogger("ztunnel.proxy")
 

@@ -11,8 +11,8 @@ import contextlib
 
 from hbone.identity import Identity
 from xds.model import Workload
-from ztunnel.config import Config, WorkloadInfo
-from ztunnel.state import ProxyState
+from ztunnel.config.settings import Config, WorkloadInfo
+from ztunnel.state.store import ProxyState
 
 LOCAL_WORKLOAD_WAIT = 5.0
 

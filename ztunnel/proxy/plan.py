@@ -11,7 +11,7 @@ import errno
 import socket
 from dataclasses import dataclass
 
-from ztunnel.config import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Config
+from ztunnel.config.settings import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Config
 from ztunnel.dns import dns_address
 from ztunnel.sockets import is_transparent
 

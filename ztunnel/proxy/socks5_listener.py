@@ -1,4 +1,4 @@
-"""The SOCKS5 listener (15080): the sans-I/O handshake of `ztunnel.socks5_codec`, then the upstream
+"""The SOCKS5 listener (15080): the sans-I/O handshake of `ztunnel.proxy.socks5_codec`, then the upstream
 of an outbound connection.
 
 The client's CONNECT target (an address, or a name: a mesh name as the DNS proxy would answer it, so
@@ -21,9 +21,9 @@ from xds.model import IPAddress
 from ztunnel.dns.resolver import Authoritative, resolve
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.context import ProxyContext
+from ztunnel.proxy.socks5_codec import ConnectRequested, HandshakeFailed, Reply, Socks5Handshake, encode_reply
 from ztunnel.proxy.telemetry import connection_failed
 from ztunnel.proxy.upstream import FailureKind, UpstreamFailure, Upstreams
-from ztunnel.socks5_codec import ConnectRequested, HandshakeFailed, Reply, Socks5Handshake, encode_reply
 
 log = logging.getLogger("ztunnel.proxy")
 

@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass
 
 from xds.model import Service, Workload
-from ztunnel.admission import Admit, Reject
-from ztunnel.logs import ACCESS, Bare, FieldRun, Item, Spans, access_items, access_log
-from ztunnel.metrics import UNKNOWN, ConnectionMetrics, Metrics, TrafficLabels
+from ztunnel.logs.lines import ACCESS, Bare, FieldRun, Item, Spans, access_items, access_log
+from ztunnel.metrics.families import UNKNOWN, ConnectionMetrics, Metrics, TrafficLabels
+from ztunnel.state.admission import Admit, Reject
 
 rbac_log = logging.getLogger("ztunnel.rbac")
 

@@ -27,7 +27,7 @@ from hbone.errors import (
     H2HandshakeError,
     HboneError,
     HttpStatusError,
-    StreamReset,
+    StreamResetError,
     TlsHandshakeError,
 )
 from hbone.identity import Identity
@@ -36,12 +36,12 @@ from hbone.pool import Pool, PoolKey
 from hbone.relay import Inbox
 from hbone.stream import HboneStream
 from xds.model import IPAddress, Workload
-from ztunnel import baggage
-from ztunnel.admission import parse_ip, uri_of
-from ztunnel.metrics import UNKNOWN
+from ztunnel.metrics.families import UNKNOWN
+from ztunnel.proxy import baggage
 from ztunnel.proxy.context import CONNECT_TIMEOUT, ProxyContext
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, new_span_id, new_trace_id
-from ztunnel.route import NoRoute, Protocol, Route, pick_resolved, route
+from ztunnel.state.admission import parse_ip, uri_of
+from ztunnel.state.route import NoRoute, Protocol, Route, pick_resolved, route
 
 # How `workloadState` spells an outbound connection's protocol (as the reference).
 DUMP_PROTOCOL = {Protocol.TCP: "TCP", Protocol.HBONE: "HBONE", Protocol.DOUBLE_HBONE: "DOUBLEHBONE"}
@@ -102,7 +102,7 @@ def classify_upstream_error(e: BaseException, protocol: Protocol) -> UpstreamFai
         return UpstreamFailure(str(e), "TLS_FAILURE", FailureKind.FAILED)
     if isinstance(e, H2HandshakeError):  # TLS done, but no HTTP/2 connection came of it
         return UpstreamFailure(str(e), "H2_HANDSHAKE_FAILURE", FailureKind.FAILED)
-    if isinstance(e, StreamReset | ConnectionClosed):  # the HTTP/2 layer failed the CONNECT
+    if isinstance(e, StreamResetError | ConnectionClosed):  # the HTTP/2 layer failed the CONNECT
         return UpstreamFailure(str(e), "H2_HANDSHAKE_FAILURE", FailureKind.UNREACHABLE)
     if isinstance(e, OSError):
         return UpstreamFailure(describe(e), "CONNECT", FailureKind.UNREACHABLE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from ztunnel.metrics import (
+from ztunnel.metrics.families import (
     OPENMETRICS_CONTENT_TYPE,
     TEXT_CONTENT_TYPE,
     UNKNOWN,
@@ -22,8 +22,8 @@ from ztunnel.metrics import (
     render_openmetrics,
     wants_openmetrics,
 )
-from ztunnel.processes import ProcessTreeCollector
-from ztunnel.registry import CollectorRegistry, Family, Metric
+from ztunnel.metrics.processes import ProcessTreeCollector
+from ztunnel.metrics.registry import CollectorRegistry, Family, Metric
 from ztunnel.workers.messages import Snapshot
 
 # The families the workers count (the supervisor shows their sums).

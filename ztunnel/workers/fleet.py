@@ -3,7 +3,7 @@
 The supervisor tells a `Fleet` what happened (a worker was spawned, answered, is ready, is gone;
 a heartbeat tick) with the time it happened, and gets back the decisions as values:
 
-* readiness over the workers: the `proxy` readiness task is held (`Readiness(False)`) until every
+* readiness over the workers: the `proxy` readiness task is held (`ReadinessChanged(False)`) until every
   worker's listeners accept, and again whenever one is down: gone, or silent for
   `heartbeat_timeout` (`Unresponsive`), until it answers again (`Answers`);
 * `Started` once, the first time every worker is ready: start-up is over;
@@ -34,7 +34,7 @@ class Phase(Enum):
 
 
 @dataclass(frozen=True)
-class Readiness:
+class ReadinessChanged:
     """The proxy's readiness changed: hold the `proxy` task (False) or release it (True)."""
 
     ready: bool
@@ -71,7 +71,7 @@ class StartupFailed:
     error: str
 
 
-Event = Readiness | Started | Unresponsive | Answers | Restart | StartupFailed
+Event = ReadinessChanged | Started | Unresponsive | Answers | Restart | StartupFailed
 
 
 @dataclass
@@ -94,7 +94,7 @@ class Fleet:
     members: list[Member] = field(default_factory=list)
     started: bool = False
     stopping: bool = False
-    ready: bool = False  # as last said by a Readiness event (held at first)
+    ready: bool = False  # as last said by a ReadinessChanged event (held at first)
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -174,4 +174,4 @@ class Fleet:
         if ready == self.ready:
             return []
         self.ready = ready
-        return [Readiness(ready)]
+        return [ReadinessChanged(ready)]

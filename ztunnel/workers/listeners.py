@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import socket
 
-from ztunnel.config import Config
+from ztunnel.config.settings import Config
 from ztunnel.proxy.plan import DNS, check_transparent, listen_plan
 from ztunnel.sockets import SocketFactory, socket_options
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ztunnel.config import WorkloadInfo
+from ztunnel.config.settings import WorkloadInfo
 from ztunnel.inpod.netns import Netns
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.workers.messages import PodConnections

@@ -13,9 +13,9 @@ import signal
 import sys
 
 from ztunnel.allocator import tune_allocator
-from ztunnel.config import Config, ConfigError
-from ztunnel.logs import setup_logging
-from ztunnel.workers.spawning import set_pdeathsig
+from ztunnel.config.settings import Config, ConfigError
+from ztunnel.logs.lines import setup_logging
+from ztunnel.startup import set_pdeathsig
 from ztunnel.workers.worker import run_worker
 
 

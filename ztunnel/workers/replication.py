@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from policy.model import Authorization
 from xds.localconfig import LocalConfig
 from xds.model import Service, Workload
-from ztunnel.state import Demander, ProxyState
+from ztunnel.state.store import Demander, ProxyState
 from ztunnel.workers.messages import (
     Clear,
     RemovePolicy,

@@ -15,7 +15,6 @@ every worker dies with the parent (`PR_SET_PDEATHSIG`) and stops when its channe
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import logging
 import os
@@ -26,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-PR_SET_PDEATHSIG = 1
+from ztunnel.startup import set_pdeathsig
 
 # The body of a worker process: (worker index, fd of its channel) -> exit code.
 WorkerBody = Callable[[int, int], int]
@@ -39,12 +38,6 @@ class WorkerProcess:
     index: int
     pid: int
     sock: socket.socket
-
-
-def set_pdeathsig(sig: int) -> None:
-    """`sig` to this process when its parent dies. prctl from the symbols already loaded (libc's):
-    looking libc up by name (`ctypes.util.find_library`) would run a subprocess each time."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 def fork_workers(body: WorkerBody, count: int) -> list[WorkerProcess]:

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
-from ztunnel import logs
-from ztunnel.admin import Readiness, ReadinessHandle
+from ztunnel.admin.server import Readiness, ReadinessHandle
 from ztunnel.allocator import IdleTrimmer
-from ztunnel.certificates import CertificateUnavailable, SecretManager
-from ztunnel.config import Config
+from ztunnel.config.settings import Config
 from ztunnel.control import ControlHooks, ControlRuntime
-from ztunnel.series import sweep_stale_series
+from ztunnel.identity.certificates import CertificateUnavailable, SecretManager
+from ztunnel.logs import lines as logs
+from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.startup import StartupError
 from ztunnel.workers import fleet as policy
 from ztunnel.workers.channel import Channel, close_fds
@@ -66,7 +66,7 @@ from ztunnel.workers.spawning import Spawner, exit_code
 from ztunnel.workers.worker import collect_profile
 
 if TYPE_CHECKING:
-    from ztunnel import profiling
+    from ztunnel.admin import profiling
 
 log = logging.getLogger("ztunnel.workers")
 
@@ -241,7 +241,9 @@ class Supervisor:
         finally:
             for slot in self.slots:
                 slot.profile_waiters.pop(seq, None)
-        from ztunnel import profiling  # tracemalloc, gzip and the profile's format, when one is asked
+        from ztunnel.admin.server import (
+            profiling,  # tracemalloc, gzip and the profile's format, when one is asked
+        )
 
         profiles = [own]
         for index, fut in waits.items():
@@ -309,7 +311,7 @@ class Supervisor:
 
     def _act(self, events: list[policy.Event]) -> None:
         for event in events:
-            if isinstance(event, policy.Readiness):
+            if isinstance(event, policy.ReadinessChanged):
                 if event.ready and self._proxy_ready is not None:
                     self._proxy_ready.release()
                     self._proxy_ready = None

@@ -23,15 +23,15 @@ import uvloop
 from hbone.identity import Identity
 from hbone.tls import TlsPolicy, WorkloadCertificate
 from hbone.tlsio import preload_revocation
-from ztunnel import logs
 from ztunnel.allocator import IdleTrimmer
-from ztunnel.certificates import CaError, SecretManager
-from ztunnel.config import Config, WorkloadInfo
-from ztunnel.metrics import Metrics
+from ztunnel.config.settings import Config, WorkloadInfo
+from ztunnel.identity.certificates import CaError, SecretManager
+from ztunnel.logs import lines as logs
+from ztunnel.metrics.families import Metrics
+from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
-from ztunnel.series import sweep_stale_series
 from ztunnel.sockets import SocketFactory, socket_options
-from ztunnel.state import ProxyState
+from ztunnel.state.store import ProxyState
 from ztunnel.workers.channel import Channel, close_fds
 from ztunnel.workers.counters import traffic_snapshot
 from ztunnel.workers.loop_metrics import EventLoopMetrics
@@ -61,8 +61,8 @@ from ztunnel.workers.messages import (
 from ztunnel.workers.replication import apply_changes
 
 if TYPE_CHECKING:
-    from ztunnel import profiling
-    from ztunnel.crl import CrlWatcher
+    from ztunnel.admin import profiling
+    from ztunnel.identity.crl import CrlWatcher
     from ztunnel.workers.pod_proxies import PodProxies
 
 log = logging.getLogger("ztunnel.workers")
@@ -155,7 +155,7 @@ class WorkerRuntime:
         # The CRL is a local file, not control-plane state: each worker watches it for its contexts.
         self.crl: CrlWatcher | None = None
         if config.crl_path:
-            from ztunnel.crl import CrlWatcher
+            from ztunnel.identity.crl import CrlWatcher
 
             self.crl = CrlWatcher.load(config.crl_path, self.metrics)
         tls = TlsPolicy(tls12=config.tls12_enabled, revocation=self.crl.revocation if self.crl else None)
@@ -367,7 +367,7 @@ class WorkerRuntime:
 
 async def collect_profile(kind: str, seconds: float, frequency: int) -> profiling.Profile:
     """This process's `cpu` (sampled at `frequency`) or `heap` profile over `seconds`."""
-    from ztunnel import profiling  # tracemalloc, gzip and the profile's protobuf, when asked
+    from ztunnel.admin import profiling  # tracemalloc, gzip and the profile's protobuf, when asked
 
     if kind == "cpu":
         return await profiling.collect_cpu_profile(seconds, frequency)
@@ -383,7 +383,7 @@ def preload(config: Config) -> None:
     if config.proxy_mode == "shared":
         names += ["ztunnel.inpod.netns", "ztunnel.workers.pod_proxies"]
     if config.crl_path:
-        names.append("ztunnel.crl")
+        names.append("ztunnel.identity.crl")
         preload_revocation()  # cryptography's X.509 for the peers' chains, and the TLS engine
     for name in names:
         importlib.import_module(name)

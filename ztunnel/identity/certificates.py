@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 from hbone.identity import Identity
 from hbone.tls import TlsCredentials, TlsPolicy, WorkloadCertificate
-from ztunnel.certhelper import CertInfo, CertWork, InProcess, IssuedCertificate, describe_now, issued
-from ztunnel.certwork import CertWorkError, embedded_file, perform
+from ztunnel.identity.certhelper import CertInfo, CertWork, InProcess, IssuedCertificate, describe_now, issued
+from ztunnel.identity.certwork import CertWorkError, embedded_file, perform
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Priority(IntEnum):
 
 
 # --- fake CA -----------------------------------------------------------------------------------
-# Its cryptography runs where `work` says (`ztunnel/certhelper.py`): in this process by default, in a
+# Its cryptography runs where `work` says (`ztunnel/identity/certhelper.py`): in this process by default, in a
 # helper process for the proxy's parent. A data-plane worker, which only holds a `SecretManager`
 # fed by its parent, never loads it.
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from ztunnel.logs import parse_filter
+from ztunnel.logs.lines import parse_filter
 
 Address = tuple[str, int]
 

@@ -37,7 +37,7 @@ from xds.render import (
     workload_to_dict,
 )
 
-log = logging.getLogger("ztunnel.state")
+log = logging.getLogger("ztunnel.state.store")
 
 Listener = Callable[[], None]
 # On-demand xDS: ask the control plane for `key` (`network/ip`, a uid, `namespace/hostname`) and

@@ -499,6 +499,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"the proxy's admin server, [host][:port] (default {DEFAULT_HOST})",
         )
         sub.add_argument(
+            "--admin",
+            dest="admin_flag",
+            metavar="HOST:PORT",
+            help="the proxy's admin server, as ADDRESS (give one or the other)",
+        )
+        sub.add_argument(
             "--proxy-admin-port",
             type=int,
             default=DEFAULT_ADMIN_PORT,
@@ -543,6 +549,11 @@ def _add_view_flags(name: str, sub: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, out: Callable[[str], object] = sys.stdout.write) -> int:
     view = CANONICAL[args.view]
     try:
+        flag = getattr(args, "admin_flag", None)
+        if flag is not None:
+            if args.admin is not None and args.admin != flag:
+                raise ConfigViewError(f"two admin addresses: {args.admin!r} and --admin {flag!r}")
+            args.admin = flag
         if not 0 < args.proxy_admin_port < 65536:
             raise ConfigViewError(f"invalid --proxy-admin-port {args.proxy_admin_port}: expected 1-65535")
         if view == "log":

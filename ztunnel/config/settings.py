@@ -16,7 +16,8 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from hbone.address import format_addr
-from ztunnel.envvars import (
+from hbone.settings import POOL_IDLE_TIMEOUT, POOL_MAX_STREAMS, H2Settings
+from ztunnel.config.envvars import (
     Address,
     ConfigError,
     Env,
@@ -32,8 +33,8 @@ from ztunnel.envvars import (
     parse_log_level,
     positive_duration,
 )
-from ztunnel.proxyconfig import ProxyConfig, istio_metadata, load_proxy_config
-from ztunnel.workercount import worker_count
+from ztunnel.config.proxyconfig import ProxyConfig, istio_metadata, load_proxy_config
+from ztunnel.config.workercount import worker_count
 
 OUTBOUND_PORT = 15001
 INBOUND_PLAINTEXT_PORT = 15006
@@ -115,12 +116,12 @@ class Config:
     keepalive_retries: int = 9
     user_timeout_enabled: bool = False
 
-    pool_max_streams_per_connection: int = 100
-    pool_unused_release_timeout: float = 300.0
+    pool_max_streams_per_connection: int = POOL_MAX_STREAMS
+    pool_unused_release_timeout: float = POOL_IDLE_TIMEOUT
     metrics_stale_series_grace_period: float = 300.0
-    http2_stream_window_size: int = 4 * 1024 * 1024
-    http2_connection_window_size: int = 16 * 1024 * 1024
-    http2_frame_size: int = 1024 * 1024
+    http2_stream_window_size: int = H2Settings.stream_window
+    http2_connection_window_size: int = H2Settings.connection_window
+    http2_frame_size: int = H2Settings.frame_size
     connection_termination_deadline: float = 5.0
 
     log_format: LogFormat = "plain"
@@ -326,7 +327,12 @@ def _checked(env: Env, cfg: Config) -> Config:
     return cfg
 
 
+# The defaults, each written once: in `Config`'s fields. `_build` falls back to them.
+DEFAULTS = Config()
+
+
 def _build(env: Env, pc: ProxyConfig) -> Config:
+    d = DEFAULTS
     proxy_mode, workload_info = _mode(env)
     local_xds_path, local_xds = _local_xds(env)
     fake_ca = env.parse("FAKE_CA", parse_bool, False)
@@ -334,72 +340,88 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
     cfg = Config(
         proxy_mode=proxy_mode,
         workload_info=workload_info,
-        enable_proxy=env.parse("ENABLE_PROXY", parse_bool, True),
+        enable_proxy=env.parse("ENABLE_PROXY", parse_bool, d.enable_proxy),
         local_xds_path=local_xds_path,
         local_xds=local_xds,
         xds_address=_xds_address(env, pc),
-        xds_root_ca=env.text("XDS_ROOT_CA") or DEFAULT_ROOT_CERT,
+        xds_root_ca=env.text("XDS_ROOT_CA") or d.xds_root_ca,
         alt_xds_hostname=env.text("ALT_XDS_HOSTNAME"),
         xds_headers=grpc_headers(env, "XDS_HEADER_"),
-        xds_on_demand=env.parse("XDS_ON_DEMAND", parse_bool, False),
+        xds_on_demand=env.parse("XDS_ON_DEMAND", parse_bool, d.xds_on_demand),
         ca_address=_ca_address(env, fake_ca),
-        ca_root_ca=env.text("CA_ROOT_CA") or DEFAULT_ROOT_CERT,
+        ca_root_ca=env.text("CA_ROOT_CA") or d.ca_root_ca,
         alt_ca_hostname=env.text("ALT_CA_HOSTNAME"),
         ca_headers=grpc_headers(env, "CA_HEADER_"),
         fake_ca=fake_ca,
         auth_token=_auth_token(env),
-        secret_ttl=env.parse("SECRET_TTL", positive_duration, 86400.0),
-        cluster_id=istio_meta.get("CLUSTER_ID") or env.text("CLUSTER_ID") or "Kubernetes",
-        trust_domain=env.text("TRUST_DOMAIN") or "cluster.local",
-        cluster_domain=env.text("CLUSTER_DOMAIN") or "cluster.local",
-        network=env.raw("NETWORK") or "",
+        secret_ttl=env.parse("SECRET_TTL", positive_duration, d.secret_ttl),
+        cluster_id=istio_meta.get("CLUSTER_ID") or env.text("CLUSTER_ID") or d.cluster_id,
+        trust_domain=env.text("TRUST_DOMAIN") or d.trust_domain,
+        cluster_domain=env.text("CLUSTER_DOMAIN") or d.cluster_domain,
+        network=env.raw("NETWORK") or d.network,
         node_name=env.text("NODE_NAME"),
         pod_name=env.text("POD_NAME"),
         pod_namespace=env.text("POD_NAMESPACE"),
         service_account=env.text("SERVICE_ACCOUNT"),
-        instance_ip=env.parse("INSTANCE_IP", parse_ip, "1.1.1.1"),
-        enable_socks5=env.parse("UNSTABLE_ENABLE_SOCKS5", parse_bool, False),
-        inpod_uds=env.text("INPOD_UDS") or DEFAULT_INPOD_UDS,
-        inpod_port_reuse=env.parse("INPOD_PORT_REUSE", parse_bool, True),
+        instance_ip=env.parse("INSTANCE_IP", parse_ip, d.instance_ip),
+        enable_socks5=env.parse("UNSTABLE_ENABLE_SOCKS5", parse_bool, d.enable_socks5),
+        inpod_uds=env.text("INPOD_UDS") or d.inpod_uds,
+        inpod_port_reuse=env.parse("INPOD_PORT_REUSE", parse_bool, d.inpod_port_reuse),
         packet_mark=_packet_mark(env, proxy_mode),
-        enable_orig_src=env.parse("ENABLE_ORIG_SRC", parse_bool, None),
-        ipv6_enabled=env.parse("IPV6_ENABLED", parse_bool, True),
-        localhost_app_tunnel=env.parse("LOCALHOST_APP_TUNNEL", parse_bool, True),
-        enable_response_baggage=env.parse("ENABLE_RESPONSE_BAGGAGE", parse_bool, True),
-        tls12_enabled=env.parse("TLS12_ENABLED", parse_bool, False),
+        enable_orig_src=env.parse("ENABLE_ORIG_SRC", parse_bool, d.enable_orig_src),
+        ipv6_enabled=env.parse("IPV6_ENABLED", parse_bool, d.ipv6_enabled),
+        localhost_app_tunnel=env.parse("LOCALHOST_APP_TUNNEL", parse_bool, d.localhost_app_tunnel),
+        enable_response_baggage=env.parse("ENABLE_RESPONSE_BAGGAGE", parse_bool, d.enable_response_baggage),
+        tls12_enabled=env.parse("TLS12_ENABLED", parse_bool, d.tls12_enabled),
         crl_path=env.text("CRL_PATH"),
-        authz_policy_info_logging=env.parse("AUTHZ_POLICY_INFO_LOGGING", parse_bool, False),
+        authz_policy_info_logging=env.parse(
+            "AUTHZ_POLICY_INFO_LOGGING", parse_bool, d.authz_policy_info_logging
+        ),
         prefered_service_namespace=env.text("PREFERED_SERVICE_NAMESPACE"),
-        keepalive_enabled=env.parse("KEEPALIVE_ENABLED", parse_bool, True),
-        keepalive_time=env.parse("KEEPALIVE_TIME", positive_duration, 180.0),
-        keepalive_interval=env.parse("KEEPALIVE_INTERVAL", positive_duration, 180.0),
-        keepalive_retries=env.parse("KEEPALIVE_RETRIES", int_parser(1), 9),
-        user_timeout_enabled=env.parse("USER_TIMEOUT_ENABLED", parse_bool, False),
-        pool_max_streams_per_connection=env.parse("POOL_MAX_STREAMS_PER_CONNECTION", int_parser(1), 100),
-        pool_unused_release_timeout=env.parse("POOL_UNUSED_RELEASE_TIMEOUT", parse_duration, 300.0),
-        metrics_stale_series_grace_period=env.parse(
-            "METRICS_STALE_SERIES_GRACE_PERIOD", parse_duration, 300.0
-        ),
-        # HTTP/2 limits (RFC 9113 §6.5.2, §6.9.1): windows up to 2^31-1, frames 16 KiB to 16 MiB-1.
-        http2_stream_window_size=env.parse(
-            "HTTP2_STREAM_WINDOW_SIZE", int_parser(1, 2**31 - 1), 4 * 1024 * 1024
-        ),
-        http2_connection_window_size=env.parse(
-            "HTTP2_CONNECTION_WINDOW_SIZE", int_parser(65535, 2**31 - 1), 16 * 1024 * 1024
-        ),
-        http2_frame_size=env.parse("HTTP2_FRAME_SIZE", int_parser(16384, 2**24 - 1), 1024 * 1024),
+        **_connection_tuning(env),
         connection_termination_deadline=_termination_deadline(env),
-        log_format=env.parse("LOG_FORMAT", parse_log_format, "plain"),
-        log_level=_log_level(env) or "info",
+        log_format=env.parse("LOG_FORMAT", parse_log_format, d.log_format),
+        log_level=_log_level(env) or d.log_level,
         worker_threads=worker_count(env, pc.concurrency),
         proxy_bind_address=_bind_address(env),
-        socks5_address=env.parse("SOCKS5_ADDRESS", parse_address, ("127.0.0.1", SOCKS5_PORT)),
+        socks5_address=env.parse("SOCKS5_ADDRESS", parse_address, d.socks5_address),
         admin_address=env.parse("ADMIN_ADDRESS", parse_address, _admin_default(pc)),
         stats_address=env.parse("STATS_ADDRESS", parse_address, _stats_default(pc)),
-        readiness_address=env.parse("READINESS_ADDRESS", parse_address, ("0.0.0.0", 15021)),
+        readiness_address=env.parse("READINESS_ADDRESS", parse_address, d.readiness_address),
         istio_meta=MappingProxyType(istio_meta),
         istio_meta_json=MappingProxyType(istio_meta_json),
         dns_capture=istio_meta.get("DNS_CAPTURE", "true").lower() == "true",
         dns_proxy_addr=_dns_proxy_addr(istio_meta),
     )
     return _checked(env, cfg)
+
+
+def _connection_tuning(env: Env) -> dict[str, Any]:
+    """Keepalive, the pool, stale series and the HTTP/2 windows: `Config`'s fields of those."""
+    d = DEFAULTS
+    return {
+        "keepalive_enabled": env.parse("KEEPALIVE_ENABLED", parse_bool, d.keepalive_enabled),
+        "keepalive_time": env.parse("KEEPALIVE_TIME", positive_duration, d.keepalive_time),
+        "keepalive_interval": env.parse("KEEPALIVE_INTERVAL", positive_duration, d.keepalive_interval),
+        "keepalive_retries": env.parse("KEEPALIVE_RETRIES", int_parser(1), d.keepalive_retries),
+        "user_timeout_enabled": env.parse("USER_TIMEOUT_ENABLED", parse_bool, d.user_timeout_enabled),
+        "pool_max_streams_per_connection": env.parse(
+            "POOL_MAX_STREAMS_PER_CONNECTION", int_parser(1), d.pool_max_streams_per_connection
+        ),
+        "pool_unused_release_timeout": env.parse(
+            "POOL_UNUSED_RELEASE_TIMEOUT", parse_duration, d.pool_unused_release_timeout
+        ),
+        "metrics_stale_series_grace_period": env.parse(
+            "METRICS_STALE_SERIES_GRACE_PERIOD", parse_duration, d.metrics_stale_series_grace_period
+        ),
+        # HTTP/2 limits (RFC 9113 §6.5.2, §6.9.1): windows up to 2^31-1, frames 16 KiB to 16 MiB-1.
+        "http2_stream_window_size": env.parse(
+            "HTTP2_STREAM_WINDOW_SIZE", int_parser(1, 2**31 - 1), d.http2_stream_window_size
+        ),
+        "http2_connection_window_size": env.parse(
+            "HTTP2_CONNECTION_WINDOW_SIZE",
+            int_parser(65535, 2**31 - 1),
+            d.http2_connection_window_size,
+        ),
+        "http2_frame_size": env.parse("HTTP2_FRAME_SIZE", int_parser(16384, 2**24 - 1), d.http2_frame_size),
+    }

@@ -4,7 +4,7 @@ Logger names are the targets of the reference: `access` for access logs, `dns` f
 module path (`ztunnel.proxy`, `hbone.pool`, …) for the rest; the `ztunnel.` prefix is not printed, as the
 reference strips `ztunnel::`. Structured fields travel on the record as `extra={"fields": mapping}`.
 
-Lines reach stderr through `LogWriter` (`ztunnel.logwriter`): bounded and lossy, written by a thread
+Lines reach stderr through `LogWriter` (`ztunnel.logs.writer`): bounded and lossy, written by a thread
 of its own, so a stderr nobody reads never blocks an event loop; what it had to drop is counted
 (`ztunnel_log_lines_dropped_total`) and reported in a line once it drains.
 
@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple, TextIO, cast
 
 from hbone.address import format_addr
-from ztunnel.logwriter import LogWriter
+from ztunnel.logs.writer import LogWriter
 
 TRACE = 5
 OFF = logging.CRITICAL + 10
@@ -317,7 +317,7 @@ class LineHandler(logging.Handler):
 
 def _dropped_line(n: int) -> Line:
     message = "log lines dropped: the log stream was not read in time"
-    return Line(time.time(), logging.WARNING, "ztunnel.logs", message, [("dropped", n)], ())
+    return Line(time.time(), logging.WARNING, "ztunnel.logs.lines", message, [("dropped", n)], ())
 
 
 def _spans(record: logging.LogRecord) -> Spans:

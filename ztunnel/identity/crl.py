@@ -21,9 +21,9 @@ import os
 from cryptography import x509
 
 from hbone.tls import Revocation, parse_crls
-from ztunnel.metrics import Metrics
+from ztunnel.metrics.families import Metrics
 
-log = logging.getLogger("ztunnel.crl")
+log = logging.getLogger("ztunnel.identity.crl")
 
 POLL_INTERVAL = 1.0
 

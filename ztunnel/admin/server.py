@@ -19,8 +19,9 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from ztunnel import logs, profiling
-from ztunnel.metrics import Metrics
+from ztunnel.admin import profiling
+from ztunnel.logs import lines as logs
+from ztunnel.metrics.families import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import os
 import re
 from collections.abc import Callable
 
-from ztunnel.envvars import Env, int_parser
+from ztunnel.config.envvars import Env, int_parser
 
 _QUANTITY = re.compile(r"(\d+(?:\.\d+)?)(m?)")
 

@@ -1,5 +1,5 @@
 """The certificate operations that need cryptography, over plain data, and the helper process that runs
-them (`python -m ztunnel.certwork`).
+them (`python -m ztunnel.identity.certwork`).
 
 Each operation takes and returns JSON values only (str, int, bool, lists and dicts of them; PEM as
 text, times as ISO 8601), so that it runs the same in this process or in the helper:
@@ -267,13 +267,12 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def main(argv: list[str]) -> int:
-    import ctypes
     import signal
 
+    from ztunnel.startup import set_pdeathsig
+
     linger = float(argv[argv.index("--linger") + 1]) if "--linger" in argv else LINGER
-    # Die with the parent (gone already: stdin is closed): PR_SET_PDEATHSIG (1), as a worker does
-    # (`ztunnel.workers.spawning.set_pdeathsig`, a package this one may not import).
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    set_pdeathsig(signal.SIGKILL)  # die with the parent, as a worker does
     try:
         return serve(sys.stdin.fileno(), sys.stdout.fileno(), linger)
     except BrokenPipeError:

@@ -41,7 +41,7 @@ from xds.model import (
     TunnelProtocol,
     Workload,
 )
-from ztunnel.config import HBONE_PORT
+from ztunnel.config.settings import HBONE_PORT
 
 # Used when the caller passes no generator; connections need no reproducible choices.
 _RNG = random.Random()
@@ -87,7 +87,7 @@ class NoRoute:
 
 
 class State(TypingProtocol):
-    """What routing reads of the store (ztunnel.state.ProxyState provides it)."""
+    """What routing reads of the store (ztunnel.state.store.ProxyState provides it)."""
 
     def workload_by_addr(self, network: str, ip: IPAddress) -> Workload | None: ...
     def workload_by_uid(self, uid: str) -> Workload | None: ...

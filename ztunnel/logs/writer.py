@@ -1,5 +1,5 @@
 """The log writer: text to a file descriptor (stderr) from a bounded buffer and a thread of its own,
-so a stderr nobody reads never blocks an event loop (`ztunnel.logs` puts its lines through it)."""
+so a stderr nobody reads never blocks an event loop (`ztunnel.logs.lines` puts its lines through it)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Where the certificate operations of `ztunnel/certwork.py` run: in this process (`InProcess`: tests,
+"""Where the certificate operations of `ztunnel/identity/certwork.py` run: in this process (`InProcess`: tests,
 library use) or in a short-lived helper process (`CertHelper`: the shipped proxy's parent).
 
 cryptography's native library alone is some 8 MiB of a process's memory, and the parent needs it
 only at rare moments: when a certificate is made (the fake CA) or asked for and checked (the gRPC
 CA client). So the parent starts a fresh interpreter for them on demand (`python -m
-ztunnel.certwork`, never a fork: the parent runs gRPC's threads), sends it requests over its stdin,
+ztunnel.identity.certwork`, never a fork: the parent runs gRPC's threads), sends it requests over its stdin,
 as many at once as come, and reads the answers from its stdout. The helper exits by itself once it
 has had no work for a short linger (`LINGER`); the next request starts another. A helper that dies
 with requests unanswered fails those with `CertWorkError` (the secret manager then retries with its
@@ -33,9 +33,9 @@ from typing import Any
 
 from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
-from ztunnel.certwork import LINGER, CertWorkError, JsonDict, perform
+from ztunnel.identity.certwork import LINGER, CertWorkError, JsonDict, perform
 
-log = logging.getLogger("ztunnel.certhelper")
+log = logging.getLogger("ztunnel.identity.certhelper")
 
 # An answer that takes longer means a stuck helper: it is killed, which fails its requests.
 REQUEST_TIMEOUT = 30.0
@@ -206,7 +206,7 @@ class CertHelper(CertWork):
     """The operations in a helper process started on demand, which leaves after `linger` idle seconds."""
 
     def __init__(self, *, linger: float = LINGER, argv: Sequence[str] | None = None) -> None:
-        self._argv = list(argv or (sys.executable, "-m", "ztunnel.certwork"))
+        self._argv = list(argv or (sys.executable, "-m", "ztunnel.identity.certwork"))
         self._argv += ["--linger", str(linger)]
         self._current: _Helper | None = None  # where new requests go
         self._running: set[_Helper] = set()  # every helper not yet reaped

@@ -23,11 +23,11 @@ from policy import Authorization, Connection
 from policy.model import Action
 from policy.rbac import rule_matches
 from xds.model import IPAddress, Service, Workload
-from ztunnel.admin import GET, HttpEndpoint, Request, Response
-from ztunnel.admission import AdmissionRules, Admit, InboundRequest, admit, parse_authority
-from ztunnel.config import HBONE_PORT, Config, illegal_ports
-from ztunnel.route import NoRoute, Protocol, Route, apply_preferences, endpoint_candidates, route
-from ztunnel.state import ProxyState
+from ztunnel.admin.server import GET, HttpEndpoint, Request, Response
+from ztunnel.config.settings import HBONE_PORT, Config, illegal_ports
+from ztunnel.state.admission import AdmissionRules, Admit, InboundRequest, admit, parse_authority
+from ztunnel.state.route import NoRoute, Protocol, Route, apply_preferences, endpoint_candidates, route
+from ztunnel.state.store import ProxyState
 
 
 class ExplainError(ValueError):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ztunnel.envvars import ConfigError, Env, env_error
+from ztunnel.config.envvars import ConfigError, Env, env_error
 
 
 def _frozen_map() -> Mapping[str, str]:

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from ztunnel.registry import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
+from ztunnel.metrics.registry import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
 
 PROC = "/proc"
 _TICKS = float(os.sysconf("SC_CLK_TCK"))

@@ -1,13 +1,13 @@
 """Prometheus metrics of the proxy: the `istio_tcp_*` traffic families, open sockets, build info, the
 DNS proxy's `istio_dns_*` families, and their rendering for the stats endpoint.
 
-Everything lives in one `CollectorRegistry` per `Metrics` (`ztunnel.registry`: our own family model
+Everything lives in one `CollectorRegistry` per `Metrics` (`ztunnel.metrics.registry`: our own family model
 and registry, no client library). A connection resolves its counter cells once per label set and
 then adds to a plain attribute per chunk (no lock, no label lookup), which is safe because each
 data-plane event loop owns its `Metrics`; no family emits `_created` samples (the reference does not).
 
 The traffic series of a workload gone from the state are forgotten by `drop_series` (never one
-that counts an open connection: each series keeps a count of those); `ztunnel.series` decides when.
+that counts an open connection: each series keeps a count of those); `ztunnel.metrics.series` decides when.
 
 `response_flags` is decided only when a connection closes, so the opened and byte counters carry
 `response_flags="-"` (as the reference, which records them with the flags of a fresh connection) and
@@ -16,7 +16,7 @@ only `closed` and `failed` carry the final flag.
 Exposition is OpenMetrics text (see `render_openmetrics`) with each family's labels in the order the
 reference emits them (the traffic labels in the order Istio's ztunnel emits them, `docs/operations.md`).
 
-Runtime families: `process_*` (`ztunnel.processes`: of this process alone, or, in a proxy's
+Runtime families: `process_*` (`ztunnel.metrics.processes`: of this process alone, or, in a proxy's
 supervisor, summed over its processes); the reference's `tokio_*` runtime families have
 the workers' `ztunnel_event_loop_*` as their counterpart (`ztunnel.workers.loop_metrics`).
 """
@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from ztunnel import logs
-from ztunnel.processes import ProcessTreeCollector
-from ztunnel.registry import (
+from ztunnel.logs import lines as logs
+from ztunnel.metrics.processes import ProcessTreeCollector
+from ztunnel.metrics.registry import (
     CollectorRegistry,
     Counter,
     CounterMetricFamily,
@@ -358,7 +358,7 @@ class _DnsCollector:
 
 class _LogCollector:
     """`ztunnel_log_lines_dropped_total`: log lines this process dropped because its stderr was not
-    being read (`ztunnel.logwriter.LogWriter`). Not in the reference, whose writer drops silently."""
+    being read (`ztunnel.logs.writer.LogWriter`). Not in the reference, whose writer drops silently."""
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(

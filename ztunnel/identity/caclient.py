@@ -3,7 +3,7 @@
 For each fetch: a fresh ECDSA P-256 key (it never leaves the proxy's processes), a PEM PKCS#10
 request with an empty subject and one critical SubjectAltName holding the SPIFFE URI, signed with
 SHA-256, asking for `SECRET_TTL` of validity. The key, the request and the checks of the answer are
-made where `work` says (`ztunnel/certhelper.py`): the proxy's parent has its helper process make
+made where `work` says (`ztunnel/identity/certhelper.py`): the proxy's parent has its helper process make
 them, so that it never loads cryptography itself. In shared mode the proxy signs in for other
 identities with its own token, so the request carries `ImpersonatedIdentity` in its metadata and
 the returned leaf must name the identity asked for. The response chain is leaf, intermediates, and last the trust bundle (which may
@@ -31,9 +31,9 @@ from xds.channel import (
     read_root_ca,
 )
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
-from ztunnel.certhelper import CertWork, InProcess, IssuedCertificate
-from ztunnel.certificates import CaError
-from ztunnel.certwork import CertWorkError
+from ztunnel.identity.certhelper import CertWork, InProcess, IssuedCertificate
+from ztunnel.identity.certificates import CaError
+from ztunnel.identity.certwork import CertWorkError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ DEFAULT_CALL_TIMEOUT = 60.0
 
 
 class GrpcCaClient:
-    """`ztunnel.certificates.CaClient` over gRPC."""
+    """`ztunnel.identity.certificates.CaClient` over gRPC."""
 
     def __init__(
         self,
