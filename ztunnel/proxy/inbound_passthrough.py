@@ -3,7 +3,8 @@
 The original destination is the target; `admit()` applies the self-call guard, finds our workload
 and authorizes without a peer identity (so only address, port and negated-identity rules can
 allow). A rejection closes the connection (there is no protocol to answer in); a denial is recorded
-with the `DENY` flag. An admitted connection is carried to the app from the client's own address
+with the `DENY` flag, and its client sees the connection closed (end of stream), never reset: what it
+sent, or still sends until it closes its side, is read and dropped first (`close_refused`). An admitted connection is carried to the app from the client's own address
 where the listener is transparent, and stays under re-authorization while it is open.
 """
 
@@ -27,6 +28,30 @@ from ztunnel.proxy.telemetry import (
 from ztunnel.proxy.upstream import describe
 from ztunnel.sockets import original_dst
 from ztunnel.state.admission import InboundRequest, Reject, parse_ip
+
+# How long a connection the policy refused stays half-closed while what its client still sends is
+# dropped: time for a client to see the end and close, short enough that a refusal costs little.
+REFUSED_LINGER = 2.0
+
+
+async def close_refused(transport: asyncio.Transport, inbox: Inbox, linger: float = REFUSED_LINGER) -> None:
+    """Close a refused connection so that its client reads the end of it (a FIN), not a reset.
+
+    Closing a socket that holds unread bytes makes the kernel reset the connection, and a client
+    sends before it reads: so the end is sent first, then whatever arrives is read and dropped
+    until the client closes its side (or `linger` seconds pass), and only then is the socket closed.
+    """
+    if not transport.is_closing() and transport.can_write_eof():
+        transport.write_eof()
+    try:
+        async with asyncio.timeout(linger):
+            while True:
+                inbox.take()
+                await inbox.wait_data()
+    except (EOFError, TimeoutError):
+        pass
+    finally:
+        transport.close()
 
 
 class InboundPassthrough:
@@ -60,8 +85,8 @@ class InboundPassthrough:
         )
         log_policy_decision(decision, src_s, dst_s, info=ctx.config.authz_policy_info_logging)
         if isinstance(decision, Reject):
-            transport.close()
             record_denial(record, decision)
+            await close_refused(transport, inbox)
             return None
         try:
             app, app_inbox = await ctx.connect_tcp(
