@@ -20,16 +20,15 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.harness import NodeAgent
 from tests.netns import Netns, link
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
@@ -142,7 +141,7 @@ class Node:
         self.cni_socket = self.dir / "cni-agent.sock"
         self.state_file = self.dir / "pods.json"
         self.agent_log = self.dir / "agent.log"
-        self.agent: subprocess.Popen[bytes] | None = None
+        self.agent: NodeAgent | None = None
         self.agent_args: list[str] = []
         self.pods: list[Pod] = []
         self.ns = Netns(f"node{self.index}")
@@ -156,81 +155,41 @@ class Node:
         zds_socket: Path | None = None,
         cni_socket: Path | None = None,
         timeout: float = 10,
-    ) -> subprocess.Popen[bytes]:
+    ) -> NodeAgent:
         """Run `ztunnel cni-agent` in the node namespace; return once its CNI socket accepts connections."""
-        assert self.agent is None, "agent already running"
+        assert self.agent is None or not self.agent.running(), "agent already running"
         self.zds_socket = zds_socket or self.zds_socket
         self.cni_socket = cni_socket or self.cni_socket
         self.agent_args = list(extra_args)
-        args = [
-            str(ZTUNNEL),
-            "cni-agent",
-            "--zds-socket",
-            str(self.zds_socket),
-            "--cni-socket",
-            str(self.cni_socket),
-            "--state-file",
-            str(self.state_file),
-            *extra_args,
-        ]
-        with self.agent_log.open("ab") as log:
-            log.write(f"--- {' '.join(args)}\n".encode())
-        self.agent = self.ns.popen(
-            args, {**os.environ, "LOG_LEVEL": "debug"}, str(self.dir / "agent.run.log")
+        args = ["--state-file", str(self.state_file), *extra_args]
+        self.agent = NodeAgent(
+            self.agent_log, self.zds_socket, self.cni_socket, args, {"LOG_LEVEL": "debug"}, netns=self.ns.name
         )
-        deadline = time.monotonic() + timeout
-        while not self._agent_listening():
-            if self.agent.poll() is not None:
-                self._collect_agent_log()
-                self.agent = None
-                raise AssertionError(f"cni-agent exited at start-up:\n{self.agent_log.read_text()}")
-            if time.monotonic() > deadline:
-                self.stop_agent()
-                raise AssertionError(
-                    f"cni-agent not listening after {timeout}s:\n{self.agent_log.read_text()}"
-                )
-            time.sleep(0.02)
+        with self.agent_log.open("ab") as log:
+            log.write(f"--- {' '.join(self.agent.args)}\n".encode())
+        self.agent.start(timeout)
         return self.agent
-
-    def _agent_listening(self) -> bool:
-        if not self.zds_socket.exists():
-            return False
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(str(self.cni_socket))
-            except OSError:
-                return False
-        return True
 
     def stop_agent(self, sig: int = signal.SIGTERM) -> int:
         """Stop the agent (SIGTERM: a clean exit); its exit status."""
-        assert self.agent is not None, "agent not running"
+        assert self.agent is not None and self.agent.process is not None, "agent not running"
         agent, self.agent = self.agent, None
-        agent.send_signal(sig)
+        agent.send(sig)
         try:
-            code = agent.wait(timeout=10)
+            code = agent.wait_exit(10)
         except subprocess.TimeoutExpired:
             agent.kill()
-            code = agent.wait()
-        self._collect_agent_log()
+            code = agent.wait_exit()
+        agent.kill()  # whatever of its group is left
         return code
 
-    def restart_agent(self) -> subprocess.Popen[bytes]:
+    def restart_agent(self) -> NodeAgent:
         self.stop_agent()
         return self.start_agent(*self.agent_args)
 
-    def _collect_agent_log(self) -> None:
-        run_log = self.dir / "agent.run.log"
-        if run_log.exists():
-            with self.agent_log.open("ab") as log:
-                log.write(run_log.read_bytes())
-            run_log.unlink()
-
     def agent_output(self) -> str:
         """What the agent logged so far (all runs)."""
-        run_log = self.dir / "agent.run.log"
-        text = self.agent_log.read_text() if self.agent_log.exists() else ""
-        return text + (run_log.read_text() if run_log.exists() else "")
+        return self.agent_log.read_text(errors="replace") if self.agent_log.exists() else ""
 
     # -- pods, through the CNI plugins -----------------------------------------------------------
 

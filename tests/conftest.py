@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import uvloop
 
-from tests.mesh import Fleet
+from tests.harness import Fleet
 from ztunnel.logs.lines import reset_logging, setup_logging
 
 

@@ -4,13 +4,9 @@ run and what the tests read from the ztunnels (access logs, listeners, metrics).
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.cninode import Cluster, Node, Pod
+from tests.harness import ControlPlane, Fleet, Proxy
 from tests.netns import require_root, require_tools
 from tests.waiting import eventually
 
-ZTUNNEL = str(Path(sys.executable).parent / "ztunnel")
 TD = "cluster.local"
 
 ECHO_APP = """
@@ -101,81 +97,32 @@ def mesh_yaml(pods: list[Pod], *, allow_to: Pod | None = None, allowed: Pod | No
     return text
 
 
-@dataclass
-class Ztunnel:
-    """`ztunnel proxy` in shared mode inside a node's namespace."""
-
-    node: Node
-    xds: str
-    name: str = "ztunnel"
-    ports: tuple[int, int, int] = (15000, 15020, 15021)  # admin, metrics, readiness (in the node)
-    extra: dict[str, str] = field(default_factory=dict)
-    log: Path = field(init=False)
-    proc: subprocess.Popen[bytes] | None = None
-
-    def __post_init__(self) -> None:
-        self.log = self.node.dir / f"{self.name}.log"
-
-    def start(self) -> None:
-        env = dict(os.environ)
-        env.update(
-            PROXY_MODE="shared",
-            INPOD_UDS=str(self.node.zds_socket),
-            XDS_ADDRESS=self.xds,
-            FAKE_CA="true",
-            CONNECTION_TERMINATION_DEADLINE="2s",
-            LOG_LEVEL="info,access=info",
-            ZTUNNEL_WORKER_THREADS="2",
-            ADMIN_ADDRESS=f"127.0.0.1:{self.ports[0]}",
-            STATS_ADDRESS=f"0.0.0.0:{self.ports[1]}",
-            READINESS_ADDRESS=f"0.0.0.0:{self.ports[2]}",
-        )
-        env.update(self.extra)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                ["ip", "netns", "exec", self.node.ns.name, ZTUNNEL, "proxy"],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        code = None
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            code = self.proc.wait(timeout=15)
-        self.proc = None
-        return code
-
-    def get(self, port: int, path: str) -> tuple[int, str]:
-        out = self.node.ns.exec(
-            "curl", "-s", "-m", "3", "-w", "\n%{http_code}", f"http://127.0.0.1:{port}{path}", check=False
-        ).stdout.decode()
-        body, _, code = out.rpartition("\n")
-        return int(code or 0), body
-
-    def config_dump(self) -> dict:  # type: ignore[type-arg]
-        code, body = self.get(self.ports[0], "/config_dump")
-        return json.loads(body) if code == 200 else {}
-
-    def metrics(self) -> str:
-        return self.get(self.ports[1], "/metrics")[1]
-
-    def ready(self) -> bool:
-        return self.get(self.ports[2], "/healthz/ready")[0] == 200
-
-    def workers(self) -> list[dict]:  # type: ignore[type-arg]
-        return list(self.config_dump().get("workers", []))
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
+def ztunnel_env(
+    node: Node, xds: str, ports: tuple[int, int, int] = (15000, 15020, 15021), **extra: str
+) -> dict[str, str]:
+    """`ztunnel proxy` in shared mode for a node: its agent's socket, `xds`, the fake CA, two workers;
+    `ports`: admin, metrics, readiness (in the node's namespace)."""
+    env = {
+        "PROXY_MODE": "shared",
+        "INPOD_UDS": str(node.zds_socket),
+        "XDS_ADDRESS": xds,
+        "FAKE_CA": "true",
+        "CONNECTION_TERMINATION_DEADLINE": "2s",
+        "LOG_LEVEL": "info,access=info",
+        "ZTUNNEL_WORKER_THREADS": "2",
+        "ADMIN_ADDRESS": f"127.0.0.1:{ports[0]}",
+        "STATS_ADDRESS": f"0.0.0.0:{ports[1]}",
+        "READINESS_ADDRESS": f"0.0.0.0:{ports[2]}",
+    }
+    env.update(extra)
+    return env
 
 
-def access_log(zt: Ztunnel, *, src: str, direction: str, dst: str = "", error: str = "") -> list[str]:
+def access_log(zt: Proxy, *, src: str, direction: str, dst: str = "", error: str = "") -> list[str]:
     """The access-log lines of connections from `src` (an IP), in one direction (and, if given, to
     `dst` and with `error` in their error field), logged so far."""
     lines = []
-    for line in zt.output().splitlines():
+    for line in zt.log().splitlines():
         if '"connection complete"' not in line or f"src.addr={src}:" not in line:
             continue
         if f'direction="{direction}"' not in line or (dst and f"dst.addr={dst} " not in line):
@@ -186,7 +133,7 @@ def access_log(zt: Ztunnel, *, src: str, direction: str, dst: str = "", error: s
     return lines
 
 
-def logged(zt: Ztunnel, *, src: str, direction: str, dst: str = "", error: str = "") -> list[str]:
+def logged(zt: Proxy, *, src: str, direction: str, dst: str = "", error: str = "") -> list[str]:
     """`access_log`, waiting for a line: a connection is logged once its relay is over, which can be
     after its client has seen the end of it."""
     found: list[str] = []
@@ -232,70 +179,61 @@ def talk(src: Pod, dst: Pod, payload: str, port: int = 8080) -> str:
 @dataclass
 class Mesh:
     cluster: Cluster
-    config: Path
-    control_plane: subprocess.Popen[str]
+    fleet: Fleet
+    control_plane: ControlPlane
     xds: str
-    cp_log: list[str] = field(default_factory=list)
-    ztunnels: dict[str, Ztunnel] = field(default_factory=dict)
     apps: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def push(self, text: str) -> None:
-        self.config.write_text(text)
+        self.control_plane.push(text)
 
-    def wait_for_workloads(self, zt: Ztunnel, pods: list[Pod]) -> None:
+    def ztunnel(
+        self,
+        node: Node,
+        xds: str,
+        *,
+        ports: tuple[int, int, int] = (15000, 15020, 15021),
+        wrap: list[str] | None = None,
+        **extra: str,
+    ) -> Proxy:
+        """A ztunnel of this mesh in `node`'s namespace (not started)."""
+        return self.fleet.proxy(ztunnel_env(node, xds, ports, **extra), netns=node.ns.name, wrap=wrap or ())
+
+    def wait_for_workloads(self, zt: Proxy, pods: list[Pod]) -> None:
         want = {p.uid for p in pods if p.enrolled}
 
         def have() -> bool:
             return want <= {w.get("uid") for w in zt.config_dump().get("workloads", [])}
 
-        eventually(have, f"workloads {sorted(want)} in {zt.node.ns.name}'s ztunnel")
+        eventually(have, f"workloads {sorted(want)} in {zt.netns}'s {zt.name}")
 
 
 @pytest.fixture(name="mesh")
-def mesh_fixture(tmp_path: Path) -> Iterator[Mesh]:
+def mesh_fixture(tmp_path: Path, fleet: Fleet) -> Iterator[Mesh]:
     require_root("ip", "iptables", "nsenter", "ss", "curl")
     require_tools("/usr/lib/cni/bridge", "/usr/lib/cni/host-local", hint="containernetworking-plugins")
     cluster = Cluster(tmp_path)
-    config = tmp_path / "mesh.yaml"
-    config.write_text("workloads: []\n")
-    node1 = cluster.node()
-    # The control plane runs in the first node (its ztunnel reaches it on loopback, others over the link).
-    cp = subprocess.Popen(
-        ["ip", "netns", "exec", node1.ns.name, ZTUNNEL, "control-plane", "--config", str(config),
-         "--listen", "0.0.0.0:15012", "--ca-dir", str(tmp_path / "ca")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    m = Mesh(cluster, config, cp, "http://127.0.0.1:15012")
+    m: Mesh | None = None
     try:
-        assert cp.stdout is not None
-        seen: list[str] = []
-        while not any("root certificate:" in line for line in seen):
-            line = cp.stdout.readline()
-            assert line, "control plane exited: " + "".join(seen)
-            seen.append(line)
-        m.cp_log.extend(seen)
-        # Never let its pipe fill; what it logs counts the xDS streams and the certificates issued.
-        threading.Thread(target=lambda: m.cp_log.extend(iter(cp.stdout.readline, "")), daemon=True).start()
+        node1 = cluster.node()
+        # The control plane runs in the first node (its ztunnel reaches it on loopback, others over the link).
+        cp = fleet.control_plane(
+            tmp_path / "cp", "0.0.0.0", "workloads: []\n", port=15012, netns=node1.ns.name
+        )
+        m = Mesh(cluster, fleet, cp, "http://127.0.0.1:15012")
         yield m
     finally:
-        for app in m.apps:
+        for app in m.apps if m is not None else []:
             app.kill()
             app.wait()
-        for zt in m.ztunnels.values():
-            zt.stop(signal.SIGKILL)
-            if zt.log.exists():  # shown by pytest when the test failed
-                sys.stdout.write(f"--- {zt.node.ns.name} {zt.name} log (tail) ---\n{zt.output()[-3000:]}\n")
-        cp.kill()
-        cp.wait()
+        fleet.close()  # before the namespaces go
         cluster.close()
 
 
-def start_node(m: Mesh, node: Node, xds: str, **extra: str) -> Ztunnel:
+def start_node(m: Mesh, node: Node, xds: str, **extra: str) -> Proxy:
     node.start_agent()
-    zt = Ztunnel(node, xds, extra=extra)
+    zt = m.ztunnel(node, xds, **extra)
     zt.start()
-    m.ztunnels[f"{node.ns.name}/{zt.name}"] = zt
-    eventually(zt.ready, "ztunnel readiness")
     return zt
 
 
@@ -358,5 +296,5 @@ def hold(mesh: Mesh, src: Pod, dst: Pod, n: int) -> Holder:
     return holder
 
 
-def per_worker(zt: Ztunnel, key: str) -> list[int]:
-    return [w[key] for w in zt.workers()]
+def per_worker(zt: Proxy, key: str) -> list[int]:
+    return [w[key] for w in zt.worker_entries()]

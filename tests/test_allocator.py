@@ -107,8 +107,8 @@ async def test_trimming_releases_after_a_burst() -> None:
     try:
         for _ in range(20):  # a burst: 100 % of the CPU (10 ms a tick) for 20 ticks
             cpu[0] += 0.01
-            await asyncio.sleep(0.01)
-        await asyncio.wait_for(released.wait(), 1.0)  # then idle (the policy's tests say when)
+            await asyncio.sleep(0.01)  # the simulated CPU time's pace: the stimulus
+        await asyncio.wait_for(released.wait(), 10.0)  # then idle (the policy's tests say when)
     finally:
         trimmer.stop()
 
@@ -130,12 +130,12 @@ async def test_a_closed_connection_brings_the_look_that_gives_memory_back() -> N
     try:
         for _ in range(10):  # a busy stretch: 100 % of the CPU for 0.1 s, no connection closing
             cpu[0] += 0.01
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # the simulated CPU time's pace: the stimulus
         assert looks[0] == 1  # only the start's: the periodic look is 10 s away
         for _ in range(50):
             trimmer.poke()  # the connections close, all at once
         assert looks[0] == 2  # the first poke looked (the busy stretch counted as work)
-        await asyncio.wait_for(released.wait(), 1.0)
+        await asyncio.wait_for(released.wait(), 10.0)
         assert looks[0] == 3  # and one look `settle` later saw the idle
     finally:
         trimmer.stop()
@@ -149,8 +149,8 @@ async def test_traffic_that_stops_on_held_connections_is_seen_by_the_periodic_lo
     try:
         for _ in range(20):
             cpu[0] += 0.01
-            await asyncio.sleep(0.01)
-        await asyncio.wait_for(released.wait(), 1.0)  # no poke: the periodic look finds it idle
+            await asyncio.sleep(0.01)  # the simulated CPU time's pace: the stimulus
+        await asyncio.wait_for(released.wait(), 10.0)  # no poke: the periodic look finds it idle
     finally:
         trimmer.stop()
 
@@ -166,5 +166,5 @@ async def test_a_stopped_trimmer_looks_no_more() -> None:
     trimmer.start(asyncio.get_running_loop())
     trimmer.stop()
     trimmer.poke()
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # a negative check: five ticks' time for a wrong look to show
     assert looks[0] == 1  # the start's only

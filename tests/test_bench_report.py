@@ -16,6 +16,7 @@ import pytest
 from benches import paced, procfs
 from benches.matrix import FIGURE_KEYS, Matrix
 from benches.report import table, targets_report
+from tests.waiting import eventually
 
 
 def _data(
@@ -106,14 +107,21 @@ def test_window_rates_read_only_the_samples_inside_the_window() -> None:
     assert paced.window_rates(samples, 1.5, 2.5) == {}  # one sample inside: no rate
 
 
+def cpu_ticks(pid: int) -> int:
+    """User and system clock ticks the kernel counted for `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def test_the_sampler_sees_a_busy_process_use_a_core() -> None:
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.2)
+        eventually(lambda: cpu_ticks(busy.pid) > 0, "the busy process spinning")
         sampler = paced.Sampler({"busy": [busy.pid], "self": [os.getpid()]})
         sampler.start()
         t0 = time.monotonic()
-        time.sleep(1.2)
+        time.sleep(1.2)  # the window sampled: the measurement, not a wait
         samples = sampler.stop()
         rates = paced.window_rates(samples, t0, time.monotonic())
     finally:
@@ -154,7 +162,11 @@ def test_idle_memory_waits_for_a_certificate_helper_to_leave() -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     short, long = _helper(0.5), _helper(60)
     try:
-        assert procfs.running_module([sleeper.pid, short.pid], "ztunnel.identity.certwork")
+        # The long one (the short one may have lingered out already on a busy machine), once it is
+        # past its exec (its command line empty until then).
+        eventually(
+            lambda: procfs.running_module([sleeper.pid, long.pid], "ztunnel.identity.certwork"), "the helper"
+        )
         assert not procfs.running_module([sleeper.pid], "ztunnel.identity.certwork")
         t0 = time.monotonic()
         matrix._without_cert_work(types.SimpleNamespace(name="hbone", processes=[_Proxy(sleeper, short)]))

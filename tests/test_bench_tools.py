@@ -20,6 +20,7 @@ import pytest
 
 from benches import ctools
 from tests.netns import require_tools
+from tests.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,8 @@ def test_paced_counts_latency_from_each_request_intended_time(tools: Path, echo:
     stall: list[float] = []
 
     def stop_for_a_while() -> None:
+        # When and how long the server stops is the stimulus (a machine too slow to overlap it with
+        # the run is told apart below), not a wait.
         time.sleep(0.5)
         server.send_signal(signal.SIGSTOP)
         stall.append(time.monotonic())
@@ -115,6 +118,13 @@ def test_paced_counts_latency_from_each_request_intended_time(tools: Path, echo:
     assert res["p90_us"] >= 0.25 * overlap * 1e6, (res, overlap)
 
 
+def established_to(port: int) -> int:
+    """The established IPv4 TCP connections whose local port is `port` (what /proc/net/tcp lists)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "01")
+
+
 def test_paced_reports_a_dead_server(tools: Path, echo: Any) -> None:
     host, port = _free_address()
     rc, res, _ = _result(_paced(tools, host, port, 100, 0.5))
@@ -122,7 +132,8 @@ def test_paced_reports_a_dead_server(tools: Path, echo: Any) -> None:
 
     server, host, port = echo
     proc = _paced(tools, host, port, 1000, 1.0)
-    time.sleep(0.4)
+    # The server dies once the run has begun (its connections are up), most of the run still due.
+    eventually(lambda: established_to(port) > 0, "the paced client's connections")
     server.kill()
     server.wait()
     rc, res, err = _result(proc)

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
+import termios
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
@@ -19,10 +22,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from hbone.identity import Identity
+from tests.apps import echo_roundtrip, loopback_net, sha, start_echo, workload_yaml
 from tests.certs import make_ca
-from tests.mesh import Fleet, echo_roundtrip, loopback_net, proxy_env, sha, start_echo, workload_yaml
+from tests.harness import Fleet, proxy_env
 from tests.waiting import eventually_async
-from tests.worker_mesh import cert_helpers, children
 from ztunnel.identity.certhelper import CertHelper, InProcess, IssuedCertificate
 from ztunnel.identity.certificates import CaError, CertificateUnavailable, FakeCA, SecretManager
 from ztunnel.identity.certwork import CertWorkError
@@ -154,10 +157,19 @@ async def test_requests_around_the_linger_are_all_answered() -> None:
         roots = FakeCA().issue(CLIENT).roots_pem
         for i in range(25):
             assert len(await work.describe(roots)) == 1
-            await asyncio.sleep(0.004 * (i % 5))
+            await asyncio.sleep(0.004 * (i % 5))  # gaps around the linger: the stimulus
         assert work.started >= 2
     finally:
         await work.close()
+
+
+def unread_input(pid: int) -> int:
+    """Bytes written to `pid`'s stdin and not read yet (what the kernel says the pipe holds)."""
+    fd = os.open(f"/proc/{pid}/fd/0", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0])
+    finally:
+        os.close(fd)
 
 
 async def test_a_helper_killed_mid_request_fails_it_and_the_next_fetch_works(helper: CertHelper) -> None:
@@ -167,7 +179,7 @@ async def test_a_helper_killed_mid_request_fails_it_and_the_next_fetch_works(hel
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)  # it cannot answer: the request is surely in flight when it dies
     fetch = asyncio.create_task(ca.fetch(OTHER))
-    await asyncio.sleep(0.1)
+    await eventually_async(lambda: unread_input(pid) > 0, "the request in the stopped helper's pipe")
     assert not fetch.done()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(
@@ -187,7 +199,7 @@ async def test_the_secret_manager_retries_after_a_helper_died(helper: CertHelper
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
         waiter = asyncio.create_task(manager.get(CLIENT))
-        await asyncio.sleep(0.1)
+        await eventually_async(lambda: unread_input(pid) > 0, "the request in the stopped helper's pipe")
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(CertificateUnavailable, match="certificate helper process exited"):
             await waiter
@@ -243,8 +255,8 @@ async def test_a_proxy_serves_hbone_and_its_parent_never_maps_cryptography(fleet
     echo = await start_echo(server_ip, 8080)
     try:
         client, server = await fleet.start(
-            proxy_env("demo", "client", "client", client_ip, config),
-            proxy_env("demo", "server", "server", server_ip, config),
+            proxy_env(client_ip, "demo/client/client", config),
+            proxy_env(server_ip, "demo/server/server", config),
         )
         payload = os.urandom(100_000)
         reply = await echo_roundtrip((client_ip, 15080), server_ip, 8080, payload)
@@ -257,9 +269,8 @@ async def test_a_proxy_serves_hbone_and_its_parent_never_maps_cryptography(fleet
             blocking=True,
         )
         for proxy in (client, server):
-            assert proxy.process is not None
-            parent = proxy.process.pid
-            await eventually_async(lambda p=parent: not cert_helpers(p), "the certificate helper to leave")
+            parent = proxy.pid
+            await eventually_async(lambda p=proxy: not p.cert_helpers(), "the certificate helper to leave")
             assert not maps_cryptography(parent)
             [entry] = (await asyncio.to_thread(proxy.config_dump))["certificates"]
             assert entry["state"] == "Available"
@@ -268,7 +279,7 @@ async def test_a_proxy_serves_hbone_and_its_parent_never_maps_cryptography(fleet
             assert entry["certChain"] == list(await InProcess().describe([pem]))
             assert [r["pem"] for r in entry["rootCerts"]] == [base64.b64encode(FakeCA().root_pem).decode()]
             assert not maps_cryptography(parent)
-            assert not any(maps_cryptography(pid) for pid in children(parent))  # nor do the workers
+            assert not any(maps_cryptography(pid) for pid in proxy.workers())  # nor do the workers
     finally:
         echo.server.close()
 

@@ -6,11 +6,12 @@ import os
 import random
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.harness import Fleet
 
 ZTUNNEL = [sys.executable, "-m", "ztunnel"]
 
@@ -84,37 +85,19 @@ def test_unknown_subcommand_fails() -> None:
     assert "invalid choice" in r.stderr
 
 
-def test_quitquitquit_drains_and_exits_zero(tmp_path: Path) -> None:
+def test_quitquitquit_drains_and_exits_zero(tmp_path: Path, fleet: Fleet) -> None:
     ip = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}.5"
     config = tmp_path / "c.yaml"
     config.write_text(
         f"workloads:\n  - uid: u\n    name: client\n    namespace: demo\n    serviceAccount: client-sa\n"
         f"    workloadIps: ['{ip}']\n    protocol: HBONE\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROXY_", "XDS_", "LOCAL_XDS"))}
-    env.update(dedicated(ip, LOCAL_XDS_PATH=str(config)))
-    proc = subprocess.Popen(
-        [*ZTUNNEL, "proxy"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                with urllib.request.urlopen(f"http://{ip}:15021/healthz/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.1)
-        req = urllib.request.Request(f"http://{ip}:15000/quitquitquit", method="POST", data=b"")
-        with urllib.request.urlopen(req, timeout=5) as r:
-            assert (r.status, r.read()) == (200, b"shutdown now\n")
-        assert proc.wait(timeout=15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proxy = fleet.proxy(dedicated(ip, LOCAL_XDS_PATH=str(config)))
+    proxy.start(timeout=20)
+    req = urllib.request.Request(f"http://{ip}:15000/quitquitquit", method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert (r.status, r.read()) == (200, b"shutdown now\n")
+    assert proxy.wait_exit(15) == 0
 
 
 def test_demo_runs_and_everything_behaves() -> None:

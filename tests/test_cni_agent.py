@@ -359,7 +359,7 @@ def test_misbehaving_clients_cost_only_their_connection(node: Node, peers: list[
     good, _ = connect(node, peers)
     node.add_pod("web")
     assert good.next().kind == "add"
-    assert node.agent is not None and node.agent.poll() is None
+    assert node.agent is not None and node.agent.running()
     assert "unexpected message from ztunnel" in node.agent_output()
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from cni.install import ChainKeeper, InstallConfig, chained, install_plugin, primary_conf, uninstall
 from tests.cninode import CNI_BIN_DIR, Node, Pod
+from tests.harness import Fleet
 from tests.netns import require_root, require_tools
 from tests.waiting import eventually
 
@@ -260,7 +261,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
 @pytest.mark.root
 @pytest.mark.timeout(120)
 def test_the_agent_installs_the_plugin_and_a_pod_runs_through_the_chained_list(
-    node: Node, tmp_path: Path
+    node: Node, tmp_path: Path, fleet: Fleet
 ) -> None:
     bin_dir, conf_dir = tmp_path / "host" / "opt-cni-bin", tmp_path / "host" / "etc-cni-net.d"
     conf_dir.mkdir(parents=True)
@@ -278,11 +279,8 @@ def test_the_agent_installs_the_plugin_and_a_pod_runs_through_the_chained_list(
     }
     local = tmp_path / "local.yaml"
     local.write_text("workloads: []\n")
-    ztunnel_log = tmp_path / "ztunnel.log"
-    ztunnel = node.ns.popen(
-        [ZTUNNEL, "proxy"],
+    ztunnel = fleet.proxy(
         {
-            **os.environ,
             "PROXY_MODE": "shared",
             "INPOD_UDS": str(node.zds_socket),
             "XDS_ADDRESS": "",
@@ -290,12 +288,13 @@ def test_the_agent_installs_the_plugin_and_a_pod_runs_through_the_chained_list(
             "FAKE_CA": "true",
             "CONNECTION_TERMINATION_DEADLINE": "1s",
         },
-        str(ztunnel_log),
+        netns=node.ns.name,
     )
+    ztunnel.spawn()
     try:
         eventually(
             lambda: "snapshot of 0 pod(s) sent" in node.agent_output(),
-            lambda: f"ztunnel connected to the agent:\n{node.agent_output()}\n{ztunnel_log.read_text()}",
+            lambda: f"ztunnel connected to the agent:\n{node.agent_output()}\n{ztunnel.log()}",
         )
         pod = node.new_pod("web")
         cni_path = [bin_dir, CNI_BIN_DIR]
@@ -321,8 +320,7 @@ def test_the_agent_installs_the_plugin_and_a_pod_runs_through_the_chained_list(
 
         run_list(node, primary, cni_path, "DEL", pod)
     finally:
-        ztunnel.terminate()
-        ztunnel.wait(timeout=15)
+        ztunnel.terminate(timeout=15)
     assert node.stop_agent() == 0
     # Stopping the agent leaves the plugin in place (a new agent takes over); uninstall removes it.
     assert plugin_types(primary)[-1] == "ztunnel-cni"

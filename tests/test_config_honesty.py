@@ -17,16 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.mesh import (
-    ONLY_FRONTEND,
-    Fleet,
-    Proxy,
-    echo_roundtrip,
-    loopback_net,
-    proxy_env,
-    start_echo,
-    workload_yaml,
-)
+from tests.apps import ONLY_FRONTEND, echo_roundtrip, loopback_net, start_echo, workload_yaml
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.waiting import eventually_async
 from ztunnel.config.settings import Config
 
@@ -92,10 +84,8 @@ workloads:{workload_yaml("server", SERVER)}{workload_yaml("frontend", FRONTEND)}
 
 async def test_enable_proxy_false_binds_no_proxy_listener(fleet: Fleet) -> None:
     env = proxy_env(
-        "demo",
-        "server",
-        "server",
         SERVER,
+        "demo/server/server",
         CONFIG,
         ENABLE_PROXY="false",
         ISTIO_META_DNS_PROXY_ADDR=f"{SERVER}:15053",
@@ -125,9 +115,9 @@ async def mesh(request: pytest.FixtureRequest, fleet: Fleet) -> AsyncIterator[Lo
     try:
         extra = {"AUTHZ_POLICY_INFO_LOGGING": request.param}
         proxies = await fleet.start(
-            proxy_env("demo", "server", "server", SERVER, CONFIG, **extra),
+            proxy_env(SERVER, "demo/server/server", CONFIG, **extra),
             *(
-                proxy_env("demo", name, name, ip, CONFIG)
+                proxy_env(ip, f"demo/{name}/{name}", CONFIG)
                 for name, ip in (("frontend", FRONTEND), ("intruder", INTRUDER))
             ),
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,8 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.apps import loopback_net
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.inpod_mesh import hold, mesh_fixture, mesh_yaml, start_echo, start_node  # noqa: F401
-from tests.liveproxy import LiveProxy, live_proxy, loopback_net, proxy_env
 from tests.waiting import eventually
 from ztunnel.admin import configview
 from ztunnel.admin.configview import ConfigViewError, admin_url, log_query
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 NET = loopback_net()
 PROXY = f"{NET}.2"
+ADMIN = f"{PROXY}:15000"  # what a user passes `ztunnel config`
 
 MESH = f"""
 workloads:
@@ -141,22 +142,19 @@ CONNECTIONS = ["WORKLOAD", "DIRECTION", "LOCAL", "REMOTE", "REMOTE TARGET", "PRO
 
 
 @pytest.fixture(scope="module")
-def proxy() -> Iterator[LiveProxy]:
-    with live_proxy(proxy_env("demo/client/client", PROXY, MESH)) as p:
-        yield p
+def proxy(module_fleet: Fleet) -> Proxy:
+    [p] = module_fleet.start_all(proxy_env(PROXY, "demo/client/client", MESH))
+    return p
 
 
-def config_dump(proxy: LiveProxy) -> dict[str, Any]:
-    code, body = proxy.get(15000, "/config_dump")
-    assert code == 200, body
-    dump: dict[str, Any] = json.loads(body)
-    return dump
+def config_dump(proxy: Proxy) -> dict[str, Any]:
+    return proxy.config_dump()
 
 
 # -- against a live proxy -------------------------------------------------------------------------
 
 
-def test_workloads_sorted_with_their_waypoints_named(proxy: LiveProxy) -> None:
+def test_workloads_sorted_with_their_waypoints_named(proxy: Proxy) -> None:
     # The host alone: the admin port is the default, 15000.
     rows = columns(shown("workload", PROXY), WORKLOAD)
     assert rows == [
@@ -167,43 +165,43 @@ def test_workloads_sorted_with_their_waypoints_named(proxy: LiveProxy) -> None:
         {"NAMESPACE": "other", "POD NAME": "db", "ADDRESS": f"{NET}.6", "NODE": "node-a", "WAYPOINT": "waypoint", "PROTOCOL": "TCP"},
     ]  # fmt: skip
     # istioctl's filters.
+    assert [r["POD NAME"] for r in columns(shown("w", ADMIN, "--workload-namespace", "other"), WORKLOAD)] == [
+        "db"
+    ]
     assert [
-        r["POD NAME"] for r in columns(shown("w", proxy.admin, "--workload-namespace", "other"), WORKLOAD)
-    ] == ["db"]
-    assert [
-        r["POD NAME"] for r in columns(shown("workloads", proxy.admin, "--workload-node", "node-b"), WORKLOAD)
+        r["POD NAME"] for r in columns(shown("workloads", ADMIN, "--workload-node", "node-b"), WORKLOAD)
     ] == [
         "server-2",
         "waypoint",
     ]
-    assert [
-        r["POD NAME"] for r in columns(shown("workload", proxy.admin, "--address", f"{NET}.3"), WORKLOAD)
-    ] == ["server"]
+    assert [r["POD NAME"] for r in columns(shown("workload", ADMIN, "--address", f"{NET}.3"), WORKLOAD)] == [
+        "server"
+    ]
 
 
-def test_services_count_healthy_endpoints(proxy: LiveProxy) -> None:
-    assert columns(shown("svc", proxy.admin), SERVICE) == [
+def test_services_count_healthy_endpoints(proxy: Proxy) -> None:
+    assert columns(shown("svc", ADMIN), SERVICE) == [
         {"NAMESPACE": "demo", "SERVICE NAME": "server", "SERVICE VIP": "10.96.0.3", "WAYPOINT": "None", "ENDPOINTS": "1/2"},
         {"NAMESPACE": "demo", "SERVICE NAME": "waypoint", "SERVICE VIP": "10.96.0.9", "WAYPOINT": "None", "ENDPOINTS": "1/1"},
     ]  # fmt: skip
-    assert columns(shown("service", proxy.admin, "--service-namespace", "other"), SERVICE) == []
+    assert columns(shown("service", ADMIN, "--service-namespace", "other"), SERVICE) == []
 
 
-def test_policies_aligned_as_istioctl_aligns_them(proxy: LiveProxy) -> None:
-    assert shown("policy", proxy.admin) == (
+def test_policies_aligned_as_istioctl_aligns_them(proxy: Proxy) -> None:
+    assert shown("policy", ADMIN) == (
         "NAMESPACE    POLICY NAME  ACTION SCOPE\n"
         "demo         allow-client Allow  Namespace\n"
         "istio-system deny-9999    Deny   Global\n"
     )
-    assert shown("pol", proxy.admin, "--policy-namespace", "demo").splitlines()[1:] == [
+    assert shown("pol", ADMIN, "--policy-namespace", "demo").splitlines()[1:] == [
         "demo      allow-client Allow  Namespace"
     ]
 
 
-def test_certificates_leaf_and_root_with_serials_in_hex(proxy: LiveProxy) -> None:
+def test_certificates_leaf_and_root_with_serials_in_hex(proxy: Proxy) -> None:
     dump = config_dump(proxy)
     (secret,) = dump["certificates"]
-    rows = columns(shown("certs", proxy.admin), CERTIFICATE)
+    rows = columns(shown("certs", ADMIN), CERTIFICATE)
     chain = [("Leaf", c) for c in secret["certChain"]] + [("Root", c) for c in secret["rootCerts"]]
     assert [r["TYPE"] for r in rows] == ["Leaf", "Root"] == [kind for kind, _ in chain]
     for row, (_, cert) in zip(rows, chain, strict=True):
@@ -213,66 +211,66 @@ def test_certificates_leaf_and_root_with_serials_in_hex(proxy: LiveProxy) -> Non
         assert (row["NOT AFTER"], row["NOT BEFORE"]) == (cert["expirationTime"], cert["validFrom"])
 
 
-def test_a_dedicated_proxy_lists_no_connections(proxy: LiveProxy) -> None:
+def test_a_dedicated_proxy_lists_no_connections(proxy: Proxy) -> None:
     # As the reference: workloadState (and so the connections) exists in in-pod mode only.
-    assert shown("cons", proxy.admin) == "WORKLOAD DIRECTION LOCAL REMOTE REMOTE TARGET PROTOCOL\n"
+    assert shown("cons", ADMIN) == "WORKLOAD DIRECTION LOCAL REMOTE REMOTE TARGET PROTOCOL\n"
 
 
-def test_json_and_yaml_are_the_proxys_own_entries(proxy: LiveProxy) -> None:
+def test_json_and_yaml_are_the_proxys_own_entries(proxy: Proxy) -> None:
     dump = config_dump(proxy)
     by_name = {w["name"]: w for w in dump["workloads"]}
-    got = json.loads(shown("workload", proxy.admin, "-o", "json", "--workload-node", "node-b"))
+    got = json.loads(shown("workload", ADMIN, "-o", "json", "--workload-node", "node-b"))
     assert got == [by_name["server-2"], by_name["waypoint"]] or got == [
         by_name["waypoint"],
         by_name["server-2"],
     ]
-    assert yaml.safe_load(shown("policy", proxy.admin, "-o", "yaml")) == sorted(
+    assert yaml.safe_load(shown("policy", ADMIN, "-o", "yaml")) == sorted(
         dump["policies"], key=lambda p: (p["namespace"], p["name"])
     )
-    everything = yaml.safe_load(shown("all", proxy.admin, "-o", "yaml"))
+    everything = yaml.safe_load(shown("all", ADMIN, "-o", "yaml"))
     for key in ("workloads", "services", "policies", "certificates", "config"):
         assert everything[key] == dump[key], key
 
 
-def test_all_prints_every_summary_and_a_saved_dump_reads_the_same(proxy: LiveProxy, tmp_path: Path) -> None:
-    text = shown("all", proxy.admin, "--with-headers")
+def test_all_prints_every_summary_and_a_saved_dump_reads_the_same(proxy: Proxy, tmp_path: Path) -> None:
+    text = shown("all", ADMIN, "--with-headers")
     titles = [line for line in text.splitlines() if line.startswith("------")]
     assert titles == [
         f"------ {t} ------"
         for t in ("WORKLOAD INFO", "SERVICE INFO", "POLICY INFO", "SECRET INFO", "CONNECTIONS INFO")
     ]
-    assert shown("policy", proxy.admin) in text
+    assert shown("policy", ADMIN) in text
     saved = tmp_path / "dump.json"
     saved.write_text(json.dumps(config_dump(proxy)))
-    assert shown("workload", "-f", str(saved)) == shown("workload", proxy.admin)
-    assert shown("policy", "-f", str(saved)) == shown("policy", proxy.admin)
+    assert shown("workload", "-f", str(saved)) == shown("workload", ADMIN)
+    assert shown("policy", "-f", str(saved)) == shown("policy", ADMIN)
 
 
-def test_log_lists_changes_and_resets_the_level(proxy: LiveProxy) -> None:
+def test_log_lists_changes_and_resets_the_level(proxy: Proxy) -> None:
     # No flags: what istioctl sends (`?level=`); the proxy lists the level and changes nothing.
-    assert shown("log", proxy.admin) == f"{proxy.admin}:\ncurrent log level is info\n\n"
+    assert shown("log", ADMIN) == f"{ADMIN}:\ncurrent log level is info\n\n"
     # istioctl's spellings: `logger:level`, `warning`.
-    assert shown("log", proxy.admin, "--level", "access:debug,warning") == (
-        f"{proxy.admin}:\ncurrent log level is warn,access=debug\n\n"
+    assert shown("log", ADMIN, "--level", "access:debug,warning") == (
+        f"{ADMIN}:\ncurrent log level is warn,access=debug\n\n"
     )
-    assert shown("log", proxy.admin) == f"{proxy.admin}:\ncurrent log level is warn,access=debug\n\n"
-    assert shown("log", proxy.admin, "-r") == f"{proxy.admin}:\ncurrent log level is info\n\n"
+    assert shown("log", ADMIN) == f"{ADMIN}:\ncurrent log level is warn,access=debug\n\n"
+    assert shown("log", ADMIN, "-r") == f"{ADMIN}:\ncurrent log level is info\n\n"
 
 
-def test_the_admin_flag_names_the_proxy_as_the_address_does(proxy: LiveProxy) -> None:
+def test_the_admin_flag_names_the_proxy_as_the_address_does(proxy: Proxy) -> None:
     """`--admin HOST:PORT`, as the contract names it, beside the positional address: every view."""
     for view in ("workload", "service", "policy", "certificate", "all"):
-        assert shown(view, "--admin", proxy.admin) == shown(view, proxy.admin), view
-    assert "current log level is info" in shown("log", "--admin", proxy.admin)
-    assert shown("workload", proxy.admin, "--admin", proxy.admin) == shown("workload", proxy.admin)
-    done = ztunnel_config("workload", f"{NET}.2:1", "--admin", proxy.admin)
+        assert shown(view, "--admin", ADMIN) == shown(view, ADMIN), view
+    assert "current log level is info" in shown("log", "--admin", ADMIN)
+    assert shown("workload", ADMIN, "--admin", ADMIN) == shown("workload", ADMIN)
+    done = ztunnel_config("workload", f"{NET}.2:1", "--admin", ADMIN)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip() == (
-        f"ztunnel config workload: two admin addresses: '{NET}.2:1' and --admin '{proxy.admin}'"
+        f"ztunnel config workload: two admin addresses: '{NET}.2:1' and --admin '{ADMIN}'"
     )
 
 
-def test_bad_input_fails_with_one_line(proxy: LiveProxy, tmp_path: Path) -> None:
+def test_bad_input_fails_with_one_line(proxy: Proxy, tmp_path: Path) -> None:
     def failure(*args: str) -> str:
         done = ztunnel_config(*args)
         assert done.returncode == 1 and done.stdout == "", done
@@ -283,29 +281,23 @@ def test_bad_input_fails_with_one_line(proxy: LiveProxy, tmp_path: Path) -> None
         f"ztunnel config workload: cannot reach the admin server at http://{NET}.2:1/config_dump: "
         "[Errno 111] Connection refused"
     )
-    assert (
-        failure("log", proxy.admin, "--level", "loud")
-        == "ztunnel config log: unrecognized logging level: loud"
-    )
-    assert failure("log", proxy.admin, "--level", "debug", "-r") == (
+    assert failure("log", ADMIN, "--level", "loud") == "ztunnel config log: unrecognized logging level: loud"
+    assert failure("log", ADMIN, "--level", "debug", "-r") == (
         "ztunnel config log: --level cannot be combined with --reset"
     )
     assert (
-        failure("log", proxy.admin, "-o", "json")
+        failure("log", ADMIN, "-o", "json")
         == "ztunnel config log: --output is not applicable for this command"
     )
-    assert (
-        failure("policy", proxy.admin, "-o", "xml")
-        == "ztunnel config policy: output format 'xml' not supported"
-    )
-    assert failure("policy", proxy.admin, "-f", "x.json").endswith(
+    assert failure("policy", ADMIN, "-o", "xml") == "ztunnel config policy: output format 'xml' not supported"
+    assert failure("policy", ADMIN, "-f", "x.json").endswith(
         "at most one of --file or ADDRESS must be passed"
     )
     (tmp_path / "bad.json").write_text("[1]")
     assert failure("policy", "-f", str(tmp_path / "bad.json")) == (
         f"ztunnel config policy: {tmp_path / 'bad.json'}: not a config dump (a JSON list, not an object)"
     )
-    assert "current log level is info" in shown("log", proxy.admin)  # the refused changes changed nothing
+    assert "current log level is info" in shown("log", ADMIN)  # the refused changes changed nothing
 
 
 # -- pure parts ------------------------------------------------------------------------------------

@@ -308,7 +308,8 @@ async def test_a_broken_edit_is_refused_and_a_later_good_edit_applies(
     assert str(config_file) in error
     assert "\n" not in error
 
-    # Several polls (every 50 ms) see the broken file unchanged before the good edit replaces it.
+    # Several polls (every 50 ms) see the broken file unchanged before the good edit replaces it: how
+    # long it stays is the stimulus (what follows holds however many polls there were), not a wait.
     await asyncio.sleep(0.3)
     # The stream is ordered: if the broken file had been pushed, it would come before this.
     write_config(config_file, EDITED)

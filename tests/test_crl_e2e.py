@@ -21,8 +21,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from hbone.identity import Identity
 from hbone.tls import TlsCredentials, TlsPolicy
+from tests.apps import Echo, socks5_connect, start_echo
 from tests.certs import CA, make_crl
-from tests.mesh import Echo, Fleet, Proxy, proxy_env, socks5_connect, start_echo
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.waiting import eventually_async
 from ztunnel.identity.certificates import FakeCA
 
@@ -127,7 +128,7 @@ async def echo() -> AsyncIterator[Echo]:
 
 def env(name: str, ip: str, crl: Path | None = None) -> dict[str, str]:
     extra = {"CRL_PATH": str(crl)} if crl is not None else {}
-    return proxy_env("demo", name, name, ip, CONFIG, **extra)
+    return proxy_env(ip, f"demo/{name}/{name}", CONFIG, **extra)
 
 
 async def test_inbound_reload_tears_down_the_revoked_client_only(
@@ -243,7 +244,7 @@ async def _tls12_handshake(ip: str) -> str:
 
 async def test_tls12_enabled_serves_tls12_and_the_default_refuses_it(fleet: Fleet) -> None:
     default, _lenient = await fleet.start(
-        env("server", SERVER), proxy_env("demo", "other", "other", OTHER, CONFIG, TLS12_ENABLED="true")
+        env("server", SERVER), proxy_env(OTHER, "demo/other/other", CONFIG, TLS12_ENABLED="true")
     )
     refused = await _tls12_handshake(SERVER)
     assert refused.startswith("refused:"), refused

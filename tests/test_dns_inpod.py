@@ -7,15 +7,13 @@ namespace; the machine's own file is never touched).
 
 from __future__ import annotations
 
-import os
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.cninode import Pod
-from tests.inpod_mesh import ZTUNNEL, Mesh, Ztunnel, mesh_fixture, workload_yaml
+from tests.inpod_mesh import Mesh, mesh_fixture, workload_yaml
 from tests.netns import require_tools
 from tests.waiting import eventually
 
@@ -32,35 +30,6 @@ POD_RESOLV = (
     "search ns1.svc.cluster.local svc.cluster.local cluster.local\n"
     "options ndots:5 timeout:2 attempts:2\n"
 )
-
-
-@dataclass
-class ResolvZtunnel(Ztunnel):
-    """`ztunnel proxy` with its own /etc/resolv.conf bind-mounted in a private mount namespace."""
-
-    resolv: Path | None = None
-
-    def start(self) -> None:
-        assert self.resolv is not None
-        env = dict(os.environ)
-        env.update(
-            PROXY_MODE="shared",
-            INPOD_UDS=str(self.node.zds_socket),
-            XDS_ADDRESS=self.xds,
-            FAKE_CA="true",
-            CONNECTION_TERMINATION_DEADLINE="2s",
-            LOG_LEVEL="info,dns=debug",
-            ADMIN_ADDRESS=f"127.0.0.1:{self.ports[0]}",
-            STATS_ADDRESS=f"0.0.0.0:{self.ports[1]}",
-            READINESS_ADDRESS=f"0.0.0.0:{self.ports[2]}",
-        )
-        script = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                ["ip", "netns", "exec", self.node.ns.name, "unshare", "-m", "--propagation", "private",
-                 "sh", "-c", script, str(self.resolv), ZTUNNEL, "proxy"],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
 
 
 def in_pod(pod: Pod, resolv: Path, *cmd: str) -> subprocess.CompletedProcess[str]:
@@ -88,10 +57,12 @@ def test_pod_dns_is_captured_and_answered_or_forwarded(mesh: Mesh, tmp_path: Pat
     own_resolv = tmp_path / "ztunnel-resolv.conf"
     own_resolv.write_text(f"nameserver {node.gateway}\n")
     node.start_agent()
-    zt = ResolvZtunnel(node, mesh.xds, resolv=own_resolv)
+    # `ztunnel proxy` with its own /etc/resolv.conf bind-mounted in a private mount namespace.
+    script = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
+    wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(own_resolv)]
+    zt = mesh.ztunnel(node, mesh.xds, wrap=wrap, LOG_LEVEL="info,dns=debug")
+    del zt.env["ZTUNNEL_WORKER_THREADS"]  # the default count, as before
     zt.start()
-    mesh.ztunnels[f"{node.ns.name}/{zt.name}"] = zt
-    eventually(zt.ready, "ztunnel readiness")
 
     client = node.add_pod("client", namespace="ns1", service_account="client")
     assert "--dport 53 -j REDIRECT --to-ports 15053" in client.iptables_save()
@@ -131,13 +102,13 @@ def test_pod_dns_is_captured_and_answered_or_forwarded(mesh: Mesh, tmp_path: Pat
         done = in_pod(client, pod_resolv, dig, "+tcp", "@10.96.0.10", "nothere.upstream.test")
         assert "status: NXDOMAIN" in done.stdout, done.stdout
         # Each query logged at debug under the `dns` target (the reference's fields), the pod as client.
-        out = zt.output()
+        out = zt.log()
         assert (
             'src.workload="client" src.namespace="ns1" query="a" domain="echo.ns1.svc.cluster.local" result="success" endpoints=[10.96.7.7]'
             in out
         )
         assert 'domain="known.upstream.test" result="forwarded"' in out
-        metrics = zt.metrics()
+        metrics = zt.metrics_text()
         assert 'istio_dns_requests_total{request_query_type="a",request_protocol="tcp"' in metrics
         assert 'istio_dns_upstream_requests_total{request_query_type="a",request_protocol="udp"' in metrics
     finally:

@@ -7,18 +7,16 @@ them with IPv6 switched off on its loopback.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
+import contextlib
 import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
+from tests.harness import Fleet, Proxy
 from tests.netns import Netns, require_root, require_tools
 from tests.test_dns_server import Running, start
+from tests.waiting import eventually
 from ztunnel.config.settings import Config
 from ztunnel.dns import dns_on_ipv6_loopback
 
@@ -109,9 +107,8 @@ services:
 """
 
 
-def run_proxy(ns: Netns, **extra: str) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZTUNNEL_", "PROXY_", "XDS_", "CA_"))}
-    env.update(
+def run_proxy(fleet: Fleet, ns: Netns, **extra: str) -> Proxy:
+    env = dict(
         PROXY_MODE="dedicated",
         PROXY_WORKLOAD_INFO="demo/client/client",
         ZTUNNEL_WORKER_THREADS="2",
@@ -120,29 +117,20 @@ def run_proxy(ns: Netns, **extra: str) -> subprocess.Popen[bytes]:
         LOCAL_XDS=MESH,
         **extra,
     )
-    return subprocess.Popen(
-        ["ip", "netns", "exec", ns.name, sys.executable, "-m", "ztunnel", "proxy"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    return fleet.proxy(env, netns=ns.name).start(timeout=45)
 
 
-def answered(ns: Netns, server: str, proxy: subprocess.Popen[Any]) -> str:
-    deadline = time.monotonic() + 45
-    while time.monotonic() < deadline and proxy.poll() is None:
-        out = dig(server, 15053, "web.demo.svc.cluster.local", "A", netns=ns.name)
-        if out == SERVICE_VIP:
-            return out
-        time.sleep(0.3)
-    return out if proxy.poll() is None else f"proxy exited {proxy.returncode}"
+def answered(ns: Netns, server: str) -> str:
+    """The name's answer from the proxy at `server`, once it is the service's VIP (or the last one)."""
+    out: list[str] = [""]
 
+    def check() -> bool:
+        out[0] = dig(server, 15053, "web.demo.svc.cluster.local", "A", netns=ns.name)
+        return out[0] == SERVICE_VIP
 
-def stop(proxy: subprocess.Popen[bytes]) -> str:
-    if proxy.poll() is None:
-        proxy.send_signal(signal.SIGTERM)
-    out, _ = proxy.communicate(timeout=20)
-    return out.decode(errors="replace")
+    with contextlib.suppress(AssertionError):
+        eventually(check, "the service's address", timeout=45, interval=0.3)
+    return out[0]
 
 
 @pytest.mark.root
@@ -151,20 +139,20 @@ def stop(proxy: subprocess.Popen[bytes]) -> str:
     [(True, "true", True), (False, "true", False), (True, "false", False)],
 )
 def test_a_proxy_answers_on_the_loopbacks_its_namespace_has(
-    lo_ipv6: bool, ipv6_enabled: str, on_v6: bool
+    lo_ipv6: bool, ipv6_enabled: str, on_v6: bool, fleet: Fleet
 ) -> None:
     require_root("ip", "sysctl")
     ns = Netns("dns6")
     try:
         if not lo_ipv6:
             ns.exec("sysctl", "-qw", "net.ipv6.conf.lo.disable_ipv6=1")
-        proxy = run_proxy(ns, IPV6_ENABLED=ipv6_enabled)
+        proxy = run_proxy(fleet, ns, IPV6_ENABLED=ipv6_enabled)
         try:
-            assert answered(ns, "127.0.0.1", proxy) == SERVICE_VIP
+            assert answered(ns, "127.0.0.1") == SERVICE_VIP
             on = dig("::1", 15053, "web.demo.svc.cluster.local", "A", netns=ns.name)
             assert (on == SERVICE_VIP) is on_v6, on
         finally:
-            output = stop(proxy)
-        assert proxy.returncode == 0, output
+            proxy.stop()
+        assert proxy.returncode == 0, proxy.tail()
     finally:
         ns.delete()

@@ -13,11 +13,9 @@ whose `/etc/resolv.conf` names the proxy, in another private mount namespace, re
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -26,7 +24,8 @@ import dns.message
 import dns.rcode
 import pytest
 
-from tests.mesh import Fleet, Proxy, proxy_env, socks5_connect, start_echo
+from tests.apps import socks5_connect, start_echo
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.netns import require_root, require_tools
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
@@ -62,7 +61,7 @@ async def mesh(fleet: Fleet) -> AsyncIterator[tuple[Proxy, int]]:
     text = MESH.format(client=CLIENT_IP, echo=ECHO_IP, port=port, local_port=local_port)
     text = text.replace("services:\n", BY_NAME.format(local_port=local_port).lstrip("\n") + "services:\n", 1)
     try:
-        [proxy] = await fleet.start(proxy_env("ns1", "client", "client", CLIENT_IP, text))
+        [proxy] = await fleet.start(proxy_env(CLIENT_IP, "ns1/client/client", text))
         yield proxy, port
     finally:
         echo.server.close()
@@ -169,7 +168,7 @@ async def test_dns_capture_off_means_no_dns_port(fleet: Fleet) -> None:
     local = MESH.format(client=CLIENT_IP, echo=ECHO_IP, port=1, local_port=1)
     try:
         [proxy] = await fleet.start(
-            proxy_env("ns1", "client", "client", CLIENT_IP, local, ISTIO_META_DNS_CAPTURE="false")
+            proxy_env(CLIENT_IP, "ns1/client/client", local, ISTIO_META_DNS_CAPTURE="false")
         )
         assert "socks5" in proxy.listeners() and "dns" not in proxy.listeners()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, pytest.raises(ConnectionRefusedError):
@@ -198,12 +197,12 @@ def _wait_udp(addr: tuple[str, int], proc: subprocess.Popen[bytes], what: str, l
                 s.recv(512)
                 return
             except OSError:
-                time.sleep(0.1)
+                time.sleep(0.1)  # before asking again (the deadline above bounds the wait)
     pytest.fail(f"{what} did not answer on {addr}: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture
-def system(tmp_path: Path) -> Iterator[str]:
+def system(tmp_path: Path, fleet: Fleet) -> Iterator[str]:
     """The proxy's DNS on <ip>:53 and a dnsmasq upstream; yields the proxy's DNS address."""
     require_root("unshare", "mount", "getent")
     (dnsmasq,) = require_tools("dnsmasq", hint="Debian package dnsmasq-base")
@@ -223,32 +222,29 @@ def system(tmp_path: Path) -> Iterator[str]:
     local = tmp_path / "mesh.yaml"
     local.write_text(MESH.format(client=proxy_ip, echo=echo_ip, port=8080, local_port=8080))
     env = {
-        **os.environ,
-        **proxy_env("ns1", "client", "client", proxy_ip, ""),
+        **proxy_env(proxy_ip, "ns1/client/client", ""),
         "LOCAL_XDS_PATH": str(local),
         "ISTIO_META_DNS_PROXY_ADDR": f"{proxy_ip}:53",
     }
     env.pop("LOCAL_XDS")
-    proxy_log = tmp_path / "proxy.log"
     script = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
-    proxy = subprocess.Popen(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(own_resolv),
-         sys.executable, "-m", "ztunnel", "proxy"],
-        env=env, stdout=proxy_log.open("wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(own_resolv)]
+    proxy = fleet.proxy(env, wrap=wrap)
     try:
         _wait_udp((upstream_ip, 53), upstream, "dnsmasq", up_log)
-        _wait_udp((proxy_ip, 53), proxy, "ztunnel proxy", proxy_log)
+        proxy.start()
+        assert proxy.process is not None
+        _wait_udp((proxy_ip, 53), proxy.process, "ztunnel proxy", proxy.log_path)
         client_resolv = tmp_path / "client-resolv.conf"
         client_resolv.write_text(f"nameserver {proxy_ip}\n{SEARCH}")
         yield str(client_resolv)
     finally:
-        for p in (proxy, upstream):
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        proxy.stop()
+        upstream.terminate()
+        try:
+            upstream.wait(10)
+        except subprocess.TimeoutExpired:
+            upstream.kill()
 
 
 def getent(client_resolv: str, database: str, name: str) -> tuple[int, str]:

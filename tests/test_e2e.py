@@ -14,21 +14,18 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.mesh import (
+from tests.apps import (
     ONLY_FRONTEND,
     Echo,
-    Fleet,
-    Proxy,
-    Samples,
     echo_roundtrip,
     http,
     loopback_net,
-    proxy_env,
     sha,
     socks5_connect,
     start_echo,
     workload_yaml,
 )
+from tests.harness import Fleet, Proxy, Samples, proxy_env
 from tests.netns import require_tools
 from tests.waiting import eventually_async
 
@@ -76,7 +73,7 @@ def proxies(module_fleet: Fleet) -> list[Proxy]:
     """The three proxies, started once for the module (a start costs seconds): each test counts
     from the metrics and the log as it found them."""
     names = (("server", SERVER), ("frontend", FRONTEND), ("intruder", INTRUDER))
-    return module_fleet.start_all(*(proxy_env("demo", name, name, ip, CONFIG) for name, ip in names))
+    return module_fleet.start_all(*(proxy_env(ip, f"demo/{name}/{name}", CONFIG) for name, ip in names))
 
 
 @pytest.fixture

@@ -15,17 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.mesh import (
-    ONLY_FRONTEND,
-    Fleet,
-    Proxy,
-    echo_roundtrip,
-    loopback_net,
-    proxy_env,
-    sha,
-    start_echo,
-    workload_yaml,
-)
+from tests.apps import ONLY_FRONTEND, echo_roundtrip, loopback_net, sha, start_echo, workload_yaml
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.waiting import eventually_async
 
 NET = loopback_net()
@@ -65,7 +56,7 @@ services:
 @pytest.fixture(scope="module")
 def proxies(module_fleet: Fleet) -> list[Proxy]:
     names = (("server", SERVER), ("frontend", FRONTEND), ("intruder", INTRUDER))
-    return module_fleet.start_all(*(proxy_env("demo", name, name, ip, CONFIG) for name, ip in names))
+    return module_fleet.start_all(*(proxy_env(ip, f"demo/{name}/{name}", CONFIG) for name, ip in names))
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The process harness itself (tests/mesh.py): a `ztunnel proxy` started as deployed is a
+"""The process harness itself (tests/harness.py): a `ztunnel proxy` started as deployed is a
 supervisor and two workers in one process group (with, for 2 s after its start-up certificate, the
 certificate helper); it drains on /quitquitquit
 and on SIGTERM, comes back on a restart, and nothing of it outlives the fleet, even when its
@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from tests.mesh import Fleet, group_members, loopback_net, proxy_env, workload_yaml
+from tests.apps import loopback_net, workload_yaml
+from tests.harness import Fleet, proxy_env
+from tests.procs import group_members
 from tests.waiting import eventually_async
 
 NET = loopback_net()
@@ -18,7 +20,7 @@ CONFIG = f"workloads:{workload_yaml('one', IP, uid='h//v1/Pod')}\n"
 
 
 async def test_drain_restart_and_no_orphans(fleet: Fleet) -> None:
-    [proxy] = await fleet.start(proxy_env("demo", "one", "one", IP, CONFIG))
+    [proxy] = await fleet.start(proxy_env(IP, "demo/one/one", CONFIG))
     await eventually_async(lambda: len(proxy.pids()) == 3, "the supervisor and two workers, the helper gone")
     first = proxy.pids()
     assert set(proxy.listeners()) >= {"inbound", "outbound", "socks5"}

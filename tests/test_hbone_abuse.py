@@ -157,7 +157,7 @@ class Bystander:
             self.stream.write(chunk)
             await self.sink.wait_for(len(self.sent), timeout=10.0)
             self.longest_wait = max(self.longest_wait, time.monotonic() - started)
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # pacing the bystander, not a wait
 
     async def stop(self) -> None:
         self._stop.set()

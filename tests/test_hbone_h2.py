@@ -225,7 +225,7 @@ async def test_half_close_client_first(loopback) -> None:
         await c.eof
         # the client ended its direction; ours keeps flowing
         req.stream.write(b"after your eof")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # two writes apart in time: the stimulus, not a wait
         req.stream.write(b", still here")
         req.stream.write_eof()
 
@@ -258,7 +258,7 @@ async def test_half_close_server_first_and_data_before_set_protocol(loopback) ->
     lb = await loopback(handler)
     conn = await lb.connect()
     stream = await conn.connect("127.0.0.1:25")
-    await asyncio.sleep(0.05)
+    await eventually_async(lambda: server_side, "the server's banner and end written")
     sink = Collector(stream)
     stream.set_protocol(sink)
     await asyncio.wait_for(sink.eof, 5)

@@ -12,23 +12,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
 from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
 from tests import h2peer
+from tests.apps import Echo, loopback_net, socks5_connect, start_echo, workload_yaml
 from tests.h2peer import RawH2, rst
-from tests.mesh import Echo, loopback_net, proxy_env, socks5_connect, start_echo, workload_yaml
-from tests.waiting import eventually
+from tests.harness import Fleet, Proxy, proxy_env
+from tests.waiting import eventually_async
 from ztunnel.identity.certificates import FakeCA
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,55 +39,6 @@ workloads:{workload_yaml("server", SERVER, uid="p//v1/Pod")}{workload_yaml("clie
 
 
 @dataclass
-class Proxy:
-    name: str
-    ip: str
-    process: subprocess.Popen[bytes]
-    log: list[str] = field(default_factory=list)
-
-    def text(self) -> str:
-        return "".join(self.log)
-
-
-def ready(ip: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{ip}:15021/healthz/ready", timeout=1) as r:
-            return bool(r.status == 200)
-    except (OSError, urllib.error.HTTPError):
-        return False
-
-
-def start(name: str, ip: str) -> Proxy:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZTUNNEL_", "PROXY_", "XDS_", "CA_"))}
-    env.update(proxy_env("demo", name, name, ip, CONFIG, RUST_LOG="info"))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ztunnel", "proxy"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    proxy = Proxy(name, ip, process)
-
-    def drain() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            proxy.log.append(line.decode(errors="replace"))
-
-    threading.Thread(target=drain, daemon=True).start()
-    eventually(lambda: ready(ip) or process.poll() is not None, f"{name} proxy readiness", 30)
-    assert process.poll() is None, proxy.text()
-    return proxy
-
-
-def stop(proxy: Proxy) -> None:
-    if proxy.process.poll() is None:
-        proxy.process.send_signal(signal.SIGTERM)
-        try:
-            proxy.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proxy.process.kill()
-            proxy.process.wait()
-    print(f"--- {proxy.name} proxy ---\n{proxy.text()}")
-
-
-@dataclass
 class Pair:
     client: Proxy
     server: Proxy
@@ -99,17 +46,14 @@ class Pair:
 
 
 @pytest.fixture
-async def pair() -> AsyncIterator[Pair]:
+async def pair(fleet: Fleet) -> AsyncIterator[Pair]:
     echo = await start_echo(SERVER, APP_PORT)
-    loop = asyncio.get_running_loop()
-    server = await loop.run_in_executor(None, start, "server", SERVER)
-    client = await loop.run_in_executor(None, start, "client", CLIENT)
-    p = Pair(client, server, echo)
     try:
-        yield p
+        server, client = await fleet.start(
+            proxy_env(SERVER, "demo/server/server", CONFIG), proxy_env(CLIENT, "demo/client/client", CONFIG)
+        )
+        yield Pair(client, server, echo)
     finally:
-        for proxy in (p.client, p.server):
-            await loop.run_in_executor(None, stop, proxy)
         echo.server.close()
 
 
@@ -143,7 +87,7 @@ class Tunnel:
         async def run() -> None:
             while not self._stop.is_set():
                 await self.roundtrip()
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # pacing the bystander's traffic, not a wait
 
         self.task = asyncio.create_task(run())
 
@@ -157,7 +101,7 @@ class Tunnel:
 
 
 def open_fds(proxy: Proxy) -> int:
-    return len(os.listdir(f"/proc/{proxy.process.pid}/fd"))
+    return len(os.listdir(f"/proc/{proxy.pid}/fd"))
 
 
 def attacker_cert() -> WorkloadCertificate:
@@ -200,8 +144,13 @@ async def test_rapid_reset_closes_the_attacker_and_spares_an_unrelated_tunnel(pa
     assert goaway.error_code == h2peer.ENHANCE_YOUR_CALM
     assert sent_pairs >= 1000  # the limit (1000 per 10 s) was passed, not merely approached
     # No dial, no descriptor, no task kept for the reset streams: the server is back to its idle fds.
-    eventually(lambda: open_fds(pair.server) <= fds_before + 2, "the server proxy's fds to settle", 10)
-    eventually(lambda: "rapid reset" in pair.server.text(), "the server proxy to log the attack", 5)
+    # (Waited on this loop, which also runs the bystander's echo app.)
+    await eventually_async(
+        lambda: open_fds(pair.server) <= fds_before + 2, "the server proxy's fds to settle", 10
+    )
+    await eventually_async(
+        lambda: "rapid reset" in pair.server.log(), "the server proxy to log the attack", 5
+    )
     await bystander.stop()
     assert bystander.received == bystander.sent
     assert bystander.longest_wait < 5.0
@@ -216,8 +165,8 @@ async def test_killed_peer_fails_its_tunnels_fast_and_the_next_connection_dials_
     for t in tunnels:
         await t.roundtrip()
     started = time.monotonic()
-    pair.server.process.send_signal(signal.SIGKILL)
-    pair.server.process.wait()
+    pair.server.send(signal.SIGKILL)
+    await pair.server.await_exit()
     for t in tunnels:
         try:
             rest = await asyncio.wait_for(t.reader.read(), 5.0)  # EOF, long before the 20 s keepalive
@@ -226,7 +175,8 @@ async def test_killed_peer_fails_its_tunnels_fast_and_the_next_connection_dials_
             pass
         t.close()
     assert time.monotonic() - started < 5.0
-    pair.server = await asyncio.get_running_loop().run_in_executor(None, start, "server", SERVER)
+    await pair.server.akill()  # what is left of its group
+    await pair.server.astart()
     fresh = await Tunnel.open()
     await fresh.roundtrip(64 * 1024)
     fresh.close()

@@ -118,7 +118,7 @@ async def test_wrong_expected_identity_is_refused_before_http2(ca: CA, serve) ->
     assert err.value.expected == (wanted,)
     assert [str(i) for i in err.value.got] == [SERVER_ID]
     assert "someone-else" in str(err.value) and SERVER_ID in str(err.value)
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # a negative check: how long a wrongly sent request has to show
     assert srv.requests == []
 
 

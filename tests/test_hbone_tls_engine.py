@@ -214,7 +214,9 @@ async def _s_client(args: list[str], wait_for: str = "Verify return code") -> st
             if not line:
                 break
             lines.append(line)
-        await asyncio.sleep(0.3)  # TLS 1.3 tickets come after the handshake
+        # TLS 1.3 tickets come after the handshake: time for one to show (a negative check: correct
+        # code passes however long this is).
+        await asyncio.sleep(0.3)
         proc.stdin.close()
         rest = await proc.stdout.read()
         await proc.wait()

@@ -18,6 +18,7 @@ from cryptography.x509.verification import PolicyBuilder, Store
 
 from hbone.identity import Identity
 from hbone.tls import TlsPolicy, WorkloadCertificate
+from tests.waiting import eventually_async
 from ztunnel.identity.certificates import CaError, CertificateUnavailable, FakeCA, SecretManager
 
 CLIENT = Identity("cluster.local", "demo", "client")
@@ -271,10 +272,7 @@ async def test_background_rotation_runs_on_its_own() -> None:
     ca = ShortLived()
     sm = SecretManager(ca)
     await sm.get(CLIENT)
-    for _ in range(100):
-        if ca.calls >= 3:
-            break
-        await asyncio.sleep(0.01)
+    await eventually_async(lambda: ca.calls >= 3, "two renewals of the short-lived certificate")
     assert ca.calls >= 3
     await sm.close()
 

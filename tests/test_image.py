@@ -29,13 +29,13 @@ from pathlib import Path
 import pytest
 
 from hbone.build import HOT_PATH
+from tests.harness import ControlPlane, Process
 from tests.netns import Netns, cannot_run, require_root
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
 # The image `make image` tags by default; kept after the test, so its layers cache the next build.
 IMAGE = "localhost/ztunnel-py:latest"
 NODE_IP = "10.244.0.5"
@@ -210,6 +210,7 @@ class Node:
     hosts_dir: Path
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     containers: list[str] = field(default_factory=list)
+    ztunnels: list[Process] = field(default_factory=list)  # run from this checkout, not the image
 
     def exec(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -277,6 +278,8 @@ class Node:
     def close(self) -> None:
         for proc in reversed(self.procs):
             self.stop(proc)
+        for process in self.ztunnels:
+            process.stop()
         for ctr in self.containers:
             subprocess.run(["buildah", "rm", ctr], capture_output=True, timeout=60, check=False)
         self.ns.delete()
@@ -323,29 +326,12 @@ def start_control_plane(node: Node) -> tuple[Path, Path, Path]:
     d = node.dir
     token = d / "istio-token"
     token.write_text(f"header.{uuid.uuid4().hex}.signature\n")  # opaque to us, as a projected JWT is
-    (d / "mesh.yaml").write_text(MESH)
-    cp_log = d / "control-plane.log"
-    node.start(
-        [
-            str(VENV_BIN / "ztunnel"),
-            "control-plane",
-            "--config",
-            str(d / "mesh.yaml"),
-            "--listen",
-            f"{ISTIOD}:15012",
-            "--tls",
-            "--ca-dir",
-            str(d / "ca"),
-            "--auth-token",
-            str(token),
-            "--cluster-id",
-            CLUSTER,
-        ],
-        cp_log,
-    )
-    root = d / "ca" / "root-cert.pem"
-    eventually(lambda: "control plane listening" in cp_log.read_text(), lambda: cp_log.read_text())
-    return token, root, cp_log
+    args = ("--tls", "--auth-token", str(token), "--cluster-id", CLUSTER)
+    cp = ControlPlane(d, f"{ISTIOD}:15012", MESH, *args, netns=node.ns.name)
+    node.ztunnels.append(cp)
+    cp.start()
+    assert "control plane listening" in cp.log()
+    return token, d / "ca" / "root-cert.pem", cp.log_path
 
 
 def start_web_server(node: Node) -> None:

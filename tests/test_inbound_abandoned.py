@@ -13,7 +13,8 @@ from hbone.client import HboneConnection
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
-from tests.mesh import Fleet, Proxy, loopback_net, proxy_env, workload_yaml
+from tests.apps import loopback_net, workload_yaml
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.waiting import eventually_async
 from ztunnel.identity.certificates import FakeCA
 
@@ -29,7 +30,7 @@ workloads:{workload_yaml("server", SERVER, uid="a//v1/Pod")}
 
 @pytest.fixture
 async def server(fleet: Fleet) -> Proxy:
-    [proxy] = await fleet.start(proxy_env("demo", "server", "server", SERVER, CONFIG))
+    [proxy] = await fleet.start(proxy_env(SERVER, "demo/server/server", CONFIG))
     return proxy
 
 
@@ -60,10 +61,15 @@ async def test_client_reset_during_the_app_dial_cancels_it_and_records_the_close
     conn = await HboneConnection.open(sock, creds, [server_id], H2Settings())
     try:
         before = await asyncio.to_thread(closed_total, server)
+        opened = await server.ametric("istio_tcp_connections_opened_total", reporter="destination")
         connecting = asyncio.create_task(conn.connect(f"{SERVER}:8080"))
-        # Admission is immediate here; give the request time to reach the hanging dial (a cancel
+        # The request reached the hanging dial once its record exists (counted as opened; a cancel
         # that came earlier would create no record, and the log awaited below would never come).
-        await asyncio.sleep(0.3)
+        await eventually_async(
+            lambda: server.metric("istio_tcp_connections_opened_total", reporter="destination") > opened,
+            "the request's record on the server",
+            blocking=True,
+        )
         assert not connecting.done()
         connecting.cancel()  # RST_STREAM(CANCEL)
         await eventually_async(

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.mesh import Proxy
+from tests.harness import Proxy
 from tests.netns import Netns, require_root
 from tests.test_inpod_manager import Agent, http_get, node, open_netns, pods, readiness  # noqa: F401
 from tests.waiting import eventually_async

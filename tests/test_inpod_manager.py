@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mesh import Fleet, Proxy
+from tests.harness import Fleet, Proxy
 from tests.netns import Netns, require_root
 from tests.waiting import eventually_async
 from xds import zds
@@ -124,7 +124,7 @@ async def node(tmp_path: Path, fleet: Fleet) -> AsyncIterator[tuple[Proxy, Agent
         "CONNECTION_TERMINATION_DEADLINE": "1s",
         "ZTUNNEL_WORKER_THREADS": "2",
     }
-    proxy = fleet.add(env)
+    proxy = fleet.proxy(env)
     proxy.spawn()  # ready only once the agent's snapshot is in: each test plays the agent
     try:
         yield proxy, agent, ip
@@ -267,7 +267,7 @@ async def test_a_bad_packet_costs_only_the_connection(
     assert await agent.request(zds.snapshot_sent()) == ""
 
 
-def test_protocol_error_ends_ztunnel_with_status_1(tmp_path: Path) -> None:
+def test_protocol_error_ends_ztunnel_with_status_1(tmp_path: Path, fleet: Fleet) -> None:
     require_root("ip")
     uds = str(tmp_path / "ztunnel.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -275,8 +275,7 @@ def test_protocol_error_ends_ztunnel_with_status_1(tmp_path: Path) -> None:
     listener.listen(1)
     listener.settimeout(20)
     ip = f"127.{random.randint(1, 250)}.{random.randint(1, 250)}.{random.randint(2, 250)}"
-    env = dict(os.environ)
-    env.update(
+    env = dict(
         PROXY_MODE="shared",
         XDS_ADDRESS="",
         FAKE_CA="true",
@@ -286,12 +285,8 @@ def test_protocol_error_ends_ztunnel_with_status_1(tmp_path: Path) -> None:
         STATS_ADDRESS=f"{ip}:15020",
         READINESS_ADDRESS=f"{ip}:15021",
     )
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ztunnel"), "proxy"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proxy = fleet.proxy(env)
+    proxy.spawn()
     try:
         conn, _ = listener.accept()
         conn.settimeout(10)
@@ -302,20 +297,18 @@ def test_protocol_error_ends_ztunnel_with_status_1(tmp_path: Path) -> None:
         packet = zds.recv_packet(conn)
         assert packet is not None
         assert "after the snapshot" in zds.decode_response(packet[0]).ack.error
-        assert proc.wait(timeout=15) == 1
-        assert proc.stdout is not None
-        assert b"node agent protocol error: KeepWorkload late after the snapshot" in proc.stdout.read()
+        assert proxy.wait_exit(15) == 1
+        assert "node agent protocol error: KeepWorkload late after the snapshot" in proxy.log()
     finally:
-        proc.kill()
-        proc.wait()
         listener.close()
 
 
-def test_without_the_right_to_switch_namespaces_start_up_stops_in_one_line(tmp_path: Path) -> None:
+def test_without_the_right_to_switch_namespaces_start_up_stops_in_one_line(
+    tmp_path: Path, fleet: Fleet
+) -> None:
     require_root("setpriv")
     ip = f"127.{random.randint(1, 250)}.{random.randint(1, 250)}.{random.randint(2, 250)}"
-    env = dict(os.environ)
-    env.update(
+    env = dict(
         PROXY_MODE="shared",
         XDS_ADDRESS="",
         FAKE_CA="true",
@@ -325,15 +318,10 @@ def test_without_the_right_to_switch_namespaces_start_up_stops_in_one_line(tmp_p
         READINESS_ADDRESS=f"{ip}:15021",
     )
     # Root without CAP_SYS_ADMIN (dropped from the bounding set before exec).
-    done = subprocess.run(
-        ["setpriv", "--bounding-set=-sys_admin", str(Path(sys.executable).parent / "ztunnel"), "proxy"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 1
-    assert done.stderr.strip().splitlines() == [
+    proxy = fleet.proxy(env, wrap=["setpriv", "--bounding-set=-sys_admin"])
+    proxy.spawn()
+    assert proxy.wait_exit(30) == 1
+    assert proxy.log().strip().splitlines() == [
         "ztunnel: PROXY_MODE=shared (in-pod mode): cannot switch network namespaces (needs CAP_SYS_ADMIN):"
         " setns(CLONE_NEWNET): Operation not permitted"
     ]

@@ -18,16 +18,8 @@ from pathlib import Path
 import pytest
 
 from hbone.identity import Identity
-from tests.mesh import (
-    ONLY_FRONTEND,
-    Fleet,
-    Proxy,
-    loopback_net,
-    openssl_s_client,
-    proxy_env,
-    start_echo,
-    workload_yaml,
-)
+from tests.apps import ONLY_FRONTEND, loopback_net, openssl_s_client, start_echo, workload_yaml
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.netns import require_tools
 from tests.waiting import eventually_async
 from ztunnel.identity.certificates import FakeCA
@@ -83,7 +75,7 @@ function run(c) {
 @pytest.fixture(scope="module")
 def server_proxy(module_fleet: Fleet) -> Proxy:
     """A `ztunnel proxy` process, started once for the module."""
-    [proxy] = module_fleet.start_all(proxy_env("demo", "server", "server", SERVER, CONFIG))
+    [proxy] = module_fleet.start_all(proxy_env(SERVER, "demo/server/server", CONFIG))
     return proxy
 
 

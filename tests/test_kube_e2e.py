@@ -14,16 +14,14 @@ import os
 import random
 import re
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.liveproxy import Output, echo_server, exchange, live_proxy, proxy_env, socks5_reply
+from tests.apps import echo_server, exchange, socks5_reply
+from tests.harness import ControlPlane, Fleet, proxy_env
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(180)
@@ -120,14 +118,7 @@ spec:
 @dataclass
 class Mesh:
     manifests: Path
-    cp: subprocess.Popen[str]
-    cp_output: Output
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    cp: ControlPlane
 
 
 def write(path: Path, text: str) -> None:
@@ -137,18 +128,12 @@ def write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def env_of(name: str, ip: str, control_plane: str) -> dict[str, str]:
+def env_of(name: str, ip: str, control_plane: ControlPlane) -> dict[str, str]:
     """A dedicated proxy of the pod `demo/name` fed by the control plane (the server with 2 workers)."""
-    return proxy_env(
-        f"demo/{name}/{name}",
-        ip,
-        "",
-        INSTANCE_IP=ip,
-        ZTUNNEL_WORKER_THREADS="2" if name == "server" else "1",
-        XDS_ADDRESS=control_plane,
-        CA_ADDRESS=control_plane,
-        FAKE_CA="false",
+    env = proxy_env(
+        ip, f"demo/{name}/{name}", INSTANCE_IP=ip, ZTUNNEL_WORKER_THREADS="2" if name == "server" else "1"
     )
+    return control_plane.wire(env)
 
 
 @pytest.fixture(scope="module")
@@ -158,33 +143,21 @@ def echo() -> Iterator[None]:
 
 
 @pytest.fixture
-def mesh(echo: None, tmp_path: Path) -> Iterator[Mesh]:
+def mesh(echo: None, tmp_path: Path, fleet: Fleet) -> Mesh:
     manifests = tmp_path / "manifests"
     manifests.mkdir()
     (manifests / "00-namespace.yaml").write_text(NAMESPACE)
     (manifests / "10-pods.yaml").write_text(PODS)
     (manifests / "20-policy.yaml").write_text(only("client"))
     (manifests / "README.md").write_text("not a manifest: not read\n")
-    address = f"{CP_HOST}:{free_port(CP_HOST)}"
-    cp = subprocess.Popen(
-        [sys.executable, "-m", "ztunnel", "control-plane", "--kube", str(manifests), "--listen", address,
-         "--ca-dir", str(tmp_path / "ca")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    cp_output = Output(cp.stdout)
-    try:
-        eventually(
-            lambda: "root certificate:" in cp_output.text() or cp.poll() is not None, "the control plane"
+    cp = fleet.control_plane(tmp_path, CP_HOST, None, "--kube", str(manifests))
+    fleet.start_all(
+        *(
+            env_of(name, ip, cp)
+            for name, ip in (("server", SERVER), ("client", CLIENT), ("intruder", INTRUDER))
         )
-        assert cp.poll() is None, cp_output.text()
-        with ExitStack() as stack:
-            for name, ip in (("server", SERVER), ("client", CLIENT), ("intruder", INTRUDER)):
-                stack.enter_context(live_proxy(env_of(name, ip, f"http://{address}")))
-            yield Mesh(manifests, cp, cp_output)
-    finally:
-        cp.terminate()
-        cp.wait(timeout=10)
-        sys.stdout.write(f"--- control plane output ---\n{cp_output.text()}\n")
+    )
+    return Mesh(manifests, cp)
 
 
 def connect(proxy_ip: str, target: tuple[str, int] = (SERVER, APP_PORT)) -> tuple[socket.socket, int]:
@@ -219,7 +192,7 @@ def held_open(s: socket.socket) -> bool:
 
 
 def test_manifests_drive_identity_policy_and_live_edits(mesh: Mesh) -> None:
-    out = mesh.cp_output.text
+    out = mesh.cp.log
     # What could not be converted is named, and the rest applies.
     assert re.search(r"Pod demo/broken refused: status.podIPs: invalid IP address '10.0.0.999'", out()), out()
     assert "3 workload(s), 1 service(s), 1 polic(ies)" in out(), out()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from tests.mesh import ControlPlane, Fleet, loopback_net, proxy_env, socks5_connect, start_echo, workload_yaml
+from tests.apps import loopback_net, socks5_connect, start_echo, workload_yaml
+from tests.harness import Fleet, proxy_env
 from tests.waiting import eventually_async
 
 NET = loopback_net()
@@ -31,11 +32,11 @@ policies:
 
 async def test_policy_change_closes_a_connection_it_now_denies(fleet: Fleet, tmp_path: Path) -> None:
     echo = await start_echo(SERVER, 8080)
-    cp = await asyncio.to_thread(ControlPlane.start, tmp_path / "cp", CP_HOST, CONFIG)
+    cp = await asyncio.to_thread(fleet.control_plane, tmp_path / "cp", CP_HOST, CONFIG)
     try:
         server, _client = await fleet.start(
-            cp.wire(proxy_env("demo", "server", "server", SERVER, CONFIG)),
-            cp.wire(proxy_env("demo", "client", "client", CLIENT, CONFIG)),
+            cp.wire(proxy_env(SERVER, "demo/server/server", CONFIG)),
+            cp.wire(proxy_env(CLIENT, "demo/client/client", CONFIG)),
         )
         code, reader, writer = await socks5_connect((CLIENT, 15080), SERVER, 8080)
         assert code == 0

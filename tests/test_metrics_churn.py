@@ -7,34 +7,24 @@ has left keeps its series until it closes."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.liveproxy import (
-    LiveProxy,
-    Output,
-    echo_server,
-    live_proxy,
-    loopback_net,
-    proxy_env,
-    socks5,
-    socks5_reply,
-)
+from tests.apps import echo_server, loopback_net, socks5, socks5_reply
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.test_metrics_live import Samples, scrape, value
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(300)
 
 NET = loopback_net()
-PROXY, SERVER, CP_HOST, HELD = f"{NET}.2", f"{NET}.3", f"{NET}.4", f"{NET}.250"
+PROXY, SERVER, CP_HOST, HELD, PROBE = f"{NET}.2", f"{NET}.3", f"{NET}.4", f"{NET}.250", f"{NET}.249"
 APP_PORT, CLOSED_PORT = 7000, 7001  # the server's echo; a port nothing listens on
 ROUNDS, PODS = 20, 100  # 2000 pods through the state, a connection to each
 GRACE = 1.0
@@ -56,15 +46,67 @@ def pod_ip(i: int) -> str:
     return f"{NET}.{10 + i}"
 
 
-def mesh(pods: list[str], held: bool = False) -> str:
+def mesh(pods: list[str], held: bool = False, probe: str = "") -> str:
+    """The state of a round: the stable workloads, its pods, and last its probe (see `known_to_every_worker`)."""
     stable = workload("client", PROXY, "HBONE") + workload("server", SERVER)
     churned = "".join(workload(name, pod_ip(i)) for i, name in enumerate(pods))
-    return "workloads:" + stable + churned + (workload("pod-held", HELD) if held else "") + "\n"
+    last = (workload("pod-held", HELD) if held else "") + (workload(probe, PROBE) if probe else "")
+    return "workloads:" + stable + churned + last + "\n"
+
+
+OPENED = "istio_tcp_connections_opened_total"
+
+
+def holder(pids: list[int], remote: tuple[str, int]) -> int | None:
+    """Which of `pids` holds the TCP connection to `remote` (what /proc lists of their sockets)."""
+    owners: dict[str, int] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        owners[target[8:-1]] = pid
+    ip, port = remote
+    wanted = f"{socket.inet_aton(ip)[::-1].hex().upper()}:{port:04X}"
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return next((owners[r[9]] for r in rows if r[2] == wanted and r[9] in owners), None)
+
+
+def known_to_every_worker(proxy: Proxy, probe: str) -> None:
+    """Until each worker has carried a connection to the round's probe workload (the last of the
+    round's state) labelled as that workload: each worker then holds the whole round (its copy
+    follows the supervisor's in order). The kernel picks the worker of each connection; one held
+    open says which it was, its series which name it was given (`unknown`: not known yet)."""
+    labelled: set[int] = set()
+
+    def one_more() -> bool:
+        samples = scrape(proxy)
+        mine = value(samples, OPENED, destination_workload=probe)
+        seen = mine + value(samples, OPENED, destination_workload="unknown")
+        with socks5(PROXY, PROBE, APP_PORT) as s:
+            s.sendall(b"p")
+            assert s.recv(1) == b"p"
+            worker = holder(proxy.workers(), (PROBE, APP_PORT))
+            eventually(
+                lambda: (
+                    value(now := scrape(proxy), OPENED, destination_workload=probe)
+                    + value(now, OPENED, destination_workload="unknown")
+                    > seen
+                ),
+                "the probe counted",
+            )
+            if worker is not None and value(scrape(proxy), OPENED, destination_workload=probe) > mine:
+                labelled.add(worker)
+        return labelled >= set(proxy.workers())
+
+    eventually(one_more, f"every worker to know {probe}", timeout=60)
 
 
 @dataclass
 class Scene:
-    proxy: LiveProxy
+    proxy: Proxy
     config: Path
 
 
@@ -75,46 +117,24 @@ def write(path: Path, text: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
-    tmp = tmp_path_factory.mktemp("churn")
-    config = tmp / "mesh.yaml"
-    write(config, mesh([]))
-    with socket.socket() as s:
-        s.bind((CP_HOST, 0))
-        address = f"{CP_HOST}:{s.getsockname()[1]}"
-    with ExitStack() as stack:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "ztunnel", "control-plane",
-             "--config", str(config), "--listen", address, "--ca-dir", str(tmp / "ca")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        stack.callback(lambda: (process.terminate(), process.wait(timeout=10)))
-        assert process.stdout is not None
-        seen: list[str] = []
-        while not any("root certificate:" in line for line in seen):
-            line = process.stdout.readline()
-            assert line, "control plane exited: " + "".join(seen)
-            seen.append(line)
-        Output(process.stdout)
-        stack.enter_context(echo_server(SERVER, APP_PORT))
-        stack.enter_context(echo_server(HELD, APP_PORT))
+def scene(tmp_path_factory: pytest.TempPathFactory, module_fleet: Fleet) -> Iterator[Scene]:
+    cp = module_fleet.control_plane(tmp_path_factory.mktemp("churn"), CP_HOST, mesh([]))
+    with echo_server(SERVER, APP_PORT), echo_server(HELD, APP_PORT), echo_server(PROBE, APP_PORT):
+        # Workloads over xDS, certificates from the fake CA.
         env = proxy_env(
-            "demo/client/client",
-            PROXY,
-            "",
-            XDS_ADDRESS=f"http://{address}",
-            METRICS_STALE_SERIES_GRACE_PERIOD=f"{GRACE}s",
+            PROXY, "demo/client/client", XDS_ADDRESS=cp.url, METRICS_STALE_SERIES_GRACE_PERIOD=f"{GRACE}s"
         )
-        yield Scene(stack.enter_context(live_proxy(env)), config)
+        [proxy] = module_fleet.start_all(env)
+        yield Scene(proxy, cp.config)
 
 
 def pod_series(samples: Samples) -> int:
     return sum(1 for _, labels, _ in samples if labels.get("destination_workload", "").startswith("pod-"))
 
 
-def workloads_known(proxy: LiveProxy, names: list[str]) -> bool:
-    status, body = proxy.get(15000, "/config_dump")
-    return status == 200 and all(f'"name": "{n}"' in body for n in names)
+def workloads_known(proxy: Proxy, names: list[str]) -> bool:
+    status, body = proxy.get("admin", "/config_dump")
+    return status == 200 and all(f'"name": "{n}"' in body.decode() for n in names)
 
 
 def test_series_of_churned_pods_stay_bounded_and_present_counters_never_go_back(scene: Scene) -> None:
@@ -126,11 +146,11 @@ def test_series_of_churned_pods_stay_bounded_and_present_counters_never_go_back(
     held: socket.socket | None = None
     for r in range(ROUNDS):
         pods = [f"pod-{r}-{i}" for i in range(PODS)]
-        write(scene.config, mesh(pods, held=r == 0))
+        write(scene.config, mesh(pods, held=r == 0, probe=f"probe-{r}"))
         eventually(
             lambda pods=pods: workloads_known(proxy, pods), f"round {r}'s pods in the state", timeout=20
         )
-        time.sleep(0.2)  # the workers' copies follow the supervisor's on the same channel
+        known_to_every_worker(proxy, f"probe-{r}")
         before: Samples = scrape(proxy)
         for i in range(PODS):
             s, code = socks5_reply(PROXY, pod_ip(i), CLOSED_PORT)

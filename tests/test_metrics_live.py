@@ -5,7 +5,6 @@ worker, and the `H2_HANDSHAKE_FAILURE` flag of an HBONE upstream that never spea
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -18,20 +17,10 @@ from pathlib import Path
 import pytest
 
 from hbone.identity import Identity
-from tests.liveproxy import (
-    LiveProxy,
-    echo_server,
-    live_proxy,
-    loopback_net,
-    open_fds,
-    process_tree,
-    proportional_memory,
-    proxy_env,
-    socks5,
-    socks5_reply,
-)
+from tests.apps import echo_server, loopback_net, socks5, socks5_reply
+from tests.harness import Fleet, Proxy, proxy_env
+from tests.procs import open_fds, proportional_memory
 from tests.waiting import eventually
-from tests.worker_mesh import cert_helpers
 from ztunnel.identity.certificates import FakeCA
 
 pytestmark = pytest.mark.timeout(180)
@@ -60,11 +49,9 @@ workloads:
 Samples = list[tuple[str, dict[str, str], float]]
 
 
-def scrape(proxy: LiveProxy) -> Samples:
-    status, body = proxy.get(15020, "/metrics")
-    assert status == 200, body
+def scrape(proxy: Proxy) -> Samples:
     out: Samples = []
-    for line in body.splitlines():
+    for line in proxy.metrics_text().splitlines():
         m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
         if m:
             labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
@@ -77,43 +64,40 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for n, have, v in samples if n == name and all(have.get(k) == w for k, w in labels.items()))
 
 
-def workers(proxy: LiveProxy) -> list[dict[str, object]]:
-    status, body = proxy.get(15000, "/config_dump")
-    assert status == 200, body
-    return list(json.loads(body)["workers"])
+def workers(proxy: Proxy) -> list[dict[str, object]]:
+    return list(proxy.worker_entries())
 
 
 @pytest.fixture(scope="module")
-def proxy() -> Iterator[LiveProxy]:
-    with echo_server(PLAIN, 7000), live_proxy(proxy_env("demo/client/client", PROXY, MESH)) as p:
+def proxy(module_fleet: Fleet) -> Iterator[Proxy]:
+    with echo_server(PLAIN, 7000):
+        [p] = module_fleet.start_all(proxy_env(PROXY, "demo/client/client", MESH))
         yield p
 
 
-def test_process_families_cover_every_process_and_leave_with_a_killed_worker(proxy: LiveProxy) -> None:
+def test_process_families_cover_every_process_and_leave_with_a_killed_worker(proxy: Proxy) -> None:
     """40 connections held through the proxy (each a socket accepted and one dialled, in a worker):
     `process_open_fds` grows by both; it is what the kernel lists for the proxy's processes; a worker
     killed outright takes its sockets out of every gauge, and the CPU seconds never go back."""
     # The workload's certificate, asked for at start-up, is made by a helper process, counted while
     # it runs: the figures are compared with the kernel's once it has left (2 s after its work).
-    eventually(lambda: not cert_helpers(proxy.process.pid), "the certificate helper to leave")
+    eventually(lambda: not proxy.cert_helpers(), "the certificate helper to leave")
     base = scrape(proxy)
     base_fds = value(base, "process_open_fds")
-    assert base_fds == pytest.approx(open_fds(process_tree(proxy.process.pid)), abs=4)
+    assert base_fds == pytest.approx(open_fds(proxy.pids()), abs=4)
     held = [socks5(PROXY, PLAIN, 7000) for _ in range(40)]
     try:
         eventually(lambda: value(scrape(proxy), "istio_tcp_sockets_open", reporter="source") == 40, "40 open")
         loaded = scrape(proxy)
         assert value(loaded, "process_open_fds") >= base_fds + 80
-        assert value(loaded, "process_open_fds") == pytest.approx(
-            open_fds(process_tree(proxy.process.pid)), abs=4
-        )
+        assert value(loaded, "process_open_fds") == pytest.approx(open_fds(proxy.pids()), abs=4)
         # Memory: more than the supervisor's own; CPU: at least what the workers spent.
         memory = value(loaded, "process_resident_memory_bytes")
-        assert memory > proportional_memory([proxy.process.pid])
-        assert memory == pytest.approx(proportional_memory(process_tree(proxy.process.pid)), rel=0.1)
+        assert memory > proportional_memory([proxy.pid])
+        assert memory == pytest.approx(proportional_memory(proxy.pids()), rel=0.1)
         ticks = os.sysconf("SC_CLK_TCK")
         spent = 0.0
-        for p in process_tree(proxy.process.pid):
+        for p in proxy.pids():
             parts = Path(f"/proc/{p}/stat").read_bytes().rpartition(b")")[2].split()
             spent += (int(parts[11]) + int(parts[12])) / ticks
         assert value(scrape(proxy), "process_cpu_seconds_total") >= spent - 0.05
@@ -139,14 +123,12 @@ def test_process_families_cover_every_process_and_leave_with_a_killed_worker(pro
         # The replacement is a new interpreter, opening its files while it starts: the gauge and
         # the kernel's list are compared until they meet, each read as the other is.
         eventually(
-            lambda: (
-                abs(value(scrape(proxy), "process_open_fds") - open_fds(process_tree(proxy.process.pid))) <= 4
-            ),
+            lambda: abs(value(scrape(proxy), "process_open_fds") - open_fds(proxy.pids())) <= 4,
             "process_open_fds to match the fds the kernel lists for the proxy's processes",
         )
         after = scrape(proxy)
         assert value(after, "process_cpu_seconds_total") >= before_cpu  # its CPU stays counted
-        assert int(str(victim["pid"])) not in process_tree(proxy.process.pid)
+        assert int(str(victim["pid"])) not in proxy.pids()
     finally:
         for s in held:
             s.close()
@@ -182,7 +164,7 @@ def _tls_then_no_http2(tmp: Path) -> tuple[socket.socket, threading.Thread]:
     return listener, thread
 
 
-def test_an_http2_handshake_failure_is_flagged(proxy: LiveProxy, tmp_path: Path) -> None:
+def test_an_http2_handshake_failure_is_flagged(proxy: Proxy, tmp_path: Path) -> None:
     """TLS succeeds but no HTTP/2 connection follows: `H2_HANDSHAKE_FAILURE` on the closed and failed
     counters, and the access log's error says what failed."""
     listener, _ = _tls_then_no_http2(tmp_path)
@@ -201,7 +183,7 @@ def test_an_http2_handshake_failure_is_flagged(proxy: LiveProxy, tmp_path: Path)
         def logged() -> list[str]:
             return [
                 line
-                for line in proxy.output.text().splitlines()
+                for line in proxy.log().splitlines()
                 if '"connection complete"' in line and "http2 handshake error" in line
             ]
 
@@ -212,7 +194,7 @@ def test_an_http2_handshake_failure_is_flagged(proxy: LiveProxy, tmp_path: Path)
         listener.close()
 
 
-def test_each_workers_event_loop_reports_its_lag_tasks_and_busy_time(proxy: LiveProxy) -> None:
+def test_each_workers_event_loop_reports_its_lag_tasks_and_busy_time(proxy: Proxy) -> None:
     """Per worker index: a worker stopped for a second (SIGSTOP) shows a tick that late, the other
     none; a connection being set up is a task; the loops' busy time is part of the proxy's CPU."""
     # The module's proxy may still be replacing the worker an earlier test killed: both ready first.
@@ -229,7 +211,7 @@ def test_each_workers_event_loop_reports_its_lag_tasks_and_busy_time(proxy: Live
     before = scrape(proxy)
     os.kill(listed[1], signal.SIGSTOP)
     try:
-        threading.Event().wait(1.2)
+        threading.Event().wait(1.2)  # the stimulus: the worker stopped this long, not a wait
     finally:
         os.kill(listed[1], signal.SIGCONT)
     eventually(lambda: late(scrape(proxy), "1") == late(before, "1") + 1, "worker 1's late tick")

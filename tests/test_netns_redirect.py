@@ -14,12 +14,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.harness import Proxy
 from tests.netns import Netns, link, require_root
 from tests.waiting import eventually
 
@@ -120,8 +120,7 @@ MARKED_CLIENT = textwrap.dedent(
 
 
 def proxy_env(name: str, config: Path, ip: str, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
+    env = dict(
         PROXY_MODE="dedicated",
         PROXY_WORKLOAD_INFO=f"demo/{name}/{name}",
         XDS_ADDRESS="",
@@ -136,31 +135,12 @@ def proxy_env(name: str, config: Path, ip: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def wait_ready(ns: Netns, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        r = ns.exec(
-            "curl",
-            "-s",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            "http://127.0.0.1:15021/healthz/ready",
-            check=False,
-        )
-        if r.stdout == b"200":
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"proxy not ready: {log.read_text()}")
-
-
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[tuple[Netns, Netns, Path]]:
     require_root("ip", "iptables", "curl")
     a, b = Netns("zta"), Netns("ztb")
     procs: list[subprocess.Popen[bytes]] = []
+    proxies: list[Proxy] = []
     try:
         link(a, A_IP, b, B_IP)
         config = tmp_path / "mesh.yaml"
@@ -216,12 +196,12 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Netns, Netns, Path]]:
             )
         )
         for ns, name, ip in ((a, "client", A_IP), (b, "server", B_IP)):
-            log = tmp_path / f"{name}.log"
-            p = ns.popen([sys.executable, "-m", "ztunnel", "proxy"], proxy_env(name, config, ip), str(log))
-            procs.append(p)
-            wait_ready(ns, p, log)
+            proxies.append(Proxy(proxy_env(name, config, ip), tmp_path / f"{name}.log", netns=ns.name))
+            proxies[-1].start(timeout=20)
         yield a, b, tmp_path
     finally:
+        for proxy in proxies:
+            proxy.stop()
         for p in procs:
             p.terminate()
         for p in procs:

@@ -12,16 +12,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.mesh import (
-    Fleet,
-    Proxy,
-    echo_roundtrip,
-    loopback_net,
-    proxy_env,
-    socks5_connect,
-    start_echo,
-    workload_yaml,
-)
+from tests.apps import echo_roundtrip, loopback_net, socks5_connect, start_echo, workload_yaml
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.waiting import eventually_async
 
 NET = loopback_net()
@@ -44,8 +36,8 @@ async def pair(fleet: Fleet, log_format: str) -> AsyncIterator[tuple[Proxy, Prox
     try:
         extra = {"LOG_FORMAT": log_format, "RUST_LOG": "debug"}
         server, client = await fleet.start(
-            proxy_env("demo", "server", "server", SERVER, CONFIG, **extra),
-            proxy_env("demo", "client", "client", CLIENT, CONFIG, **extra),
+            proxy_env(SERVER, "demo/server/server", CONFIG, **extra),
+            proxy_env(CLIENT, "demo/client/client", CONFIG, **extra),
         )
         yield server, client
     finally:

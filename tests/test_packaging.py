@@ -6,7 +6,8 @@ import re
 import tomllib
 from pathlib import Path
 
-from tests.mesh import Fleet, loopback_net, proxy_env
+from tests.apps import loopback_net
+from tests.harness import Fleet, proxy_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +35,7 @@ async def test_a_dedicated_proxy_on_a_local_file_loads_neither_grpc_nor_protobuf
     # Their native extensions (gRPC's cygrpc, protobuf's upb) show in each process's memory map once
     # imported: none in the supervisor or a worker of a `ztunnel proxy`.
     ip = f"{loopback_net()}.2"
-    [proxy] = await fleet.start(proxy_env("ns", "a", "sa", ip, "workloads: []"))
+    [proxy] = await fleet.start(proxy_env(ip, "ns/a/sa", "workloads: []"))
     pids = proxy.pids()
     assert len(pids) >= 3, pids  # the supervisor, two workers
     loaded = set()

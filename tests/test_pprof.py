@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.mesh import Fleet, Proxy, echo_roundtrip, loopback_net, proxy_env, sha, start_echo, workload_yaml
+from tests.apps import echo_roundtrip, loopback_net, sha, start_echo, workload_yaml
+from tests.harness import Fleet, Proxy, proxy_env
 from ztunnel.admin import profiling
 
 NET = loopback_net()
@@ -29,8 +30,8 @@ workloads:{workload_yaml("server", SERVER)}{workload_yaml("client", CLIENT)}
 def proxies(module_fleet: Fleet) -> tuple[Proxy, Proxy]:
     """Started once for the module (a start costs seconds); no test here counts anything."""
     server, client = module_fleet.start_all(
-        proxy_env("demo", "server", "server", SERVER, CONFIG),
-        proxy_env("demo", "client", "client", CLIENT, CONFIG),
+        proxy_env(SERVER, "demo/server/server", CONFIG),
+        proxy_env(CLIENT, "demo/client/client", CONFIG),
     )
     return server, client
 

@@ -20,7 +20,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -34,21 +33,17 @@ import dns.query
 import pytest
 import yaml
 
-from tests.liveproxy import (
-    LiveProxy,
-    Output,
+from tests.apps import (
     echo_server,
     exchange,
-    live_proxy,
+    free_port,
     loopback_net,
-    open_fds,
-    process_tree,
-    proportional_memory,
-    proxy_env,
     socks5,
     socks5_reply,
 )
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.netns import cannot_run
+from tests.procs import open_fds, proportional_memory
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(180)
@@ -160,7 +155,10 @@ def pod_target(ip: str, name: str, node: str, metadata: dict[str, Any], first_po
 class Prometheus:
     url: str
     process: subprocess.Popen[bytes]
-    output: Output
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
 
     def api(self, path: str, **params: str) -> Any:
         query = urllib.parse.urlencode(params)
@@ -174,12 +172,6 @@ class Prometheus:
         data = self.api("query", query=expr)
         assert data["resultType"] == "vector", data
         return {frozenset(s["metric"].items()): float(s["value"][1]) for s in data["result"]}
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def start_prometheus(tmp: Path, targets: list[dict[str, Any]]) -> Prometheus:
@@ -201,12 +193,14 @@ def start_prometheus(tmp: Path, targets: list[dict[str, Any]]) -> Prometheus:
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     listen = f"127.0.0.1:{free_port('127.0.0.1')}"
-    process = subprocess.Popen(
-        [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address={listen}", "--log.level=warn"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    prom = Prometheus(f"http://{listen}", process, Output(process.stdout))
+    log = tmp / "prometheus.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+             f"--web.listen-address={listen}", "--log.level=warn"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    prom = Prometheus(f"http://{listen}", process, log)
 
     def ready() -> bool:
         try:
@@ -215,48 +209,28 @@ def start_prometheus(tmp: Path, targets: list[dict[str, Any]]) -> Prometheus:
         except OSError:
             return process.poll() is not None
 
-    eventually(ready, lambda: f"prometheus ready\n{prom.output.text()}", timeout=30)
-    assert process.poll() is None, prom.output.text()
+    eventually(ready, lambda: f"prometheus ready\n{prom.output()}", timeout=30)
+    assert process.poll() is None, prom.output()
     return prom
 
 
 @dataclass
 class Scene:
     prometheus: Prometheus
-    client: LiveProxy
-    server: LiveProxy
+    client: Proxy
+    server: Proxy
     held: list[socket.socket]
 
 
-def control_plane(stack: ExitStack, tmp: Path) -> str:
-    config = tmp / "mesh.yaml"
-    config.write_text(MESH)
-    address = f"{CP_HOST}:{free_port(CP_HOST)}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ztunnel", "control-plane",
-         "--config", str(config), "--listen", address, "--ca-dir", str(tmp / "ca")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    stack.callback(lambda: (process.terminate(), process.wait(timeout=10)))
-    assert process.stdout is not None
-    seen = []
-    while not any("root certificate:" in line for line in seen):
-        line = process.stdout.readline()
-        assert line, "control plane exited: " + "".join(seen)
-        seen.append(line)
-    Output(process.stdout)  # its pipe never fills
-    return f"http://{address}"
-
-
 @pytest.fixture(scope="module")
-def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
+def scene(tmp_path_factory: pytest.TempPathFactory, module_fleet: Fleet) -> Iterator[Scene]:
     tmp = tmp_path_factory.mktemp("prometheus")
     with ExitStack() as stack:
-        cp = control_plane(stack, tmp)
+        cp = module_fleet.control_plane(tmp, CP_HOST, MESH)
         stack.enter_context(echo_server(SERVER, APP_PORT))
-        env = {"XDS_ADDRESS": cp, "CA_ADDRESS": cp, "FAKE_CA": "false", "LOCAL_XDS": ""}
-        server = stack.enter_context(live_proxy(proxy_env("demo/server/server", SERVER, "", **env)))
-        client = stack.enter_context(live_proxy(proxy_env("demo/client/client", CLIENT, "", **env)))
+        server, client = module_fleet.start_all(
+            cp.wire(proxy_env(SERVER, "demo/server/server")), cp.wire(proxy_env(CLIENT, "demo/client/client"))
+        )
         template = ztunnel_pod_template()
         metadata = template["metadata"]
         port = template["spec"]["containers"][0]["ports"][0]["containerPort"]
@@ -451,7 +425,7 @@ def _per_pod_near(
         got = by(series, "pod")
         assert set(got) == {(p,) for p in PODS}, got
         for (pod,), v in got.items():
-            want = reading(process_tree(proxies[pod].process.pid))
+            want = reading(proxies[pod].pids())
             assert v >= low and v == pytest.approx(want, rel=rel, abs=abs_), f"{pod}: want {want}"
 
     return check

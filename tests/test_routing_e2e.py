@@ -20,7 +20,8 @@ from hbone.identity import Identity
 from hbone.inner import open_inner
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
-from tests.mesh import Echo, Fleet, Proxy, echo_roundtrip, proxy_env, sha, socks5_connect, start_echo
+from tests.apps import Echo, echo_roundtrip, sha, socks5_connect, start_echo
+from tests.harness import Fleet, Proxy, proxy_env
 from tests.relays import Onward, Relay, certificate, dial, start_gateway, start_waypoint
 from tests.waiting import eventually_async
 from ztunnel.proxy.proxyprotocol import ProxyHeader, decode
@@ -215,7 +216,7 @@ async def proxies(
     """Start one dedicated proxy per (name, service account, ip), in parallel; `extra[name]` adds
     env. The fleet fixture stops them when the test ends."""
     started = await fleet.start(
-        *(proxy_env("demo", name, sa, ip, cfg, **extra.get(name, {})) for name, sa, ip in specs)
+        *(proxy_env(ip, f"demo/{name}/{sa}", cfg, **extra.get(name, {})) for name, sa, ip in specs)
     )
     yield {name: proxy for (name, _, _), proxy in zip(specs, started, strict=True)}
 

@@ -6,16 +6,14 @@ in a fresh network namespace and reads its listeners with `ss`, as an operator w
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import sys
-import tempfile
 import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from tests.harness import Fleet
 from tests.netns import Netns, require_root
 from tests.waiting import eventually
 from ztunnel.config.settings import Config
@@ -107,9 +105,10 @@ def netns() -> Iterator[Netns]:
 
 @pytest.mark.root
 @pytest.mark.parametrize(("ipv6", "wildcard"), [("false", "0.0.0.0"), ("true", "*")])
-def test_proxy_binds_the_wildcard_of_ipv6_enabled(netns: Netns, ipv6: str, wildcard: str) -> None:
+def test_proxy_binds_the_wildcard_of_ipv6_enabled(
+    netns: Netns, ipv6: str, wildcard: str, fleet: Fleet
+) -> None:
     env = {
-        **os.environ,
         "PROXY_MODE": "dedicated",
         "PROXY_WORKLOAD_INFO": "demo/app/app",
         "XDS_ADDRESS": "",
@@ -118,27 +117,24 @@ def test_proxy_binds_the_wildcard_of_ipv6_enabled(netns: Netns, ipv6: str, wildc
         "IPV6_ENABLED": ipv6,
         "ADMIN_ADDRESS": "127.0.0.1:15000",
     }
-    with tempfile.NamedTemporaryFile(suffix=".log") as log:
-        proc = netns.popen([sys.executable, "-m", "ztunnel", "proxy"], env, log.name)
-        try:
+    proxy = fleet.proxy(env, netns=netns.name)
+    proxy.spawn()
 
-            def listening() -> set[str]:
-                out = netns.exec("ss", "-ltnH").stdout.decode()
-                return {line.split()[3] for line in out.splitlines() if line.strip()}
+    def listening() -> set[str]:
+        out = netns.exec("ss", "-ltnH").stdout.decode()
+        return {line.split()[3] for line in out.splitlines() if line.strip()}
 
-            eventually(
-                lambda: f"{wildcard}:15008" in listening() or proc.poll() is not None,
-                lambda: f"{wildcard}:15008 in {listening()}; log: {Path(log.name).read_text()[-2000:]}",
-            )
-            assert proc.poll() is None, Path(log.name).read_text()
-            bound = listening()
-            for port in (15001, 15006, 15008):
-                assert f"{wildcard}:{port}" in bound, bound
-            if ipv6 == "false":
-                assert not any(addr.startswith("[::]") or addr.startswith("*") for addr in bound), bound
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    eventually(
+        lambda: f"{wildcard}:15008" in listening() or not proxy.running(),
+        lambda: f"{wildcard}:15008 in {listening()}; log: {proxy.tail(2000)}",
+    )
+    assert proxy.running(), proxy.log()
+    bound = listening()
+    for port in (15001, 15006, 15008):
+        assert f"{wildcard}:{port}" in bound, bound
+    if ipv6 == "false":
+        assert not any(addr.startswith("[::]") or addr.startswith("*") for addr in bound), bound
+    proxy.stop()
 
 
 async def test_connect_to_a_closed_port_is_refused() -> None:

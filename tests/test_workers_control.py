@@ -13,27 +13,25 @@ from types import ModuleType
 
 import pytest
 
+from tests.harness import ControlPlane, Fleet
 from tests.profiles import functions_in
 from tests.waiting import eventually
-from tests.worker_mesh import (
+from tests.xds_mesh import (
     CLIENT,
     CLIENT_ONLY,
     SERVER,
-    ControlPlane,
+    client_alone,
     control_plane_fixture,  # noqa: F401 (a fixture)
     echo_fixture,  # noqa: F401 (a fixture)
     exchange,
-    launch,
     proxy_env,
-    stop,
-    wait_ready,
 )
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_a_log_filter_set_over_admin_reaches_every_worker(echo: None) -> None:
-    proxy = launch(proxy_env("client", CLIENT, FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=CLIENT_ONLY), CLIENT)
+def test_a_log_filter_set_over_admin_reaches_every_worker(fleet: Fleet, echo: None) -> None:
+    proxy = fleet.proxy(client_alone())
 
     def post(query: str) -> str:
         req = urllib.request.Request(f"http://{CLIENT}:15000/logging?{query}", method="POST")
@@ -41,10 +39,10 @@ def test_a_log_filter_set_over_admin_reaches_every_worker(echo: None) -> None:
             return str(r.read().decode())
 
     def completed() -> int:
-        return proxy.output.text().count('"connection complete"')
+        return proxy.log().count('"connection complete"')
 
     try:
-        wait_ready(proxy)
+        proxy.start()
         assert exchange(CLIENT, b"logged") == b"logged"
         eventually(lambda: completed() == 1, "the first access-log line")
         assert "access=off" in post("level=access=off")
@@ -54,38 +52,40 @@ def test_a_log_filter_set_over_admin_reaches_every_worker(echo: None) -> None:
         assert exchange(CLIENT, b"logged again") == b"logged again"
         # The quiet connections were over before this one began: only its line is new.
         eventually(lambda: completed() >= 2, "the access-log line after the filter came back")
-        assert completed() == 2, proxy.output.text()
-        assert proxy.metric_total("istio_tcp_connections_opened_total") == 18
+        assert completed() == 2, proxy.log()
+        assert proxy.metric("istio_tcp_connections_opened_total") == 18
     finally:
-        stop(proxy)
+        proxy.stop()
 
 
-def test_a_stuck_worker_makes_the_proxy_unready_until_it_answers_again(echo: None) -> None:
-    proxy = launch(proxy_env("client", CLIENT, FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=CLIENT_ONLY), CLIENT)
+def test_a_stuck_worker_makes_the_proxy_unready_until_it_answers_again(fleet: Fleet, echo: None) -> None:
+    proxy = fleet.proxy(client_alone())
     try:
-        wait_ready(proxy)
-        stuck = proxy.workers()[1]
+        proxy.start()
+        stuck = proxy.worker_entries()[1]
         os.kill(stuck["pid"], signal.SIGSTOP)  # alive, its listeners open, but nothing runs
         try:
-            eventually(lambda: proxy.readiness()[0] == 500, "readiness down", timeout=15)
-            assert proxy.workers()[1]["state"] == "unresponsive"
-            assert "proxy" in proxy.readiness()[1]
+            eventually(lambda: proxy.readiness_answer()[0] == 500, "readiness down", timeout=15)
+            assert proxy.worker_entries()[1]["state"] == "unresponsive"
+            assert "proxy" in proxy.readiness_answer()[1]
         finally:
             os.kill(stuck["pid"], signal.SIGCONT)
         eventually(proxy.ready, "readiness back once it answers")
-        again = proxy.workers()[1]
+        again = proxy.worker_entries()[1]
         assert (again["pid"], again["state"], again["restarts"]) == (stuck["pid"], "ready", 0)  # not replaced
     finally:
-        stop(proxy)
+        proxy.stop()
 
 
-def test_a_cpu_profile_samples_the_parent_and_every_worker(echo: None, profile_pb2: ModuleType) -> None:
+def test_a_cpu_profile_samples_the_parent_and_every_worker(
+    fleet: Fleet, echo: None, profile_pb2: ModuleType
+) -> None:
     """`/debug/pprof/profile` on the parent: one pprof document with every process's samples, each
     labelled with its pid (decoded here with the published profile.proto)."""
-    proxy = launch(proxy_env("client", CLIENT, FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=CLIENT_ONLY), CLIENT)
+    proxy = fleet.proxy(client_alone())
     try:
-        wait_ready(proxy)
-        pids = {int(w["pid"]) for w in proxy.workers()} | {proxy.process.pid}
+        proxy.start()
+        pids = {int(w["pid"]) for w in proxy.worker_entries()} | {proxy.pid}
         assert len(pids) == 3
         stop_traffic = threading.Event()
 
@@ -110,40 +110,31 @@ def test_a_cpu_profile_samples_the_parent_and_every_worker(echo: None, profile_p
         assert pids <= sampled, (pids, sampled)
         assert any(fn.startswith(("hbone.", "ztunnel.proxy.")) for fn in functions_in(profile))
     finally:
-        stop(proxy)
+        proxy.stop()
 
 
 def test_on_demand_xds_is_asked_by_the_workers_through_the_parents_stream(
-    echo: None, control_plane: ControlPlane
+    fleet: Fleet, echo: None, control_plane: ControlPlane
 ) -> None:
     """XDS_ON_DEMAND=true: the client knows only itself; the worker that takes a connection to the
     server asks the parent, whose one stream asks the control plane, and reaches it over HBONE."""
-    xds = {"XDS_ADDRESS": f"http://{control_plane.address}", "CA_ADDRESS": f"http://{control_plane.address}"}
-    server = launch(proxy_env("server", SERVER, INSTANCE_IP=SERVER, **xds), SERVER)
-    client = launch(
-        proxy_env(
-            "client",
-            CLIENT,
-            INSTANCE_IP=CLIENT,
-            XDS_ON_DEMAND="true",
-            LOCAL_XDS=CLIENT_ONLY,
-            ISTIO_META_DNS_CAPTURE="false",
-            **xds,
-        ),
-        CLIENT,
+    server = fleet.proxy(control_plane.wire(proxy_env(SERVER, "demo/server/server", INSTANCE_IP=SERVER)))
+    client_env = control_plane.wire(
+        client_alone(INSTANCE_IP=CLIENT, XDS_ON_DEMAND="true", ISTIO_META_DNS_CAPTURE="false")
     )
+    client = fleet.proxy({**client_env, "LOCAL_XDS": CLIENT_ONLY})
     try:
         for proxy in (server, client):
-            wait_ready(proxy)
-        known = {ip for w in client.dump()["workloads"] for ip in w.get("workloadIps", [])}
+            proxy.start()
+        known = {ip for w in client.config_dump()["workloads"] for ip in w.get("workloadIps", [])}
         assert SERVER not in known
         for i in range(6):  # whichever worker takes it
             assert exchange(CLIENT, f"on demand {i}".encode()) == f"on demand {i}".encode()
         # Over HBONE: the server's proxy took every one of them.
-        assert server.metric_total("istio_tcp_connections_opened_total", reporter="destination") == 6
-        known = {ip for w in client.dump()["workloads"] for ip in w.get("workloadIps", [])}
+        assert server.metric("istio_tcp_connections_opened_total", reporter="destination") == 6
+        known = {ip for w in client.config_dump()["workloads"] for ip in w.get("workloadIps", [])}
         assert SERVER in known
-        assert control_plane.streams_opened(CLIENT) == 1, control_plane.output.text()
+        assert control_plane.streams_opened(CLIENT) == 1, control_plane.log()
     finally:
         for proxy in (client, server):
-            stop(proxy)
+            proxy.stop()

@@ -6,10 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import re
-import socket
-import subprocess
-import sys
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,16 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.mesh import (
-    Fleet,
-    Proxy,
-    echo_roundtrip,
-    openssl_s_client,
-    proxy_env,
-    sha,
-    socks5_connect,
-    start_echo,
-)
+from tests.apps import echo_roundtrip, openssl_s_client, sha, socks5_connect, start_echo
+from tests.harness import ControlPlane, Fleet, Proxy, proxy_env
 from tests.waiting import eventually_async
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
@@ -77,56 +65,6 @@ def ready(ip: str) -> bool:
         return False
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class ControlPlane:
-    config: Path
-    ca_dir: Path
-    address: str
-    process: subprocess.Popen[str] | None = None
-    root: Path | None = None
-    tls: bool = False
-
-    async def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ztunnel",
-                "control-plane",
-                "--config",
-                str(self.config),
-                "--listen",
-                self.address,
-                "--ca-dir",
-                str(self.ca_dir),
-                *(["--tls"] if self.tls else []),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        while True:
-            line = await asyncio.to_thread(self.process.stdout.readline)
-            assert line, "control plane exited before listening"
-            if m := re.match(r"root certificate: (\S+)", line):
-                self.root = Path(m.group(1))
-                break
-        # Keep draining its output so it never blocks on a full pipe.
-        asyncio.get_running_loop().run_in_executor(None, self.process.stdout.read)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-
-
 @dataclass
 class Mesh:
     cp: ControlPlane
@@ -135,19 +73,12 @@ class Mesh:
 
 
 def xds_env(cp: ControlPlane, name: str, ip: str) -> dict[str, str]:
-    env = proxy_env(
-        "demo", name, name, ip, "", XDS_ADDRESS=f"http://{cp.address}", CA_ADDRESS=f"http://{cp.address}"
-    )
-    del env["FAKE_CA"], env["LOCAL_XDS"]
-    return env
+    return cp.wire(proxy_env(ip, f"demo/{name}/{name}"))
 
 
 @pytest.fixture
 async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
-    config = tmp_path / "mesh.yaml"
-    config.write_text(MESH)
-    cp = ControlPlane(config, tmp_path / "ca", f"{CP_HOST}:{free_port(CP_HOST)}")
-    await cp.start()
+    cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, MESH)
     echo = await start_echo(SERVER, 8080)
     try:
         # Ready only once synced: the accept loops start then, and readiness turns 200 once they have.
@@ -227,7 +158,7 @@ async def test_control_plane_restart_while_proxies_serve(mesh: Mesh) -> None:
         ex = await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"while the control plane is down")
         assert ex.code == 0 and ex.received == len(b"while the control plane is down")
     await held_echoes(b"during the outage")
-    await mesh.cp.start()
+    await mesh.cp.astart()
     await held_echoes(b"after the restart")
     # The proxies reconnect: a change made now reaches them.
     mesh.cp.config.write_text(MESH + DENY_CLIENT)
@@ -247,18 +178,11 @@ async def test_control_plane_restart_while_proxies_serve(mesh: Mesh) -> None:
 
 async def test_proxy_over_tls_to_the_control_plane(tmp_path: Path, fleet: Fleet) -> None:
     """`https://` addresses: the proxy verifies the control plane with XDS_ROOT_CA / CA_ROOT_CA."""
-    config = tmp_path / "mesh.yaml"
-    config.write_text(MESH)
-    cp = ControlPlane(config, tmp_path / "ca", f"{CP_HOST}:{free_port(CP_HOST)}")
-    cp.tls = True
-    await cp.start()
+    cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, MESH, "--tls")
     try:
-        assert cp.root is not None
         env = proxy_env(
-            "demo",
-            "client",
-            "client",
             CLIENT,
+            "demo/client/client",
             "",
             XDS_ADDRESS=f"https://{cp.address}",
             XDS_ROOT_CA=str(cp.root),

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.mesh import Echo, Fleet, Proxy, echo_roundtrip, proxy_env, sha, start_echo
-from tests.test_xds_e2e import ControlPlane, free_port
+from tests.apps import Echo, echo_roundtrip, sha, start_echo
+from tests.harness import ControlPlane, Fleet, Proxy, proxy_env
 from tests.waiting import eventually_async
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
@@ -78,10 +78,7 @@ def known_ips(proxy: Proxy) -> set[str]:
 
 @pytest.fixture
 async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
-    config = tmp_path / "mesh.yaml"
-    config.write_text(MESH)
-    cp = ControlPlane(config, tmp_path / "ca", f"{CP_HOST}:{free_port(CP_HOST)}")
-    await cp.start()
+    cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, MESH)
     echo = await start_echo(SERVER, 8080)
     stranger = await start_echo(STRANGER, 9090)
     behind_waypoint = await start_echo(INLINE_WP, 9080)
@@ -89,14 +86,12 @@ async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
     try:
         envs = []
         for name, ip in (("server", SERVER), ("inline-wp", INLINE_WP)):
-            env = proxy_env("demo", name, name, ip, "", RUST_LOG="debug", **xds)
+            env = proxy_env(ip, f"demo/{name}/{name}", "", RUST_LOG="debug", **xds)
             del env["FAKE_CA"], env["LOCAL_XDS"]
             envs.append(env)
         env = proxy_env(
-            "demo",
-            "client",
-            "client",
             CLIENT,
+            "demo/client/client",
             f"workloads:\n{CLIENT_WORKLOAD}",
             XDS_ON_DEMAND="true",
             ISTIO_META_DNS_CAPTURE="false",

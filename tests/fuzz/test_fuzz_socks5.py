@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.mesh import Fleet, proxy_env
+from tests.harness import Fleet, proxy_env
 from ztunnel.proxy.socks5_codec import ConnectRequested, HandshakeFailed, Reply, Socks5Handshake
 
 REPLY_CODES = {int(code) for code in Reply}
@@ -132,7 +132,7 @@ workloads:
     serviceAccount: client
     workloadIps: ["{me}"]
 """
-    await fleet.start(proxy_env("demo", "client", "client", me, config))
+    await fleet.start(proxy_env(me, "demo/client/client", config))
     for domain in LISTENER_CASES:
         reader, writer = await asyncio.open_connection(me, 15080)
         try:

@@ -1,0 +1,596 @@
+"""The tests' one process harness: `ztunnel proxy`, `ztunnel control-plane` and `ztunnel cni-agent`
+started as a deployment starts them and observed as a user observes them. Every test that runs one
+of these processes does it through this module.
+
+How a process starts: the shipped entry point (the `ztunnel` console script beside this Python),
+optionally inside a network namespace (`netns=`: `ip netns exec NAME ztunnel ...`) and under a
+wrapper that ends by exec'ing its arguments (`wrap=`: e.g. `unshare -m sh -c '...; exec "$@"'`),
+in its own session and process group, stdin closed, stdout and stderr appended to one log file
+(or, `output=`, to a descriptor the test holds), and a clean environment: this test process's
+environment without any proxy setting (`ZTUNNEL_*`, `PROXY_*`, `XDS_*`, `CA_*`, `LOCAL_XDS*`,
+`INPOD_*`) nor log setting (`LOG_*`, `RUST_LOG`), plus what the test passes. How it stops: SIGTERM
+to its first process (a drain), then SIGKILL to its whole process group until none of it is left.
+
+The API is blocking (from an async test whose loop also serves what the proxy talks to, use the
+async face):
+
+* `Fleet(log_dir)` (fixtures `fleet` and `module_fleet`, conftest.py): what a test starts, each
+  stopped by `close()`, its log's tail printed.
+  - `fleet.proxy(env, netns=, wrap=, output=) -> Proxy`, not started;
+  - `fleet.start_all(env, ...)` / `await fleet.start(env, ...)`: proxies booting in parallel, each
+    waited ready;
+  - `fleet.control_plane(directory, host, yaml_text, *args, port=0, netns=) -> ControlPlane`,
+    started (`yaml_text` None: the source is in `args`, e.g. `--kube DIR`);
+  - `fleet.adopt(process)`: any `Process` made by hand (a `NodeAgent`, say), stopped with the rest.
+* `Process`, the base: `spawn()`, `wait_ready(timeout)`, `start(timeout)` (both), `running()`,
+  `pid`, `returncode`, `send(sig)`, `wait_exit()`, `terminate(sig)`, `kill()` (the whole group),
+  `stop()`, `pids()` (the first process, then the live members of its group: workers, a certificate
+  helper; neither a zombie nor one exiting, its command line gone), `log()`, `tail()`, `mark()` and
+  `log_since_mark()`.
+* `Proxy(env, log_path, netns=)`: its addresses from its env (`admin`, `stats`, `readiness`,
+  `socks5`); `get(port_name, path)` (in a namespace: curl run there), `ready()`,
+  `readiness_answer()`, `config_dump()`, `worker_entries()` (`/config_dump`'s workers),
+  `metrics_text()`, `samples()`, `metric(name, **labels)`, `listeners()` (its "proxy ready" log
+  line), `workers()` and `cert_helpers()` (process ids), `quit()` (POST /quitquitquit),
+  `restart()`.
+* `ControlPlane(directory, listen, yaml_text, *args, netns=)`: `address`, `url`, `root` (its root
+  certificate), `wire(env)` (a proxy's env fed by it), `push(yaml)`, `streams_opened(node)`,
+  `certificates_issued(identity)`; ready once it logged its root certificate.
+* `NodeAgent(log_path, zds_socket, cni_socket, args, env, netns=)`: ready once its CNI socket
+  accepts connections.
+* The async face, each a thread running the blocking call: `astart`, `await_ready`, `await_exit`,
+  `aterminate`, `astop`, `akill`; on a proxy `aget`, `aconfig_dump`, `asamples`, `ametric`,
+  `aquit`, `arestart`; `await fleet.start(...)`.
+* `proxy_env(ip, workload, local_xds, **extra)`: a dedicated proxy's settings, every port on `ip`;
+  `clean_env(env)`: what a process gets.
+
+What /proc says of processes is `tests/procs.py`; what the processes carry traffic for (echo apps,
+SOCKS5 clients, mesh YAML, `http`) is `tests/apps.py`; waiting for a condition is
+`tests/waiting.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.apps import free_port, http
+from tests.procs import group_left, group_members, is_cert_helper
+
+# The shipped entry point, as installed (the image and the chart run it by this name).
+ZTUNNEL = str(Path(sys.executable).parent / "ztunnel")
+
+# What a test process's own environment must not hand a ztunnel it starts.
+_NOT_INHERITED = ("ZTUNNEL_", "PROXY_", "XDS_", "CA_", "LOCAL_XDS", "INPOD_", "LOG_", "RUST_LOG")
+
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+class ProxyExited(AssertionError):
+    """A process ended when it should have been serving (or never became ready)."""
+
+
+def clean_env(env: Mapping[str, str] = {}) -> dict[str, str]:
+    """This test process's environment without proxy or log settings, plus `env`."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
+    return {**base, **env}
+
+
+def proxy_env(
+    ip: str, workload: str = "demo/client/client", local_xds: str = "", **extra: str
+) -> dict[str, str]:
+    """A dedicated proxy for `workload` (`namespace/name/serviceaccount`), every port on `ip`, the
+    SOCKS5 listener on, two data-plane workers as deployed, certificates from the fake CA and
+    workloads from `local_xds` (a config's text or path; empty: none). `extra` overrides."""
+    env = {
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": workload,
+        "XDS_ADDRESS": "",
+        "FAKE_CA": "true",
+        "LOCAL_XDS": local_xds,
+        "PROXY_BIND_ADDRESS": ip,
+        "UNSTABLE_ENABLE_SOCKS5": "true",
+        "SOCKS5_ADDRESS": f"{ip}:15080",
+        "ADMIN_ADDRESS": f"{ip}:15000",
+        "STATS_ADDRESS": f"{ip}:15020",
+        "READINESS_ADDRESS": f"{ip}:15021",
+        "CONNECTION_TERMINATION_DEADLINE": "1s",
+        "ZTUNNEL_WORKER_THREADS": "2",
+    }
+    env.update(extra)
+    return env
+
+
+def _address(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Process:
+    """One ztunnel process (`args`: its subcommand and options) in its own process group."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        *,
+        netns: str | None = None,
+        wrap: Sequence[str] = (),
+        name: str = "",
+        output: int | None = None,
+    ) -> None:
+        self.args = list(args)
+        self.wrap = list(wrap)
+        self.output = output
+        self.env = clean_env(env)
+        self.log_path = log_path
+        self.netns = netns
+        self.name = name or self.args[0]
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self._log_offset = 0
+
+    # --- life cycle ---------------------------------------------------------------------------
+
+    def spawn(self) -> None:
+        """Start the process (not waiting until it is ready)."""
+        assert not self.running(), f"{self.name} already running"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+        with open(self.log_path, "ab") as log:
+            out = log.fileno() if self.output is None else self.output
+            self.process = subprocess.Popen(
+                [*prefix, *self.wrap, ZTUNNEL, *self.args],
+                env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+            )  # fmt: skip
+        self.starts += 1
+
+    def is_ready(self) -> bool:
+        """Whether the process serves (each kind says how it tells)."""
+        return True
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        """Until `is_ready()`; ProxyExited if the process ends first, or at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process is not None, f"{self.name} never started"
+            if self.process.poll() is not None:
+                raise ProxyExited(f"{self.name} exited {self.process.returncode}:\n{self.tail()}")
+            try:
+                if self.is_ready():
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise ProxyExited(f"{self.name} not ready after {timeout:g}s:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def start(self, timeout: float = 30) -> Any:
+        """`spawn()` then `wait_ready()`; the process itself."""
+        self.spawn()
+        self.wait_ready(timeout)
+        return self
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.name} never started"
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def wait_exit(self, timeout: float = 20) -> int:
+        """The first process's exit status, once it exited."""
+        assert self.process is not None, f"{self.name} never started"
+        return self.process.wait(timeout)
+
+    def send(self, sig: int) -> None:
+        """Send `sig` to the first process (the supervisor), if it runs."""
+        if self.running():
+            assert self.process is not None
+            self.process.send_signal(sig)
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        """Signal the first process (SIGTERM: drain) and wait for its exit status."""
+        self.send(sig)
+        return self.wait_exit(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL what is left of the process group; wait until none of it remains."""
+        if self.process is None:
+            return
+        pgid = self.process.pid
+        deadline = time.monotonic() + 10
+        while self.process.poll() is None or group_left(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"processes {group_left(pgid)} of {self.name} outlive SIGKILL")
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 10) -> int | None:
+        """SIGTERM (a drain), then SIGKILL to whatever of the group is left; the exit status."""
+        self.send(signal.SIGTERM)
+        if self.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout)
+        self.kill()
+        return self.returncode
+
+    def pids(self) -> list[int]:
+        """The live processes of the group, the first process (the supervisor) first."""
+        if self.process is None:
+            return []
+        first = self.process.pid
+        return sorted(group_members(first), key=lambda p: (p != first, p))
+
+    # --- its output ---------------------------------------------------------------------------
+
+    def log(self) -> str:
+        """Everything the process wrote (every start of it), as a user reading its output sees it."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def mark(self) -> None:
+        """Make `log_since_mark` start from here."""
+        self._log_offset = len(self.log())
+
+    def log_since_mark(self) -> str:
+        return self.log()[self._log_offset :]
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log()[-chars:]
+
+    # --- the async face -----------------------------------------------------------------------
+
+    async def astart(self, timeout: float = 30) -> Any:
+        return await asyncio.to_thread(self.start, timeout)
+
+    async def await_ready(self, timeout: float = 30) -> None:
+        await asyncio.to_thread(self.wait_ready, timeout)
+
+    async def await_exit(self, timeout: float = 20) -> int:
+        return await asyncio.to_thread(self.wait_exit, timeout)
+
+    async def aterminate(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        return await asyncio.to_thread(self.terminate, sig, timeout)
+
+    async def astop(self, timeout: float = 10) -> int | None:
+        return await asyncio.to_thread(self.stop, timeout)
+
+    async def akill(self) -> None:
+        await asyncio.to_thread(self.kill)
+
+
+class Proxy(Process):
+    """`ztunnel proxy`: a supervisor and its data-plane workers. Its addresses come from its env."""
+
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        log_path: Path,
+        *,
+        netns: str | None = None,
+        wrap: Sequence[str] = (),
+        output: int | None = None,
+    ) -> None:
+        name = env.get("PROXY_WORKLOAD_INFO", "").rpartition("/")[2] or "proxy"
+        super().__init__(["proxy"], env, log_path, netns=netns, wrap=wrap, name=name, output=output)
+
+    @property
+    def ip(self) -> str:
+        return self.env.get("PROXY_BIND_ADDRESS", "127.0.0.1")
+
+    def _where(self, var: str, port: int) -> tuple[str, int]:
+        host, number = _address(self.env[var]) if self.env.get(var) else (self.ip, port)
+        return ("127.0.0.1" if host in ("0.0.0.0", "") else host), number
+
+    @property
+    def socks5(self) -> tuple[str, int]:
+        return self._where("SOCKS5_ADDRESS", 15080)
+
+    @property
+    def admin(self) -> tuple[str, int]:
+        return self._where("ADMIN_ADDRESS", 15000)
+
+    @property
+    def stats(self) -> tuple[str, int]:
+        return self._where("STATS_ADDRESS", 15020)
+
+    @property
+    def readiness(self) -> tuple[str, int]:
+        return self._where("READINESS_ADDRESS", 15021)
+
+    def is_ready(self) -> bool:
+        return self.get("readiness", "/healthz/ready", timeout=2) == (200, b"ready\n")
+
+    def ready(self) -> bool:
+        """Whether `/healthz/ready` answers 200 now (no answer: not ready)."""
+        try:
+            return self.get("readiness", "/healthz/ready", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    def readiness_answer(self) -> tuple[int, str]:
+        """`/healthz/ready`'s (status, body) now; (0, the error) when nothing answers."""
+        try:
+            status, body = self.get("readiness", "/healthz/ready", timeout=5)
+        except OSError as e:
+            return 0, str(e)
+        return status, body.decode(errors="replace")
+
+    def quit(self, timeout: float = 20) -> int:
+        """POST /quitquitquit, as an operator asks for a drain; the exit status."""
+        status, body = self.get("admin", "/quitquitquit", method="POST")
+        assert status == 200, (status, body)
+        return self.wait_exit(timeout)
+
+    def restart(self) -> None:
+        self.terminate()
+        self.kill()
+        self.start()
+
+    def workers(self) -> list[int]:
+        """The data-plane workers' process ids (neither the supervisor nor a certificate helper)."""
+        return [p for p in self.pids()[1:] if not is_cert_helper(p)]
+
+    def cert_helpers(self) -> list[int]:
+        """The certificate helpers running now (none once they lingered out)."""
+        return [p for p in self.pids()[1:] if is_cert_helper(p)]
+
+    # --- what a user sees ---------------------------------------------------------------------
+
+    def get(self, port: str, path: str, *, method: str = "GET", timeout: float = 10) -> tuple[int, bytes]:
+        """`port`: admin, stats or readiness. In a namespace, through curl run in it."""
+        host, number = getattr(self, port)
+        if self.netns is None:
+            return http(method, f"http://{host}:{number}{path}", timeout=timeout)
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.netns, "curl", "-s", "-X", method, "-m", f"{timeout:g}",
+             "-w", "\n%{http_code}", f"http://{host}:{number}{path}"],
+            capture_output=True, timeout=timeout + 10,
+        )  # fmt: skip
+        body, _, code = done.stdout.rpartition(b"\n")
+        if not code or code == b"000":
+            raise ConnectionError(f"no answer from {host}:{number}{path} in {self.netns}")
+        return int(code), body
+
+    def config_dump(self) -> dict[str, Any]:
+        status, body = self.get("admin", "/config_dump")
+        assert status == 200, (status, body)
+        dump: dict[str, Any] = json.loads(body)
+        return dump
+
+    def worker_entries(self) -> list[dict[str, Any]]:
+        """`/config_dump`'s `workers`: one entry (index, pid, state, counts) per worker."""
+        workers: list[dict[str, Any]] = self.config_dump()["workers"]
+        return workers
+
+    def metrics_text(self) -> str:
+        status, body = self.get("stats", "/metrics")
+        assert status == 200, (status, body)
+        return body.decode()
+
+    def samples(self) -> Samples:
+        """Every sample of `/metrics`, parsed, as (name as exposed, labels, value)."""
+        return [
+            (s.name, s.labels, s.value)
+            for family in text_string_to_metric_families(self.metrics_text())
+            for s in family.samples
+        ]
+
+    def metric(self, name: str, *, since: Samples | None = None, **labels: str) -> float:
+        """Sum of the samples of `name` (`..._total` for a counter) whose labels include `labels`;
+        `since`: minus that sum in an earlier `samples()`."""
+
+        def total(samples: Samples) -> float:
+            return sum(
+                v for n, have, v in samples if n == name and all(have.get(k) == w for k, w in labels.items())
+            )
+
+        return total(self.samples()) - (total(since) if since is not None else 0.0)
+
+    def listeners(self) -> dict[str, tuple[str, int]]:
+        """The data-plane listeners (name -> address) of the last worker's "proxy ready" log line."""
+        lines = [line for line in self.log().splitlines() if ": proxy ready: " in line]
+        assert lines, f"no proxy ready line in {self.name}'s log"
+        text = lines[-1].rsplit(": proxy ready: ", 1)[1].rstrip('"')
+        out = {}
+        for item in filter(None, text.split(", ")):
+            name, _, address = item.partition(" ")
+            out[name] = _address(address)
+        return out
+
+    # --- the async face -----------------------------------------------------------------------
+
+    async def aget(self, port: str, path: str, *, method: str = "GET") -> tuple[int, bytes]:
+        return await asyncio.to_thread(lambda: self.get(port, path, method=method))
+
+    async def aconfig_dump(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.config_dump)
+
+    async def asamples(self) -> Samples:
+        return await asyncio.to_thread(self.samples)
+
+    async def ametric(self, name: str, *, since: Samples | None = None, **labels: str) -> float:
+        return await asyncio.to_thread(lambda: self.metric(name, since=since, **labels))
+
+    async def aquit(self, timeout: float = 20) -> int:
+        return await asyncio.to_thread(self.quit, timeout)
+
+    async def arestart(self) -> None:
+        await asyncio.to_thread(self.restart)
+
+
+class ControlPlane(Process):
+    """`ztunnel control-plane`: xDS and a CA from a YAML file it watches (`text`, written to
+    `config`; a live change is a new file), or with `text` None from what `args` name (`--kube
+    DIR`), listening on `address`. Ready once it logged its root certificate."""
+
+    def __init__(
+        self, directory: Path, listen: str, text: str | None, *args: str, netns: str | None = None
+    ) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config = directory / "mesh.yaml"
+        source = []
+        if text is not None:
+            self.config.write_text(text)
+            source = ["--config", str(self.config)]
+        self.address = listen
+        argv = ["control-plane", *source, "--listen", listen, "--ca-dir", str(directory / "ca"), *args]
+        super().__init__(argv, {}, directory / "control-plane.log", netns=netns, name="control-plane")
+
+    def is_ready(self) -> bool:
+        return "root certificate:" in self.log()
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if '--tls' in self.args else 'http'}://{self.address}"
+
+    @property
+    def root(self) -> Path:
+        """The root certificate it logged (of its last start)."""
+        found = re.findall(r"root certificate: (\S+)", self.log())
+        assert found, f"no root certificate in the control plane's log:\n{self.tail()}"
+        return Path(found[-1])
+
+    def wire(self, env: Mapping[str, str]) -> dict[str, str]:
+        """A proxy's `env` fed by this control plane instead of a local config and the fake CA."""
+        wired = {k: v for k, v in env.items() if k not in ("LOCAL_XDS", "LOCAL_XDS_PATH", "FAKE_CA")}
+        wired.update(XDS_ADDRESS=self.url, CA_ADDRESS=self.url)
+        return wired
+
+    def push(self, text: str) -> None:
+        """A new config, written whole (the control plane reads the file when it changes)."""
+        tmp = self.config.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.config)
+
+    def streams_opened(self, node_id_part: str = "") -> int:
+        """xDS streams it logged as opened, of a node whose id contains `node_id_part`."""
+        return len(re.findall(rf"stream from \S*{re.escape(node_id_part)}\S* \(peer .*\) opened", self.log()))
+
+    def certificates_issued(self, identity: str) -> int:
+        return self.log().count(f"issued a certificate for {identity} ")
+
+
+class NodeAgent(Process):
+    """`ztunnel cni-agent`: ready once its CNI socket accepts connections."""
+
+    def __init__(
+        self,
+        log_path: Path,
+        zds_socket: Path,
+        cni_socket: Path,
+        args: Sequence[str],
+        env: Mapping[str, str] = {},
+        *,
+        netns: str | None = None,
+    ) -> None:
+        self.zds_socket, self.cni_socket = zds_socket, cni_socket
+        argv = ["cni-agent", "--zds-socket", str(zds_socket), "--cni-socket", str(cni_socket), *args]
+        super().__init__(argv, env, log_path, netns=netns, name="cni-agent")
+
+    def is_ready(self) -> bool:
+        if not self.zds_socket.exists():
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(self.cni_socket))
+            except OSError:
+                return False
+        return True
+
+
+class Fleet:
+    """The processes a test (or module) starts; `close()`, the fixture's teardown, stops each (the
+    proxies first), kills its whole process group, and prints each one's log tail."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.processes: list[Process] = []
+
+    @property
+    def proxies(self) -> list[Proxy]:
+        return [p for p in self.processes if isinstance(p, Proxy)]
+
+    def _log(self, kind: str) -> Path:
+        return self.log_dir / f"{kind}-{len(self.processes)}.log"
+
+    def adopt(self, process: Process) -> Any:
+        """Have `close()` stop `process` too; `process` itself."""
+        self.processes.append(process)
+        return process
+
+    def proxy(
+        self,
+        env: Mapping[str, str],
+        *,
+        netns: str | None = None,
+        wrap: Sequence[str] = (),
+        output: int | None = None,
+    ) -> Proxy:
+        """A proxy of this fleet, not started (`output`: a file descriptor for its stdout and stderr
+        instead of its log file, e.g. a pipe the test holds)."""
+        proxy: Proxy = self.adopt(Proxy(env, self._log("proxy"), netns=netns, wrap=wrap, output=output))
+        return proxy
+
+    def start_all(self, *envs: Mapping[str, str], netns: str | None = None) -> list[Proxy]:
+        """Start several at once (they boot in parallel) and wait until each is ready."""
+        proxies = [self.proxy(env, netns=netns) for env in envs]
+        for proxy in proxies:
+            proxy.spawn()
+        for proxy in proxies:
+            proxy.wait_ready()
+        return proxies
+
+    async def start(self, *envs: Mapping[str, str], netns: str | None = None) -> list[Proxy]:
+        """`start_all` from an async test (the loop keeps running meanwhile)."""
+        return await asyncio.to_thread(lambda: self.start_all(*envs, netns=netns))
+
+    def control_plane(
+        self,
+        directory: Path,
+        host: str,
+        text: str | None,
+        *args: str,
+        port: int = 0,
+        netns: str | None = None,
+    ) -> ControlPlane:
+        """A control plane serving `text` on `host` (`port` 0: a free one) with further options
+        `args` (e.g. `--tls`), started."""
+        listen = f"{host}:{port or free_port(host)}"
+        cp: ControlPlane = self.adopt(ControlPlane(directory, listen, text, *args, netns=netns))
+        cp.start()
+        return cp
+
+    def close(self) -> None:
+        order = self.proxies + [p for p in self.processes if not isinstance(p, Proxy)]
+        try:
+            for process in order:
+                process.send(signal.SIGTERM)
+            for process in order:
+                process.stop()
+        finally:
+            for process in order:
+                sys.stdout.write(f"--- {process.name} log, tail ---\n{process.tail(6000)}\n")
