@@ -25,8 +25,8 @@ async face):
 * `Process`, the base: `spawn()`, `wait_ready(timeout)`, `start(timeout)` (both), `running()`,
   `pid`, `returncode`, `send(sig)`, `wait_exit()`, `terminate(sig)`, `kill()` (the whole group),
   `stop()`, `pids()` (the first process, then the live members of its group: workers, a certificate
-  helper; neither a zombie nor one exiting, its command line gone), `log()`, `tail()`, `mark()` and
-  `log_since_mark()`.
+  helper; neither a zombie nor one exiting, its command line gone), `exiting()` (those leaving),
+  `log()`, `tail()`, `mark()` and `log_since_mark()`.
 * `Proxy(env, log_path, netns=)`: its addresses from its env (`admin`, `stats`, `readiness`,
   `socks5`); `get(port_name, path)` (in a namespace: curl run there), `ready()`,
   `readiness_answer()`, `config_dump()`, `worker_entries()` (`/config_dump`'s workers),
@@ -39,8 +39,8 @@ async face):
 * `NodeAgent(log_path, zds_socket, cni_socket, args, env, netns=)`: ready once its CNI socket
   accepts connections.
 * The async face, each a thread running the blocking call: `astart`, `await_ready`, `await_exit`,
-  `aterminate`, `astop`, `akill`; on a proxy `aget`, `aconfig_dump`, `asamples`, `ametric`,
-  `aquit`, `arestart`; `await fleet.start(...)`.
+  `aterminate`, `astop`, `akill`; on a proxy `aconfig_dump`, `asamples`, `ametric`;
+  `await fleet.start(...)`.
 * `proxy_env(ip, workload, local_xds, **extra)`: a dedicated proxy's settings, every port on `ip`;
   `clean_env(env)`: what a process gets.
 
@@ -242,6 +242,12 @@ class Process:
         first = self.process.pid
         return sorted(group_members(first), key=lambda p: (p != first, p))
 
+    def exiting(self) -> list[int]:
+        """Members of the group on their way out: listed by the kernel, their memory already gone."""
+        if self.process is None:
+            return []
+        return sorted(set(group_left(self.process.pid)) - set(group_members(self.process.pid)))
+
     # --- its output ---------------------------------------------------------------------------
 
     def log(self) -> str:
@@ -423,9 +429,6 @@ class Proxy(Process):
 
     # --- the async face -----------------------------------------------------------------------
 
-    async def aget(self, port: str, path: str, *, method: str = "GET") -> tuple[int, bytes]:
-        return await asyncio.to_thread(lambda: self.get(port, path, method=method))
-
     async def aconfig_dump(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.config_dump)
 
@@ -434,12 +437,6 @@ class Proxy(Process):
 
     async def ametric(self, name: str, *, since: Samples | None = None, **labels: str) -> float:
         return await asyncio.to_thread(lambda: self.metric(name, since=since, **labels))
-
-    async def aquit(self, timeout: float = 20) -> int:
-        return await asyncio.to_thread(self.quit, timeout)
-
-    async def arestart(self) -> None:
-        await asyncio.to_thread(self.restart)
 
 
 class ControlPlane(Process):
@@ -585,7 +582,9 @@ class Fleet:
         return cp
 
     def close(self) -> None:
+        """Stop every process (once: a second call finds none)."""
         order = self.proxies + [p for p in self.processes if not isinstance(p, Proxy)]
+        self.processes = []
         try:
             for process in order:
                 process.send(signal.SIGTERM)

@@ -35,7 +35,7 @@ def test_two_workers_one_xds_stream_one_certificate_per_identity_both_serving(me
     node = mesh.cluster.nodes[0]
     # Certificates from the control plane's CA this time, so it counts the requests.
     zt = start_node(mesh, node, mesh.xds, FAKE_CA="false", CA_ADDRESS=mesh.xds)
-    assert len({w["pid"] for w in zt.workers()}) == 2
+    assert len({w["pid"] for w in zt.worker_entries()}) == 2
     client = node.add_pod("client", service_account="client")
     server = node.add_pod("server", service_account="server")
     mesh.push(mesh_yaml([client, server]))
@@ -46,9 +46,9 @@ def test_two_workers_one_xds_stream_one_certificate_per_identity_both_serving(me
         assert talk(client, server, f"hello-{i}") == f"echo hello-{i}"
     # The client pod's connections were spread over both workers' listeners in its namespace.
     eventually(lambda: sum(per_worker(zt, "outboundOpened")) == n, "the outbound connections counted")
-    assert all(c > 0 for c in per_worker(zt, "outboundOpened")), zt.workers()
-    assert opened(zt.metrics(), reporter="destination", destination_workload="server") == n
-    log = "".join(mesh.cp_log)
+    assert all(c > 0 for c in per_worker(zt, "outboundOpened")), zt.worker_entries()
+    assert opened(zt.metrics_text(), reporter="destination", destination_workload="server") == n
+    log = mesh.control_plane.log()
     assert len(re.findall(r"stream from \S+ \(peer .*\) opened", log)) == 1, log
     for sa in ("client", "server"):
         assert log.count(f"issued a certificate for spiffe://{TD}/ns/default/sa/{sa} ") == 1, log
@@ -68,7 +68,7 @@ def test_two_workers_a_policy_push_closes_held_connections_in_every_worker(mesh:
     n = 12
     holder = hold(mesh, client, server, n)
     eventually(lambda: sum(per_worker(zt, "inboundOpened")) == n, "the inbound connections counted")
-    assert all(c > 0 for c in per_worker(zt, "inboundOpened")), zt.workers()
+    assert all(c > 0 for c in per_worker(zt, "inboundOpened")), zt.worker_entries()
     # workloadState lists the server pod's held connections, gathered from both workers.
     held = zt.config_dump()["workloadState"][server.uid]["connections"]["inbound"]
     assert len(held) == n and {c["src"].rpartition(":")[0] for c in held} == {client.ip}, held
@@ -99,17 +99,17 @@ def test_two_workers_a_killed_worker_is_replaced_while_the_other_keeps_echoing(m
     eventually(lambda: sum(per_worker(zt, "outboundOpened")) == n, "the held connections counted")
     counts = per_worker(zt, "outboundOpened")
     assert all(c > 0 for c in counts), counts
-    victim = zt.workers()[0]
+    victim = zt.worker_entries()[0]
     os.kill(victim["pid"], signal.SIGKILL)
 
     statuses: list[int] = []
 
     def replaced() -> bool:
-        statuses.append(zt.get(zt.ports[2], "/healthz/ready")[0])
-        w = zt.workers()[0]
+        statuses.append(zt.readiness_answer()[0])
+        w = zt.worker_entries()[0]
         return bool(w["pid"] != victim["pid"] and w["state"] == "ready")
 
-    eventually(lambda: zt.get(zt.ports[2], "/healthz/ready")[0] == 500, "readiness down")
+    eventually(lambda: zt.readiness_answer()[0] == 500, "readiness down")
     # The other worker's connections keep echoing; new connections are served meanwhile.
     assert holder.ping().count("y") == counts[1]
     assert talk(client, plain, "meanwhile") == "echo meanwhile"
@@ -128,7 +128,7 @@ def test_two_workers_a_killed_worker_is_replaced_while_the_other_keeps_echoing(m
 def test_two_workers_a_pod_is_acked_only_once_every_worker_listens(mesh: Mesh) -> None:
     node = mesh.cluster.nodes[0]
     zt = start_node(mesh, node, mesh.xds)
-    stuck = zt.workers()[1]
+    stuck = zt.worker_entries()[1]
     os.kill(stuck["pid"], signal.SIGSTOP)  # alive, but it cannot open the pod's listeners
     try:
         result, pod = node.try_add_pod("slow", service_account="slow")
@@ -143,4 +143,4 @@ def test_two_workers_a_pod_is_acked_only_once_every_worker_listens(mesh: Mesh) -
     assert node.cni_add(pod).ok
     assert listeners_per_port(pod, PROXY_PORTS) == {port: 2 for port in PROXY_PORTS}
     assert zt.config_dump()["workloadState"][pod.uid]["state"] == "Up"
-    assert zt.workers()[1]["pid"] == stuck["pid"]  # not replaced: it answers again
+    assert zt.worker_entries()[1]["pid"] == stuck["pid"]  # not replaced: it answers again

@@ -81,7 +81,7 @@ def test_process_families_cover_every_process_and_leave_with_a_killed_worker(pro
     killed outright takes its sockets out of every gauge, and the CPU seconds never go back."""
     # The workload's certificate, asked for at start-up, is made by a helper process, counted while
     # it runs: the figures are compared with the kernel's once it has left (2 s after its work).
-    eventually(lambda: not proxy.cert_helpers(), "the certificate helper to leave")
+    eventually(lambda: not proxy.cert_helpers() and not proxy.exiting(), "the certificate helper to leave")
     base = scrape(proxy)
     base_fds = value(base, "process_open_fds")
     assert base_fds == pytest.approx(open_fds(proxy.pids()), abs=4)
@@ -89,7 +89,8 @@ def test_process_families_cover_every_process_and_leave_with_a_killed_worker(pro
     try:
         eventually(lambda: value(scrape(proxy), "istio_tcp_sockets_open", reporter="source") == 40, "40 open")
         loaded = scrape(proxy)
-        assert value(loaded, "process_open_fds") >= base_fds + 80
+        # (Within the 4 descriptors a moment's housekeeping opens or closes, as compared below.)
+        assert value(loaded, "process_open_fds") >= base_fds + 80 - 4
         assert value(loaded, "process_open_fds") == pytest.approx(open_fds(proxy.pids()), abs=4)
         # Memory: more than the supervisor's own; CPU: at least what the workers spent.
         memory = value(loaded, "process_resident_memory_bytes")

@@ -154,15 +154,20 @@ async def test_one_cpu_profile_at_a_time(pair: tuple[Proxy, Proxy]) -> None:
 
     long = asyncio.create_task(profile(4))
     refused = None
-    # Short profiles until one meets the long one running (either may reach the profiler first).
+    # Short profiles until one meets the long one running (either may reach the profiler first, and
+    # the one that comes second is refused).
     for _ in range(20):
         status, _, body = await profile(1)
         if status == 409:
             refused = body
             break
         assert status == 200
-        if long.done():  # it came second and was refused: start it again
-            long = asyncio.create_task(profile(4))
+        if long.done():
+            long_status, _, long_body = long.result()
+            long = asyncio.create_task(profile(4))  # again, for the end below
+            if long_status == 409:  # it came second, while this short one ran
+                refused = long_body
+                break
     assert refused == b"a CPU profile is already being collected\n"
     assert (await long)[0] == 200
 

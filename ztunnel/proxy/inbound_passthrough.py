@@ -86,7 +86,7 @@ class InboundPassthrough:
         log_policy_decision(decision, src_s, dst_s, info=ctx.config.authz_policy_info_logging)
         if isinstance(decision, Reject):
             record_denial(record, decision)
-            await close_refused(transport, inbox)
+            ctx.tasks.track(close_refused(transport, inbox))  # its own task: the denial is decided
             return None
         try:
             app, app_inbox = await ctx.connect_tcp(
