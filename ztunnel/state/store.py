@@ -51,6 +51,7 @@ class ProxyState:
         self._workloads: dict[str, Workload] = {}  # by uid, in first-seen order
         self._workloads_by_addr: dict[NetworkAddress, list[str]] = {}
         self._workloads_by_hostname: dict[NamespacedHostname, list[str]] = {}
+        self._workloads_by_name: dict[str, list[str]] = {}  # uids by workload (pod) name, for DNS
         self._services: dict[str, Service] = {}  # by namespace/hostname, in first-seen order
         self._services_by_vip: dict[NetworkAddress, list[str]] = {}
         self._services_by_hostname: dict[str, list[str]] = {}
@@ -192,6 +193,10 @@ class ProxyState:
                 uids = self._workloads_by_hostname.setdefault(NamespacedHostname(w.namespace, w.hostname), [])
                 if w.uid not in uids:
                     uids.append(w.uid)
+            if w.name:
+                uids = self._workloads_by_name.setdefault(w.name, [])
+                if w.uid not in uids:
+                    uids.append(w.uid)
             for service_key, ports in w.services:
                 self._memberships.setdefault(service_key, {})[w.uid] = Endpoint(w.uid, ports, w.status)
             self._changed = True
@@ -216,6 +221,8 @@ class ProxyState:
             _unlist(self._workloads_by_addr, addr, w.uid)
         if w.hostname:
             _unlist(self._workloads_by_hostname, NamespacedHostname(w.namespace, w.hostname), w.uid)
+        if w.name:
+            _unlist(self._workloads_by_name, w.name, w.uid)
         for service_key, _ in w.services:
             endpoints = self._memberships.get(service_key)
             if endpoints is not None:
@@ -301,6 +308,7 @@ class ProxyState:
             self._workloads.clear()
             self._workloads_by_addr.clear()
             self._workloads_by_hostname.clear()
+            self._workloads_by_name.clear()
             self._memberships.clear()
             self._services.clear()
             self._services_by_vip.clear()
@@ -356,6 +364,11 @@ class ProxyState:
         """A workload named by `namespace/hostname` (a waypoint or gateway given by hostname)."""
         uids = self._workloads_by_hostname.get(NamespacedHostname(namespace, hostname))
         return self._workloads[uids[0]] if uids else None
+
+    def workloads_by_name(self, name: str) -> list[Workload]:
+        """Every workload of this name (a pod's name, in any namespace or cluster), in the order
+        they were last updated: the DNS proxy's per-pod names of headless services."""
+        return [self._workloads[uid] for uid in self._workloads_by_name.get(name, ())]
 
     def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
         """Every service with this exact VIP, whatever its visibility, in first-seen order."""
