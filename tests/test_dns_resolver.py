@@ -182,9 +182,9 @@ def test_expansions_and_aliases() -> None:
 # -- per-pod names of headless services ------------------------------------------------------------
 
 # Pods named by `<pod>.<service>.<ns>.svc.cluster.local`: HOME is the asking client's cluster. db-0 is
-# in both namespaces; t3..t0 (each listing ns1's `db`) tell the tie-breaks apart: every row of a
-# name leaves out the better candidates of the one above, listed worst first so that the first seen
-# never wins by chance. vip-0's service has a VIP, ext-0's is not cluster-local: neither is a pod name.
+# in both namespaces; t3..t0 (each listing ns1's `db`) tell the tie-breaks apart: every name leaves
+# out the better candidates of the one above; listed worst first, and their uids (r<rank>//...) sort
+# the same way, so that the first seen never wins by chance whichever order the store gets them in. vip-0's service has a VIP, ext-0's is not cluster-local: neither is a pod name.
 PODS = """
   - {uid: p//Pod/ns1/db-0, name: db-0, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
      clusterId: HOME, workloadIps: ["10.2.0.1", "10.2.0.11", "fd00::2:1"],
@@ -195,29 +195,29 @@ PODS = """
      clusterId: HOME, workloadIps: ["10.2.0.3"], services: {"ns1/vipdb.ns1.svc.cluster.local": {5432: 5432}}}
   - {uid: p//Pod/ns1/ext-0, name: ext-0, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
      clusterId: HOME, workloadIps: ["10.2.0.4"], services: {"ns1/ext.example": {5432: 5432}}}
-  - {uid: away//Pod/ns1/t3-alone, name: t3, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: q//Pod/ns1/t3-alone, name: t3, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
      clusterId: HOME, workloadIps: ["10.3.0.9"]}
-  - {uid: away//Pod/ns2/t3, name: t3, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r0//Pod/ns2/t3, name: t3, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.3.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: away//Pod/ns1/t3, name: t3, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r1//Pod/ns1/t3, name: t3, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.3.0.1"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: home//Pod/ns2/t3, name: t3, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r2//Pod/ns2/t3, name: t3, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
      clusterId: HOME, workloadIps: ["10.3.0.2"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: home//Pod/ns1/t3, name: t3, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r3//Pod/ns1/t3, name: t3, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
      clusterId: HOME, workloadIps: ["10.3.0.3"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: away//Pod/ns2/t2, name: t2, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r0//Pod/ns2/t2, name: t2, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.4.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: away//Pod/ns1/t2, name: t2, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r1//Pod/ns1/t2, name: t2, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.4.0.1"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: home//Pod/ns2/t2, name: t2, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r2//Pod/ns2/t2, name: t2, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
      clusterId: HOME, workloadIps: ["10.4.0.2"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: away//Pod/ns2/t1, name: t1, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r0//Pod/ns2/t1, name: t1, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.5.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: away//Pod/ns1/t1, name: t1, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r1//Pod/ns1/t1, name: t1, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.5.0.1"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: away//Pod/ns2/t0, name: t0, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r0//Pod/ns2/t0, name: t0, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.6.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: away//Pod/ns3/t0, name: t0, namespace: ns3, serviceAccount: db, trustDomain: cluster.local,
+  - {uid: r0//Pod/ns3/t0, name: t0, namespace: ns3, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.6.0.3"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
 """
 POD_SERVICES = """
@@ -306,7 +306,7 @@ def test_pod_names_follow_the_store() -> None:
     state.upsert_workload(dataclasses.replace(db0, name="db-1"))
     assert ask(DB0) == "forwarded"
     assert ask("db-1.db.ns1.svc.cluster.local") == (None, ["10.2.0.1", "10.2.0.11"])
-    state.remove("home//Pod/ns1/t3")
+    state.remove("r3//Pod/ns1/t3")
     assert ask("t3.db.ns1.svc.cluster.local") == (None, ["10.3.0.2"])
     db = state.service_by_key("ns1/db.ns1.svc.cluster.local")
     assert db is not None
