@@ -112,7 +112,9 @@ def test_inpod(mesh: Mesh, tmp_path: Path) -> None:
                     dig, "@10.96.0.10", *dig_args(transport, name, rdtype)
                 )  # any address: captured
                 check(done.stdout + done.stderr, name, rdtype, *expected)  # type: ignore[arg-type]
-        # The pod's own resolver, through its search list.
+        # The pod's own resolver, through its search list; dig's too.
         done = pod.run("getent", "ahostsv4", "db-0.db")
         assert sorted({line.split()[0] for line in done.stdout.splitlines()}) == DB0, done.stdout
+        done = pod.run(dig, "+short", "+search", "db-0.db", "A")
+        assert sorted(done.stdout.split()) == DB0, done.stdout + done.stderr
         assert "vip-0.vipdb.ns1.svc.cluster.local from" in pod.upstream_log.read_text()
