@@ -13,6 +13,8 @@ import dns.rcode
 import dns.rdatatype
 import pytest
 
+from tests.kube_wire import NS, serve
+from tests.kube_wire import pod as kube_pod
 from xds.localconfig import parse_local_config
 from xds.model import NetworkAddress, Workload
 from ztunnel.dns.forwarder import parse_resolv_conf
@@ -315,6 +317,39 @@ def test_pod_names_follow_the_store() -> None:
     assert ask("t3.db.ns1.svc.cluster.local") == "forwarded"
     state.remove_service("ns1/db.ns1.svc.cluster.local")
     assert ask("db-1.db.ns1.svc.cluster.local") == "forwarded"
+
+
+def test_statefulset_pods_from_kubernetes_manifests() -> None:
+    """What the development control plane makes of a StatefulSet's pods (members of its headless
+    Service) is what their names need; a Service with a cluster IP selecting them gives none."""
+    manifests = (
+        NS
+        + kube_pod("client", "10.0.0.1", labels="{app: client}")
+        + kube_pod("web-0", "10.0.0.10", labels="{app: web}")
+        + kube_pod("web-1", "10.0.0.11", labels="{app: web}")
+        + """
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec: {clusterIP: None, selector: {app: web}, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: vip, namespace: demo}
+spec: {clusterIP: 10.96.0.50, selector: {app: web}, ports: [{port: 80}]}
+"""
+    )
+    state = ProxyState()
+    state.apply_local_config(serve(manifests).index.config)
+    [who] = state.workloads_by_name("client")
+    for name, expected in [
+        ("web-0.web.demo.svc.cluster.local", (None, ["10.0.0.10"])),
+        ("web-1.web", (None, ["10.0.0.11"])),
+        ("web-0.vip.demo.svc.cluster.local", "forwarded"),
+        ("web", (None, ["10.0.0.10", "10.0.0.11"])),
+    ]:
+        assert seen(resolve(state, who, name, dns.rdatatype.A, SETTINGS)) == expected, name
 
 
 def test_pod_reply_message() -> None:
