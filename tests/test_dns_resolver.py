@@ -295,7 +295,8 @@ def test_resolve_pod_names(
 
 
 def test_pod_names_follow_the_store() -> None:
-    """The name index follows every change: a pod renamed, removed, its service gaining a VIP."""
+    """The name index follows every change: a pod renamed, removed, its service gaining a VIP, pods
+    of one name coming and going."""
     state = ProxyState()
     state.apply_local_config(parse_local_config(pods_mesh("home", POD_CLIENTS)))
     who = client(state)
@@ -315,6 +316,19 @@ def test_pod_names_follow_the_store() -> None:
     vip = NetworkAddress("", ipaddress.ip_address("10.96.9.10"))
     state.upsert_service(dataclasses.replace(db, vips=(vip,)))
     assert ask("t3.db.ns1.svc.cluster.local") == "forwarded"
+    state.upsert_service(db)
+    # Two pods of one name, one left, none, one again (updated twice: still one).
+    t1 = state.workload_by_uid("r1//Pod/ns1/t1")
+    assert t1 is not None
+    assert ask("t1.db.ns1") == (None, ["10.5.0.1"])
+    state.remove("r1//Pod/ns1/t1")
+    assert ask("t1.db.ns1") == (None, ["10.5.0.0"])
+    state.remove("r0//Pod/ns2/t1")
+    assert ask("t1.db.ns1") == "forwarded"
+    state.upsert_workload(t1)
+    state.upsert_workload(t1)
+    assert state.workloads_by_name("t1") == [t1]
+    assert ask("t1.db.ns1") == (None, ["10.5.0.1"])
     state.remove_service("ns1/db.ns1.svc.cluster.local")
     assert ask("db-1.db.ns1.svc.cluster.local") == "forwarded"
 
