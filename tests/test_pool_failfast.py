@@ -89,7 +89,7 @@ SOCKS = textwrap.dedent(
     async def silent_and_live(silent, live):
         dead = [asyncio.ensure_future(within(22, echo(silent, 8080, b"x"))) for _ in range(5)]
         await asyncio.sleep(0.5)
-        alive = await within(5, echo(live, 8080, b"through"))
+        alive = await within(9, echo(live, 8080, b"through"))
         if "w" in alive:
             alive.pop("w").close()
         results = [await d for d in dead]
@@ -183,9 +183,9 @@ def test_connections_to_a_silent_peer_fail_within_one_connect_timeout_and_others
     failed_at = [r["at"] for r in silent]
     assert min(failed_at) >= CONNECT_TIMEOUT - 0.5, out
     assert max(failed_at) < CONNECT_TIMEOUT + 3.0, out
-    # The live peer, asked half a second later, answered long before the silent one's timeout.
+    # The live peer, asked half a second later, answered while the silent one's dials still waited.
     assert live["reply"] == 0 and live["echoed"], out
-    assert live["at"] < CONNECT_TIMEOUT / 2, out
+    assert live["at"] < min(failed_at) - 1.0, out
     log = box.logs["client"].read_text()
     assert log.count("connection timed out, maybe a NetworkPolicy is blocking HBONE port 15008") >= 5
 
