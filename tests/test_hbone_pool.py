@@ -299,7 +299,7 @@ async def test_waiters_share_one_dial_and_its_failure_reaches_them_all_at_once(p
     errors = await asyncio.gather(*waiters)
     assert all(isinstance(e, OSError) and str(e) == "connection refused" for e in errors)
     assert len(dial.dials) == 1  # nobody dialled again in turn
-    assert max(ended) - min(ended) < 0.01
+    assert max(ended) - min(ended) < 0.1  # together (a loaded machine may pause between them)
     assert not pool.dialing(KEY)
 
 
