@@ -261,6 +261,7 @@ class ProxyInstance:
             await self.dns.close()
         for server in self._servers:
             server.close()
+        self._upstreams.drain()
         pending = self.ctx.tasks.pending()
         inbound = self._inbound.server
         if graceful:

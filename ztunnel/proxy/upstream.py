@@ -269,6 +269,10 @@ class Upstreams:
             raise OSError(f"no addresses for {hostname}")
         return chosen
 
+    def drain(self) -> None:
+        """No new HBONE connections: connections still being established use the pooled ones."""
+        self.pool.drain()
+
     async def close(self) -> None:
         await self.pool.close()
 
