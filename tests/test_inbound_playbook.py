@@ -19,8 +19,9 @@ import pytest
 
 from hbone.identity import Identity
 from hbone.server import ConnectRequest
+from hbone.stream import HboneStream
 from tests.conftest import LogLines
-from tests.playbook import Dial, connect_request_stream, mesh_state, now, proxy, run
+from tests.playbook import App, Dial, FakeSession, connect_request_stream, mesh_state, now, proxy, run
 from xds.localconfig import parse_local_config
 from ztunnel.config.settings import Config, WorkloadInfo
 from ztunnel.proxy import proxyprotocol
@@ -226,11 +227,9 @@ async def play(row: Row, state: ProxyState) -> None:
     info, our_ip = LOCALS[row.local]
     p = proxy(state, info, row.config, spoof_source=row.spoof_source)
     try:
-        target = (our_ip, 8080) if row.local == "server" else (our_ip, 15088)
-        if row.app == "refusing":
-            p.sockets.refusing.add(out.dial.addr if out.dial else target)
-        elif row.app == "silent":
-            p.sockets.silent.add(out.dial.addr if out.dial else target)
+        if row.app != "listening":
+            assert out.dial is not None, "an app that does not answer is one the proxy dials"
+            (p.sockets.refusing if row.app == "refusing" else p.sockets.silent).add(out.dial.addr)
         stream, session = connect_request_stream(row.identity)
         request = ConnectRequest(
             row.method, row.authority, dict(row.headers), row.identity, PEER, (our_ip, 15008), stream
@@ -250,7 +249,7 @@ async def play(row: Row, state: ProxyState) -> None:
         await p.close()
 
 
-async def relay_both_ways(app, stream, session, out: Out) -> None:  # type: ignore[no-untyped-def]
+async def relay_both_ways(app: App, stream: HboneStream, session: FakeSession, out: Out) -> None:
     """An admitted stream: the app reads the PROXY header (if any), then the client's bytes; its
     answer reaches the client; the client's END_STREAM and the app's close end the connection."""
     if out.proxy_header is not None:
@@ -259,6 +258,7 @@ async def relay_both_ways(app, stream, session, out: Out) -> None:  # type: igno
         decoded = proxyprotocol.decode(header + await app.read(length))
         assert decoded is not None
         h = decoded[0]
+        assert h.source is not None and h.destination is not None
         got = ((str(h.source[0]), h.source[1]), (str(h.destination[0]), h.destination[1]), h.peer_identity)
         assert got == out.proxy_header
     stream.received_data(b"ping", 4)
@@ -293,3 +293,35 @@ def test_our_workload_arriving_during_the_wait_is_served_then() -> None:
             await p.close()
 
     run(main)
+
+
+def test_a_policy_change_cuts_an_open_connection_it_now_denies(proxy_logs: LogLines) -> None:
+    """An allowed connection is authorized again on every policy change: once a policy denies its
+    client, both sides are cut and it is recorded as denied."""
+    deny_client = """
+  - {name: no-client, namespace: demo, scope: Namespace, action: Deny, dryRun: false,
+     rules: [[[{principals: [{Exact: "cluster.local/ns/demo/sa/client"}]}]]]}
+"""
+    state = mesh_state(MESH)
+
+    async def main() -> None:
+        p = proxy(state, LOCALS["server"][0])
+        try:
+            stream, session = connect_request_stream(CLIENT)
+            request = ConnectRequest(
+                "CONNECT", "10.0.0.2:8080", {}, CLIENT, PEER, ("10.0.0.2", 15008), stream
+            )
+            await Inbound(p.ctx).handle(request)
+            app = p.sockets.apps[0]
+            stream.received_data(b"ping", 4)
+            assert await app.read(4) == b"ping"
+            state.apply_local_config(parse_local_config(MESH + deny_client))
+            assert await app.read_to_end() == b""
+            await session.wait_for(lambda: bool(session.resets))  # the client's stream reset
+            await p.settled()
+            assert p.closed_flags() == {"DENY": 1}
+        finally:
+            await p.close()
+
+    run(main)
+    assert "connection closed due to policy change" in proxy_logs.text()
