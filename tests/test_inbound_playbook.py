@@ -8,7 +8,10 @@ The statuses are the reference's: 400 for a request that is not a CONNECT or nam
 `host:port`, or an address that is not ours; 503 for an unknown local workload (after waiting 5 s for
 it), an unknown hostname, one of the proxy's own ports, or an app that cannot be reached (refused, or
 10 s without an answer); 401 for a policy's denial; else 200, with the destination's baggage, once
-the app is connected."""
+the app is connected.
+
+The plaintext listener (15006, `inbound_passthrough.py`) has its own table below: the original
+destination in, the connection closed or carried to the app out."""
 
 from __future__ import annotations
 
@@ -21,11 +24,22 @@ from hbone.identity import Identity
 from hbone.server import ConnectRequest
 from hbone.stream import HboneStream
 from tests.conftest import LogLines
-from tests.playbook import App, Dial, FakeSession, connect_request_stream, mesh_state, now, proxy, run
+from tests.playbook import (
+    App,
+    Dial,
+    FakeSession,
+    accepted,
+    connect_request_stream,
+    mesh_state,
+    now,
+    proxy,
+    run,
+)
 from xds.localconfig import parse_local_config
 from ztunnel.config.settings import Config, WorkloadInfo
 from ztunnel.proxy import proxyprotocol
 from ztunnel.proxy.inbound import Inbound
+from ztunnel.proxy.inbound_passthrough import InboundPassthrough
 from ztunnel.state.store import ProxyState
 
 MESH = """
@@ -325,3 +339,108 @@ def test_a_policy_change_cuts_an_open_connection_it_now_denies(proxy_logs: LogLi
 
     run(main)
     assert "connection closed due to policy change" in proxy_logs.text()
+
+
+# --- plaintext (15006) ------------------------------------------------------------------------------
+# No request to answer: the connection's original destination is the target; a rejection closes it.
+
+
+@dataclass(frozen=True)
+class Plain:
+    """A plaintext connection from PEER to `dst` (its original destination), and what is observed:
+    the app connection dialled (None: the client's connection closed instead), when (seconds after
+    the accept), the closed connections by response flag, a text of the access log."""
+
+    name: str
+    dst: tuple[str, int]
+    dial: Dial | None
+    flags: dict[str, int] = field(default_factory=dict)
+    log: str = ""
+    at: float = 0.0
+    app: str = "listening"  # or "refusing", or "silent"
+    local: str = "server"
+    spoof_source: bool = False
+
+    @property
+    def carried(self) -> bool:
+        return "-" in self.flags
+
+
+PLAIN = [
+    Plain("allowed: to the app at the port dialled", ("10.0.0.2", 8080), Dial(("10.0.0.2", 8080)), {"-": 1}),
+    Plain(
+        "in a pod: from the client's own address",
+        ("10.0.0.2", 8080),
+        Dial(("10.0.0.2", 8080), source_ip="10.0.0.1", transparent=True),
+        {"-": 1},
+        spoof_source=True,
+    ),
+    Plain(
+        "one of the proxy's own ports", ("10.0.0.2", 15006), None, log="attempted recursive call to ourselves"
+    ),
+    Plain(
+        "our workload unknown: closed after 5 s",
+        ("10.0.0.2", 8080),
+        None,
+        log="unknown local workload",
+        at=5.0,
+        local="nobody",
+    ),
+    Plain(
+        "denied by port", ("10.0.0.2", 9999), None, {"DENY": 1}, DENIED + "explicitly denied by: demo/no-9999"
+    ),
+    Plain(
+        "app refuses",
+        ("10.0.0.2", 8080),
+        Dial(("10.0.0.2", 8080)),
+        {"CONNECT": 1},
+        "connect to app: [Errno 111]",
+        app="refusing",
+    ),
+    Plain(
+        "app silent: closed after the 10 s connect timeout",
+        ("10.0.0.2", 8080),
+        Dial(("10.0.0.2", 8080)),
+        {"CONNECT": 1},
+        "connect to app: connection timed out",
+        at=10.0,
+        app="silent",
+    ),
+]
+
+
+@pytest.mark.parametrize("row", PLAIN, ids=lambda r: r.name)
+def test_plaintext_playbook(row: Plain, proxy_logs: LogLines) -> None:
+    run(lambda: play_plain(row, mesh_state(MESH)))
+    assert row.log in proxy_logs.text()
+
+
+async def play_plain(row: Plain, state: ProxyState) -> None:
+    p = proxy(state, LOCALS[row.local][0], spoof_source=row.spoof_source)
+    try:
+        if row.app != "listening":
+            assert row.dial is not None, "an app that does not answer is one the proxy dials"
+            (p.sockets.refusing if row.app == "refusing" else p.sockets.silent).add(row.dial.addr)
+        client, transport, inbox = await accepted()
+        await client.send(b"ping")
+        start = now()
+        carried = await InboundPassthrough(p.ctx).forward(transport, inbox, PEER, row.dst)
+        assert now() - start == pytest.approx(row.at)
+        assert p.sockets.dials == ([row.dial] if row.dial else [])
+        assert (carried is not None) == row.carried
+        if carried is None:
+            assert await client.read_to_end() == b""  # closed, unanswered
+        else:
+            app = p.sockets.apps[0]
+            assert await app.read(4) == b"ping"
+            await app.send(b"pong")
+            assert await client.read(4) == b"pong"
+            await client.end()
+            assert await app.read_to_end() == b""
+            app.close()
+            assert await client.read_to_end() == b""
+            client.close()
+        await p.settled()
+        assert p.closed_flags() == row.flags
+    finally:
+        await p.close()
