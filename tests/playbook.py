@@ -12,9 +12,10 @@ edges where it meets the network are fakes, and each records what crossed it:
   CONNECT sent on one (authority, headers, early data), answered as told.
 * `FakeSession`, the HTTP/2 connection under one real `HboneStream`: the HEADERS, DATA, END_STREAM and
   resets the stream sent.
-* The clock: everything runs on `run`'s event loop, whose time only moves when nothing else can
-  happen, by as much as the next timer needs. A 5 s wait or a 10 s timeout takes no real time, and
-  a row can state when (`loop.time()`) something was answered.
+* The clock: everything runs on `run`'s event loop (asyncio's selector loop, not uvloop, whose
+  clock cannot be replaced), whose time moves only when no callback is ready and no socket is, by
+  as much as the next timer needs. A 5 s wait or a 10 s timeout takes no real time, and a row can
+  state when (`loop.time()`) something was answered.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from hbone.errors import HttpStatusError, StreamResetError
 from hbone.identity import Identity
