@@ -21,6 +21,7 @@ edges where it meets the network are fakes, and each records what crossed it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import selectors
 import socket
@@ -176,6 +177,13 @@ class App:
         else:
             self.sock.close()
 
+    async def closed(self) -> None:
+        """Closed, its transport's end included (a loop iteration or two)."""
+        self.close()
+        if self._streams is not None:
+            with contextlib.suppress(OSError):  # what ended it (a reset) was observed, or not, before
+                await self._streams[1].wait_closed()
+
 
 class FakeSockets(SocketFactory):
     """The proxy's TCP dials, recorded and answered in this process (see the module's docstring)."""
@@ -209,16 +217,6 @@ class FakeSockets(SocketFactory):
 
     def listener(self, host: str, port: int, *, transparent: bool = False) -> socket.socket:
         raise AssertionError("a playbook binds no listener")
-
-
-async def accepted() -> tuple[App, asyncio.Transport, Inbox]:
-    """A connection as a listener accepts it: the client app's end, and the proxy's transport with
-    its `Inbox` (reading, as accepted)."""
-    app_end, proxy_end = socket.socketpair()
-    app_end.setblocking(False)
-    proxy_end.setblocking(False)
-    transport, inbox = await asyncio.get_running_loop().create_connection(Inbox, sock=proxy_end)
-    return App(app_end), transport, inbox
 
 
 # --- HBONE: streams, and the peers the proxy dials -----------------------------------------------
@@ -412,6 +410,18 @@ class Proxy:
     sockets: FakeSockets
     peer: FakePeer
     upstreams: Upstreams
+    clients: list[App] = field(default_factory=list)
+
+    async def accept(self) -> tuple[App, asyncio.Transport, Inbox]:
+        """A connection as a listener accepts it: the client app's end, and the proxy's transport with
+        its `Inbox` (reading, as accepted)."""
+        app_end, proxy_end = socket.socketpair()
+        app_end.setblocking(False)
+        proxy_end.setblocking(False)
+        transport, inbox = await asyncio.get_running_loop().create_connection(Inbox, sock=proxy_end)
+        client = App(app_end)
+        self.clients.append(client)
+        return client, transport, inbox
 
     async def settled(self) -> None:
         """Until every connection the proxy carries has ended, and its record with it."""
@@ -424,6 +434,8 @@ class Proxy:
     async def close(self) -> None:
         for t in self.ctx.tasks.pending():
             t.cancel()
+        for app in (*self.clients, *self.sockets.apps):
+            await app.closed()
         await self.upstreams.close()
         await self.ctx.secrets.close()
         self.ctx.tracker.close()

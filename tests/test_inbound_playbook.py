@@ -28,7 +28,6 @@ from tests.playbook import (
     App,
     Dial,
     FakeSession,
-    accepted,
     connect_request_stream,
     mesh_state,
     now,
@@ -421,7 +420,7 @@ async def play_plain(row: Plain, state: ProxyState) -> None:
         if row.app != "listening":
             assert row.dial is not None, "an app that does not answer is one the proxy dials"
             (p.sockets.refusing if row.app == "refusing" else p.sockets.silent).add(row.dial.addr)
-        client, transport, inbox = await accepted()
+        client, transport, inbox = await p.accept()
         await client.send(b"ping")
         start = now()
         carried = await InboundPassthrough(p.ctx).forward(transport, inbox, PEER, row.dst)

@@ -21,7 +21,7 @@ from hbone.errors import ConnectionClosed, H2HandshakeError, IdentityMismatch
 from hbone.h2core.codes import ErrorCode
 from hbone.identity import Identity
 from tests.conftest import LogLines
-from tests.playbook import Answer, App, Dial, Proxy, accepted, mesh_state, now, proxy, run
+from tests.playbook import Answer, App, Dial, Proxy, mesh_state, now, proxy, run
 from ztunnel.config.settings import Config, WorkloadInfo
 from ztunnel.proxy.outbound import Outbound
 from ztunnel.proxy.upstream import NETWORK_POLICY_HINT
@@ -248,7 +248,7 @@ async def play(row: Row) -> None:
         p.sockets.refusing.add(row.dst)
     p.peer.answer = row.peer
     try:
-        app, transport, inbox = await accepted()
+        app, transport, inbox = await p.accept()
         await app.send(b"hello")
         await inbox.wait_data()
         start = now()
@@ -339,7 +339,7 @@ def test_connections_share_a_pooled_connection_until_it_idles_out() -> None:
 
 
 async def one_connection(p: Proxy, dst: tuple[str, int]) -> None:
-    app, transport, inbox = await accepted()
+    app, transport, inbox = await p.accept()
     await app.send(b"hello")
     await inbox.wait_data()
     carried = await Outbound(p.ctx, p.upstreams).forward(transport, inbox, SRC, dst)
