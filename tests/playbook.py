@@ -15,7 +15,8 @@ edges where it meets the network are fakes, and each records what crossed it:
 * The clock: everything runs on `run`'s event loop (asyncio's selector loop, not uvloop, whose
   clock cannot be replaced), whose time moves only when no callback is ready and no socket is, by
   as much as the next timer needs. A 5 s wait or a 10 s timeout takes no real time, and a row can
-  state when (`loop.time()`) something was answered.
+  state when (`loop.time()`) something was answered. Nothing a playbook waits for may come from a
+  thread (a resolver's, an executor's): the clock would jump past it.
 """
 
 from __future__ import annotations
