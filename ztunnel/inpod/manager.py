@@ -123,8 +123,7 @@ class WorkloadProxyManager:
             backoff = RECONNECT_INITIAL
             self._sock = sock
             try:
-                await self._converse(sock)
-                self._waiting = f"the node agent at {self.uds_path} closed the connection; reconnecting"
+                self._waiting = await self._converse(sock)
             except OSError as e:
                 log.warning("connection to the node agent failed: %s", e.strerror or e)
                 self._waiting = f"the connection to the node agent failed ({e.strerror or e}); reconnecting"
@@ -151,7 +150,8 @@ class WorkloadProxyManager:
             raise
         return sock
 
-    async def _converse(self, sock: socket.socket) -> None:
+    async def _converse(self, sock: socket.socket) -> str:
+        """Talk until the connection is to be dropped; why, as readiness says it meanwhile."""
         await _send(sock, zds.hello())
         self.connected = True
         self.sm.connection_reset()
@@ -168,14 +168,16 @@ class WorkloadProxyManager:
                     self.uds_path,
                     SNAPSHOT_SILENCE,
                 )
-                return
+                return (
+                    f"the node agent sent nothing for {SNAPSHOT_SILENCE:g}s before its snapshot; reconnecting"
+                )
             except zds.ZdsError as e:
                 log.warning("bad packet from the node agent: %s", e)
                 await _send(sock, zds.ack(str(e)))
-                return
+                return f"bad packet from the node agent ({e}); reconnecting"
             if packet is None:
                 log.info("the node agent closed the connection")
-                return
+                return "the node agent closed the connection; reconnecting"
             step = self.sm.receive(*packet)
             reply = step.reply
             for action in step.actions:
@@ -188,7 +190,7 @@ class WorkloadProxyManager:
             self._update_readiness()
             if step.outcome is Outcome.RECONNECT:
                 log.warning("dropping the node agent connection: %s", step.error)
-                return
+                return f"dropped the node agent connection ({step.error}); reconnecting"
             if step.outcome is Outcome.EXIT:
                 log.error("node agent protocol error: %s", step.error)
                 raise ProtocolError(step.error)
