@@ -1,6 +1,6 @@
 """SOCKS5 CONNECT to a mesh host name, through a real `ztunnel proxy` on loopback: the name is looked
 up in the client's family first, then in the other one, so a service that has only IPv6 addresses is
-reached through the IPv4 listener; a name with no address of either family gets "host unreachable"
+reached through the IPv4 listener (and, on a listener on `::1`, AAAA first, then A); a name with no address of either family gets "host unreachable"
 (reply 4) and a log line naming it. Clients: `curl --socks5-hostname` and a raw SOCKS5 client."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tests.mesh import (
 from tests.waiting import eventually_async
 
 NET = loopback_net()
-FRONTEND, SERVER, VIP4 = f"{NET}.2", f"{NET}.3", f"{NET}.100"
+FRONTEND, SERVER, FRONTEND6, VIP4 = f"{NET}.2", f"{NET}.3", f"{NET}.4", f"{NET}.100"
 VIP6 = "fd00:5:5::1"
 APP6 = "::1"  # the IPv6-only app: on the loopback, the one IPv6 address every host has
 V6_HOST, V4_HOST, EMPTY_HOST = (f"{n}.demo.svc.cluster.local" for n in ("only-v6", "only-v4", "no-endpoints"))
@@ -86,6 +86,7 @@ class Setup:
     frontend: Proxy
     echo4: Echo
     echo6: Echo
+    port6: int  # the IPv6-only app's
 
 
 @pytest.fixture
@@ -97,7 +98,7 @@ async def setup(fleet: Fleet) -> AsyncIterator[Setup]:
     echo4 = await start_echo(SERVER, 8080)
     try:
         (frontend,) = await fleet.start(proxy_env("demo", "frontend", "frontend", FRONTEND, config(port6)))
-        yield Setup(frontend, echo4, echo6)
+        yield Setup(frontend, echo4, echo6, port6)
     finally:
         echo4.server.close()
         echo6.server.close()
@@ -154,3 +155,19 @@ async def test_a_name_with_no_address_is_host_unreachable_and_logged(setup: Setu
     )
     line = next(line for line in frontend.log_since_mark().splitlines() if EMPTY_HOST in line)
     assert "connection failed" in line and "no IPv4 or IPv6 address" in line, line
+
+
+async def test_a_client_on_ipv6_reaches_services_of_either_family(setup: Setup, fleet: Fleet) -> None:
+    """A SOCKS5 listener on `::1`: AAAA is asked first, and A when there is none."""
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind((APP6, 0))
+        port = s.getsockname()[1]
+    env = proxy_env(
+        "demo", "frontend", "frontend", FRONTEND6, config(setup.port6), SOCKS5_ADDRESS=f"[{APP6}]:{port}"
+    )
+    await fleet.start(env)
+    for host, payload in ((V6_HOST, b"six"), (V4_HOST, b"four")):
+        ex = await echo_roundtrip((APP6, port), host, 80, payload)
+        assert (ex.code, ex.digest) == (0, sha(payload)), host
+    ex = await echo_roundtrip((APP6, port), EMPTY_HOST, 80, b"anyone?")
+    assert ex.code == 4
