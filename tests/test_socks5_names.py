@@ -1,7 +1,8 @@
 """SOCKS5 CONNECT to a mesh host name, through a real `ztunnel proxy` on loopback: the name is looked
 up in the client's family first, then in the other one, so a service that has only IPv6 addresses is
-reached through the IPv4 listener (and, on a listener on `::1`, AAAA first, then A); a name with no address of either family gets "host unreachable"
-(reply 4) and a log line naming it. Clients: `curl --socks5-hostname` and a raw SOCKS5 client."""
+reached through the IPv4 listener (and, on a listener on `::1`, AAAA is asked first, then A); a name
+with no address of either family gets "host unreachable" (reply 4) and a log line naming it.
+Clients: `curl --socks5-hostname` and a raw SOCKS5 client."""
 
 from __future__ import annotations
 
