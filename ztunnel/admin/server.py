@@ -23,7 +23,7 @@ from ztunnel.admin import profiling
 from ztunnel.logs import lines as logs
 from ztunnel.metrics.families import Metrics
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ztunnel.admin")
 
 HEADER_TIMEOUT = 2.0
 MAX_HEADER_BYTES = 8 * 1024

@@ -37,7 +37,7 @@ from xds.render import (
     workload_to_dict,
 )
 
-log = logging.getLogger("ztunnel.state.store")
+log = logging.getLogger("ztunnel.state")
 
 Listener = Callable[[], None]
 # On-demand xDS: ask the control plane for `key` (`network/ip`, a uid, `namespace/hostname`) and
