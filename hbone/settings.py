@@ -16,6 +16,10 @@ from hbone.h2core.codes import SettingCode
 # connection that carries none is kept. Written here once; the configuration and the pool read them.
 POOL_MAX_STREAMS = 100
 POOL_IDLE_TIMEOUT = 300.0
+# After a failed dial, the next dial to the same key waits: 25 ms, doubling with each failure in a
+# row up to 1 s, each wait drawn between half and all of that (jitter, so peers do not retry in step).
+POOL_BACKOFF_INITIAL = 0.025
+POOL_BACKOFF_MAX = 1.0
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,25 @@ async def test_readiness(serve: Any) -> None:
     assert (await request(port, "GET", "/healthz/live")).status == 404
 
 
+async def test_readiness_says_what_a_task_waits_for(serve: Any) -> None:
+    readiness = Readiness()
+    readiness.register("state manager")
+    manager = readiness.register("workload proxy manager")
+    readiness.waiting_for("workload proxy manager", "no node agent at /run/zds.sock yet")
+    readiness.waiting_for("dns proxy", "never registered: not shown")
+    port = await serve(readiness_server(readiness))
+    r = await request(port, "GET", "/healthz/ready")
+    assert (r.status, r.text) == (
+        500,
+        "not ready, pending: state manager, workload proxy manager\n"
+        "workload proxy manager: no node agent at /run/zds.sock yet\n",
+    )
+    manager.release()
+    readiness.register("workload proxy manager")  # pending again: what it said before is gone
+    r = await request(port, "GET", "/healthz/ready")
+    assert r.text == "not ready, pending: state manager, workload proxy manager\n"
+
+
 def test_readiness_handles_of_one_name() -> None:
     readiness = Readiness()
     a = readiness.register("proxy")

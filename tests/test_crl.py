@@ -42,10 +42,22 @@ def test_invalid_crl_file_stops_start_up_in_one_line(tmp_path: Path) -> None:
     assert f"CRL_PATH={bad}: invalid CRL file: CRL 1 does not parse" in line
 
 
-def test_compliance_policy_pqc_is_refused_in_one_line() -> None:
+def test_compliance_policy_pqc_is_refused_in_one_line_naming_the_missing_api() -> None:
+    from importlib.metadata import version
+
+    from cryptography.hazmat.backends.openssl import backend
+
     line = _one_line_error({"COMPLIANCE_POLICY": "pqc"})
     assert "invalid env var COMPLIANCE_POLICY=pqc (not supported:" in line
     assert "X25519MLKEM768" in line
+    # The engine that has the group, and what it lacks to select it alone.
+    assert f"pyOpenSSL {version('pyopenssl')} on {backend.openssl_version_text()}" in line
+    assert "has no SSL.Context.set_groups (SSL_CTX_set1_groups_list)" in line
+
+
+def test_compliance_policy_other_values_are_refused() -> None:
+    line = _one_line_error({"COMPLIANCE_POLICY": "fips"})
+    assert "invalid env var COMPLIANCE_POLICY=fips (expected pqc or empty)" in line
 
 
 def test_reload_on_change_and_a_bad_reload_keeps_the_last_good_list(

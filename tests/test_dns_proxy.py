@@ -13,11 +13,12 @@ whose `/etc/resolv.conf` names the proxy, in another private mount namespace, re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import dns.message
@@ -201,43 +202,49 @@ def _wait_udp(addr: tuple[str, int], proc: subprocess.Popen[bytes], what: str, l
     pytest.fail(f"{what} did not answer on {addr}: {log.read_text()[-2000:]}")
 
 
-@pytest.fixture
-def system(tmp_path: Path, fleet: Fleet) -> Iterator[str]:
-    """The proxy's DNS on <ip>:53 and a dnsmasq upstream; yields the proxy's DNS address."""
+@contextlib.contextmanager
+def dedicated_dns(
+    tmp_path: Path, mesh: Callable[[str], str], hosts: str, search: str = SEARCH
+) -> Iterator[tuple[str, str]]:
+    """A `ztunnel proxy` (its workload `ns1/client` at <ip>, the local config `mesh(ip)`) serving DNS
+    on <ip>:53, with its own /etc/resolv.conf naming a dnsmasq that answers `hosts` (a hosts file)
+    and is authoritative for `upstream.test` and `cluster.local`. Yields the proxy's address and a
+    client's resolv.conf naming it."""
     require_root("unshare", "mount", "getent")
     (dnsmasq,) = require_tools("dnsmasq", hint="Debian package dnsmasq-base")
     net = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
-    upstream_ip, proxy_ip, echo_ip = f"{net}.53", f"{net}.2", f"{net}.3"
-    hosts = tmp_path / "hosts"
-    hosts.write_text("192.0.2.7 known.upstream.test\n192.0.2.8 probe.upstream.test\n")
+    upstream_ip, proxy_ip = f"{net}.53", f"{net}.2"
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(hosts + "192.0.2.8 probe.upstream.test\n")
     up_log = tmp_path / "dnsmasq.log"
     upstream = subprocess.Popen(
-        [dnsmasq, "--keep-in-foreground", "--no-resolv", "--no-hosts", f"--addn-hosts={hosts}",
+        [dnsmasq, "--keep-in-foreground", "--no-resolv", "--no-hosts", f"--addn-hosts={hosts_file}",
          "--bind-interfaces", f"--listen-address={upstream_ip}", "--port=53", "--local=/upstream.test/",
-         "--user=root", f"--pid-file={tmp_path / 'dnsmasq.pid'}", "--log-facility=-"],
+         "--local=/cluster.local/", "--user=root", f"--pid-file={tmp_path / 'dnsmasq.pid'}",
+         "--log-facility=-"],
         stdout=up_log.open("wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     own_resolv = tmp_path / "ztunnel-resolv.conf"
-    own_resolv.write_text(f"nameserver {upstream_ip}\n{SEARCH}")
+    own_resolv.write_text(f"nameserver {upstream_ip}\n{search}")
     local = tmp_path / "mesh.yaml"
-    local.write_text(MESH.format(client=proxy_ip, echo=echo_ip, port=8080, local_port=8080))
+    local.write_text(mesh(proxy_ip))
     env = {
-        **proxy_env(proxy_ip, "ns1/client/client", ""),
+        **proxy_env(proxy_ip, "ns1/client/client"),
         "LOCAL_XDS_PATH": str(local),
         "ISTIO_META_DNS_PROXY_ADDR": f"{proxy_ip}:53",
     }
     env.pop("LOCAL_XDS")
     script = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
     wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(own_resolv)]
-    proxy = fleet.proxy(env, wrap=wrap)
+    proxy = Proxy(env, tmp_path / "proxy.log", wrap=wrap)
     try:
         _wait_udp((upstream_ip, 53), upstream, "dnsmasq", up_log)
         proxy.start()
         assert proxy.process is not None
         _wait_udp((proxy_ip, 53), proxy.process, "ztunnel proxy", proxy.log_path)
         client_resolv = tmp_path / "client-resolv.conf"
-        client_resolv.write_text(f"nameserver {proxy_ip}\n{SEARCH}")
-        yield str(client_resolv)
+        client_resolv.write_text(f"nameserver {proxy_ip}\n{search}")
+        yield proxy_ip, str(client_resolv)
     finally:
         proxy.stop()
         upstream.terminate()
@@ -245,6 +252,17 @@ def system(tmp_path: Path, fleet: Fleet) -> Iterator[str]:
             upstream.wait(10)
         except subprocess.TimeoutExpired:
             upstream.kill()
+
+
+@pytest.fixture
+def system(tmp_path: Path) -> Iterator[str]:
+    """The proxy's DNS on <ip>:53 and a dnsmasq upstream; yields a client's resolv.conf naming it."""
+
+    def mesh(ip: str) -> str:
+        return MESH.format(client=ip, echo=ip.rpartition(".")[0] + ".3", port=8080, local_port=8080)
+
+    with dedicated_dns(tmp_path, mesh, "192.0.2.7 known.upstream.test\n") as (_, client_resolv):
+        yield client_resolv
 
 
 def getent(client_resolv: str, database: str, name: str) -> tuple[int, str]:

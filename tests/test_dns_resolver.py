@@ -4,6 +4,7 @@ reply message itself (flags, TTL, CNAME, EDNS)."""
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 
 import dns.flags
@@ -12,8 +13,10 @@ import dns.rcode
 import dns.rdatatype
 import pytest
 
+from tests.kube_wire import NS, serve
+from tests.kube_wire import pod as kube_pod
 from xds.localconfig import parse_local_config
-from xds.model import Workload
+from xds.model import NetworkAddress, Workload
 from ztunnel.dns.forwarder import parse_resolv_conf
 from ztunnel.dns.replies import answer
 from ztunnel.dns.resolver import (
@@ -176,6 +179,203 @@ def test_expansions_and_aliases() -> None:
         ("a.ns.svc", "a.ns.svc"),
         ("a.ns.svc.svc.cluster.local", "a.ns.svc"),
     ]
+
+
+# -- per-pod names of headless services ------------------------------------------------------------
+
+# Pods named by `<pod>.<service>.<ns>.svc.cluster.local`: HOME is the asking client's cluster. db-0 is
+# in both namespaces; t3..t0 (each listing ns1's `db`) tell the tie-breaks apart: every name leaves
+# out the better candidates of the one above; listed worst first, and their uids (r<rank>//...) sort
+# the same way, so that the first seen never wins by chance whichever order the store gets them in. vip-0's service has a VIP, ext-0's is not cluster-local: neither is a pod name.
+PODS = """
+  - {uid: p//Pod/ns1/db-0, name: db-0, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.2.0.1", "10.2.0.11", "fd00::2:1"],
+     services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: p//Pod/ns2/db-0, name: db-0, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.2.0.2"], services: {"ns2/db.ns2.svc.cluster.local": {5432: 5432}}}
+  - {uid: p//Pod/ns1/vip-0, name: vip-0, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.2.0.3"], services: {"ns1/vipdb.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: p//Pod/ns1/ext-0, name: ext-0, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.2.0.4"], services: {"ns1/ext.example": {5432: 5432}}}
+  - {uid: q//Pod/ns1/t3-alone, name: t3, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.3.0.9"]}
+  - {uid: r0//Pod/ns2/t3, name: t3, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: away, workloadIps: ["10.3.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r1//Pod/ns1/t3, name: t3, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: away, workloadIps: ["10.3.0.1"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r2//Pod/ns2/t3, name: t3, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.3.0.2"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r3//Pod/ns1/t3, name: t3, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.3.0.3"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r0//Pod/ns2/t2, name: t2, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: away, workloadIps: ["10.4.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r1//Pod/ns1/t2, name: t2, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: away, workloadIps: ["10.4.0.1"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r2//Pod/ns2/t2, name: t2, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.4.0.2"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r0//Pod/ns2/t1, name: t1, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: away, workloadIps: ["10.5.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r1//Pod/ns1/t1, name: t1, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: away, workloadIps: ["10.5.0.1"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r0//Pod/ns2/t0, name: t0, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: away, workloadIps: ["10.6.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r0//Pod/ns3/t0, name: t0, namespace: ns3, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: away, workloadIps: ["10.6.0.3"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+"""
+POD_SERVICES = """
+  - {name: db, namespace: ns1, hostname: db.ns1.svc.cluster.local, vips: [], ports: {5432: 5432}}
+  - {name: db, namespace: ns2, hostname: db.ns2.svc.cluster.local, vips: [], ports: {5432: 5432}}
+  - {name: vipdb, namespace: ns1, hostname: vipdb.ns1.svc.cluster.local, vips: ["/10.96.9.9"],
+     ports: {5432: 5432}}
+  - {name: ext, namespace: ns1, hostname: ext.example, vips: [], ports: {5432: 5432}}
+"""
+
+
+def pods_mesh(home_cluster: str, clients: str) -> str:
+    """The local config of PODS beside `clients` (workload entries), HOME being `home_cluster`."""
+    return f"workloads:{clients}{PODS.replace('HOME', home_cluster)}services:{POD_SERVICES}"
+
+
+POD_CLIENTS = """
+  - {uid: c//Pod/ns1/client, name: client, namespace: ns1, serviceAccount: client, trustDomain: cluster.local,
+     clusterId: home, workloadIps: ["10.0.0.1"]}
+  - {uid: c//Pod/ns2/client, name: client, namespace: ns2, serviceAccount: client, trustDomain: cluster.local,
+     clusterId: away, workloadIps: ["10.0.0.2"]}
+"""
+
+DB0 = "db-0.db.ns1.svc.cluster.local"
+POD_CASES = [
+    # (client namespace, name, type, settings, what the client sees)
+    ("ns1", DB0, "A", SETTINGS, (None, ["10.2.0.1", "10.2.0.11"])),
+    ("ns1", DB0, "AAAA", SETTINGS, (None, ["fd00::2:1"])),
+    ("ns1", DB0, "AAAA", NO_IPV6, (None, [])),
+    ("ns1", "DB-0.db.NS1.svc.cluster.local", "A", SETTINGS, (None, ["10.2.0.1", "10.2.0.11"])),
+    # The partial forms, and the short one through the client's namespace.
+    ("ns1", "db-0.db.ns1.svc", "A", SETTINGS, (None, ["10.2.0.1", "10.2.0.11"])),
+    ("ns1", "db-0.db.ns1", "A", SETTINGS, (None, ["10.2.0.1", "10.2.0.11"])),
+    ("ns1", "db-0.db", "A", SETTINGS, (None, ["10.2.0.1", "10.2.0.11"])),
+    ("ns2", "db-0.db", "A", SETTINGS, (None, ["10.2.0.2"])),
+    ("ns1", "db-0.db.ns2", "A", SETTINGS, (None, ["10.2.0.2"])),
+    # A search domain appended by the client's resolver: stripped, answered with a CNAME.
+    ("ns1", DB0 + ".ns1.svc.cluster.local", "A", SETTINGS, (DB0, ["10.2.0.1", "10.2.0.11"])),
+    ("ns1", "db-0.db.ns1.ns1.svc.cluster.local", "A", SETTINGS, ("db-0.db.ns1", ["10.2.0.1", "10.2.0.11"])),
+    # Ties: the client's namespace and cluster, then its cluster, then its namespace, then the first.
+    ("ns1", "t3.db.ns1", "A", SETTINGS, (None, ["10.3.0.3"])),
+    ("ns1", "t2.db.ns1", "A", SETTINGS, (None, ["10.4.0.2"])),
+    ("ns1", "t1.db.ns1", "A", SETTINGS, (None, ["10.5.0.1"])),
+    ("ns1", "t0.db.ns1", "A", SETTINGS, (None, ["10.6.0.0"])),
+    # ... relative to the client asking: ns2 in the other cluster.
+    ("ns2", "t3.db.ns1", "A", SETTINGS, (None, ["10.3.0.0"])),
+    ("ns2", "t2.db.ns1", "A", SETTINGS, (None, ["10.4.0.0"])),
+    ("ns2", "t1.db.ns1", "A", SETTINGS, (None, ["10.5.0.0"])),
+    # Not a pod name: no such pod, a pod not behind that service, a service with a VIP, one that is
+    # not cluster-local, a pod name alone, a service name as its own pod.
+    ("ns1", "db-9.db.ns1.svc.cluster.local", "A", SETTINGS, "forwarded"),
+    ("ns1", "db-0.db.ns3.svc.cluster.local", "A", SETTINGS, "forwarded"),
+    ("ns1", "db-0.vipdb.ns1.svc.cluster.local", "A", SETTINGS, "forwarded"),
+    ("ns1", "vip-0.vipdb.ns1.svc.cluster.local", "A", SETTINGS, "forwarded"),
+    ("ns1", "ext-0.ext.example", "A", SETTINGS, "forwarded"),
+    ("ns1", "db-0", "A", SETTINGS, "forwarded"),
+    ("ns1", "db-0.ns1.svc.cluster.local", "A", SETTINGS, "forwarded"),
+    ("ns1", DB0, "TXT", SETTINGS, "forwarded"),
+    # The headless service's own name still means its endpoints.
+    ("ns2", "db", "A", SETTINGS, (None, ["10.2.0.2"])),
+]
+
+
+@pytest.mark.parametrize(("ns", "name", "rdtype", "settings", "expected"), POD_CASES)
+def test_resolve_pod_names(
+    ns: str, name: str, rdtype: str, settings: ResolverSettings, expected: object
+) -> None:
+    state = ProxyState()
+    state.apply_local_config(parse_local_config(pods_mesh("home", POD_CLIENTS)))
+    who = client(state, f"c//Pod/{ns}/client")
+    got = resolve(state, who, name.lower(), dns.rdatatype.from_text(rdtype), settings)
+    assert seen(got) == expected
+
+
+def test_pod_names_follow_the_store() -> None:
+    """The name index follows every change: a pod renamed, removed, its service gaining a VIP, pods
+    of one name coming and going."""
+    state = ProxyState()
+    state.apply_local_config(parse_local_config(pods_mesh("home", POD_CLIENTS)))
+    who = client(state)
+
+    def ask(name: str) -> object:
+        return seen(resolve(state, who, name, dns.rdatatype.A, SETTINGS))
+
+    db0 = state.workload_by_uid("p//Pod/ns1/db-0")
+    assert db0 is not None
+    state.upsert_workload(dataclasses.replace(db0, name="db-1"))
+    assert ask(DB0) == "forwarded"
+    assert ask("db-1.db.ns1.svc.cluster.local") == (None, ["10.2.0.1", "10.2.0.11"])
+    state.remove("r3//Pod/ns1/t3")
+    assert ask("t3.db.ns1.svc.cluster.local") == (None, ["10.3.0.2"])
+    db = state.service_by_key("ns1/db.ns1.svc.cluster.local")
+    assert db is not None
+    vip = NetworkAddress("", ipaddress.ip_address("10.96.9.10"))
+    state.upsert_service(dataclasses.replace(db, vips=(vip,)))
+    assert ask("t3.db.ns1.svc.cluster.local") == "forwarded"
+    state.upsert_service(db)
+    # Two pods of one name, one left, none, one again (updated twice: still one).
+    t1 = state.workload_by_uid("r1//Pod/ns1/t1")
+    assert t1 is not None
+    assert ask("t1.db.ns1") == (None, ["10.5.0.1"])
+    state.remove("r1//Pod/ns1/t1")
+    assert ask("t1.db.ns1") == (None, ["10.5.0.0"])
+    state.remove("r0//Pod/ns2/t1")
+    assert ask("t1.db.ns1") == "forwarded"
+    state.upsert_workload(t1)
+    state.upsert_workload(t1)
+    assert state.workloads_by_name("t1") == [t1]
+    assert ask("t1.db.ns1") == (None, ["10.5.0.1"])
+    state.remove_service("ns1/db.ns1.svc.cluster.local")
+    assert ask("db-1.db.ns1.svc.cluster.local") == "forwarded"
+
+
+def test_statefulset_pods_from_kubernetes_manifests() -> None:
+    """What the development control plane makes of a StatefulSet's pods (members of its headless
+    Service) is what their names need; a Service with a cluster IP selecting them gives none."""
+    manifests = (
+        NS
+        + kube_pod("client", "10.0.0.1", labels="{app: client}")
+        + kube_pod("web-0", "10.0.0.10", labels="{app: web}")
+        + kube_pod("web-1", "10.0.0.11", labels="{app: web}")
+        + """
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec: {clusterIP: None, selector: {app: web}, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: vip, namespace: demo}
+spec: {clusterIP: 10.96.0.50, selector: {app: web}, ports: [{port: 80}]}
+"""
+    )
+    state = ProxyState()
+    state.apply_local_config(serve(manifests).index.config)
+    [who] = state.workloads_by_name("client")
+    for name, expected in [
+        ("web-0.web.demo.svc.cluster.local", (None, ["10.0.0.10"])),
+        ("web-1.web", (None, ["10.0.0.11"])),
+        ("web-0.vip.demo.svc.cluster.local", "forwarded"),
+        ("web", (None, ["10.0.0.10", "10.0.0.11"])),
+    ]:
+        assert seen(resolve(state, who, name, dns.rdatatype.A, SETTINGS)) == expected, name
+
+
+def test_pod_reply_message() -> None:
+    state = ProxyState()
+    state.apply_local_config(parse_local_config(pods_mesh("home", POD_CLIENTS)))
+    reply = answer(state, client(state), _query("t3.db.ns1.svc.cluster.local.", "A"), SETTINGS)
+    assert reply is not None
+    assert reply.rcode() == dns.rcode.NOERROR
+    assert reply.flags & dns.flags.AA and reply.flags & dns.flags.RA
+    [a] = reply.answer
+    assert a.name.to_text() == "t3.db.ns1.svc.cluster.local." and a.ttl == 30
+    assert [r.address for r in a] == ["10.3.0.3"]
 
 
 def _query(name: str, rdtype: str, **kw: object) -> dns.message.Message:

@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import datetime
 
 import pytest
 
@@ -335,3 +336,23 @@ async def test_operator_endpoints(mesh: Mesh) -> None:
     assert status == 200 and b'istio_build{component="ztunnel"' in body
     status, _ = await asyncio.to_thread(http, "GET", f"http://{FRONTEND}:15000/quitquitquit")
     assert status == 405
+
+
+async def test_cert_expiry_of_each_identity_held(mesh: Mesh) -> None:
+    """`istio_cert_expiry_seconds{identity}`: the NotAfter (Unix seconds) of each certificate the
+    proxy holds, as `/config_dump` shows it; the frontend holds its own once it has connected."""
+    ex = await echo_roundtrip((FRONTEND, 15080), SERVER, 8080, b"warm")
+    assert ex.code == 0
+    for proxy in (mesh.frontend, mesh.server):
+        dump = await asyncio.to_thread(proxy.config_dump)
+        held = {c["identity"]: c for c in dump["certificates"] if c["state"] == "Available"}
+        assert f"spiffe://cluster.local/ns/demo/sa/{proxy.name}" in held, dump["certificates"]
+        samples = await asyncio.to_thread(proxy.samples)
+        shown = {labels["identity"]: v for n, labels, v in samples if n == "istio_cert_expiry_seconds"}
+        expected = {
+            identity: datetime.strptime(
+                c["certChain"][0]["expirationTime"], "%Y-%m-%dT%H:%M:%S%z"
+            ).timestamp()
+            for identity, c in held.items()
+        }
+        assert shown == expected

@@ -1,4 +1,6 @@
-"""The HBONE connection pool, with a fake connector and an injected clock."""
+"""The HBONE connection pool, with a fake connector, an injected clock and jitter: reuse, the
+stream limit, idle release, and dials shared by their waiters, backed off after failures, stopped by
+a drain, never holding up another key."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import pytest
 
 from hbone.errors import ConnectionClosed
 from hbone.identity import Identity
-from hbone.pool import Pool, PoolKey
+from hbone.pool import Backoff, Pool, PoolKey
 from hbone.stream import HboneStream
+from tests.waiting import eventually_async
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -63,11 +66,19 @@ class Connector:
         self.max_streams = max_streams
         self.delay = delay
         self.fail_next = 0
+        self.gate: asyncio.Event | None = None  # when set: each dial waits for it
+        self.cancelled = 0
 
     async def __call__(self, key: PoolKey) -> FakeConnection:
         self.dials.append(key)
         if self.delay:
             await asyncio.sleep(self.delay)
+        if self.gate is not None:
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
         if self.fail_next:
             self.fail_next -= 1
             raise OSError("connection refused")
@@ -190,10 +201,7 @@ async def test_idle_release_runs_periodically(pool_parts) -> None:
     pool = pool_parts(dial, idle_timeout=0.1, clock=clock)
     conn = await pool.checkout(KEY)
     clock.now += 1.0
-    for _ in range(100):
-        if conn.closed:
-            break
-        await asyncio.sleep(0.02)
+    await eventually_async(lambda: conn.closed, "the idle connection closed")
     assert conn.closed
     assert len(pool) == 0
 
@@ -231,3 +239,154 @@ async def test_close_stops_everything(pool_parts) -> None:
     assert departed.aborted and pooled.aborted
     with pytest.raises(ConnectionClosed):
         await pool.checkout(KEY)
+
+
+# --- the backoff policy, pure -------------------------------------------------------------------
+
+
+def test_backoff_doubles_from_25ms_to_1s_with_jitter_between_half_and_all() -> None:
+    top, bottom = Backoff(), Backoff()
+    ceilings = [0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    for ceiling in ceilings:
+        assert top.failed(100.0, 0.999999) == pytest.approx(ceiling, rel=1e-5)
+        assert bottom.failed(100.0, 0.0) == pytest.approx(ceiling / 2)
+    assert top.failures == len(ceilings)
+    assert top.wait(100.0) == pytest.approx(1.0, rel=1e-5)
+    assert top.wait(100.4) == pytest.approx(0.6, rel=1e-4)
+    assert top.wait(101.5) == 0.0
+    for _ in range(100):  # many failures in a row: still at most 1 s
+        top.failed(100.0, 0.999999)
+    assert top.wait(100.0) <= 1.0
+
+
+def test_backoff_resets_on_success_and_is_forgotten_after_a_quiet_second() -> None:
+    b = Backoff()
+    assert b.settled(0.0) and b.wait(0.0) == 0.0
+    b.failed(10.0, 0.5)  # 18.75 ms
+    assert not b.settled(10.5)
+    assert b.settled(10.01875 + 1.0)
+    b.failed(20.0, 0.5)
+    b.succeeded()
+    assert b.failures == 0 and b.wait(20.0) == 0.0 and b.settled(20.0)
+
+
+# --- dials shared, failing at once, backed off, drained -----------------------------------------
+
+
+async def test_waiters_share_one_dial_and_its_failure_reaches_them_all_at_once(pool_parts) -> None:
+    dial = Connector()
+    dial.gate = asyncio.Event()
+    dial.fail_next = 1
+    pool = pool_parts(dial)
+    loop = asyncio.get_running_loop()
+    ended: list[float] = []
+
+    async def one() -> BaseException | None:
+        try:
+            await pool.checkout(KEY)
+        except OSError as e:
+            ended.append(loop.time())
+            return e
+        return None
+
+    waiters = [asyncio.ensure_future(one()) for _ in range(5)]
+    await eventually_async(lambda: dial.dials and pool.dialing(KEY), "the dial under way")
+    await asyncio.sleep(0.05)  # a negative check: time for a second dial or a waiter's end to show
+    assert len(dial.dials) == 1 and pool.dialing(KEY)
+    assert not any(w.done() for w in waiters)
+    dial.gate.set()
+    errors = await asyncio.gather(*waiters)
+    assert all(isinstance(e, OSError) and str(e) == "connection refused" for e in errors)
+    assert len(dial.dials) == 1  # nobody dialled again in turn
+    assert max(ended) - min(ended) < 0.1  # together (a loaded machine may pause between them)
+    assert not pool.dialing(KEY)
+
+
+async def test_a_failed_key_backs_off_before_its_next_dial(pool_parts) -> None:
+    clock = Clock()
+    dial = Connector()
+    dial.fail_next = 3
+    pool = pool_parts(dial, clock=clock, jitter=lambda: 0.999999)
+    loop = asyncio.get_running_loop()
+    with pytest.raises(OSError):
+        await pool.checkout(KEY)  # no backoff before the first dial
+    backoff = pool.backoff(KEY)
+    assert backoff is not None and backoff.failures == 1
+    assert backoff.wait(clock.now) == pytest.approx(0.025, rel=1e-4)
+    started = loop.time()
+    with pytest.raises(OSError):
+        await pool.checkout(KEY)  # waits out 25 ms (the fake clock stands still), then dials
+    assert loop.time() - started >= 0.02
+    assert len(dial.dials) == 2
+    assert backoff.wait(clock.now) == pytest.approx(0.05, rel=1e-4)  # doubled
+    clock.now += 1.0  # the window passed: the next dial starts at once
+    task = asyncio.ensure_future(pool.checkout(KEY))
+    await asyncio.sleep(0)
+    assert pool.dialing(KEY)  # started in the checkout's first step: no wait
+    with pytest.raises(OSError):
+        await task
+    assert len(dial.dials) == 3
+    clock.now += 1.0
+    conn = await pool.checkout(KEY)
+    assert conn is dial.made[0]
+    assert pool.backoff(KEY) is None  # a connection made resets it
+
+
+async def test_a_dial_outlives_a_waiter_that_gives_up(pool_parts) -> None:
+    dial = Connector()
+    dial.gate = asyncio.Event()
+    pool = pool_parts(dial)
+    quitter = asyncio.ensure_future(pool.checkout(KEY))
+    stayer = asyncio.ensure_future(pool.checkout(KEY))
+    await eventually_async(lambda: dial.dials, "the dial under way")
+    quitter.cancel()
+    await asyncio.sleep(0.01)  # a negative check: time for a wrong cancel of the dial to show
+    assert dial.cancelled == 0 and pool.dialing(KEY)
+    dial.gate.set()
+    assert await stayer is dial.made[0]
+    assert len(dial.dials) == 1
+    assert quitter.cancelled()
+
+
+async def test_a_silent_peer_holds_up_no_other_key(pool_parts) -> None:
+    dial = Connector()
+    pool = pool_parts(dial)
+    silent = replace(KEY, dst=("10.0.0.9", 15008))
+    dial.gate = asyncio.Event()  # the silent peer's dial never ends
+    stuck = [asyncio.ensure_future(pool.checkout(silent)) for _ in range(5)]
+    await eventually_async(lambda: dial.dials, "the silent peer's dial under way")
+    dial.gate = None
+    conn = await asyncio.wait_for(pool.checkout(KEY), 1.0)
+    assert conn.key == KEY and not any(t.done() for t in stuck)
+    await pool.close()
+    for t in stuck:
+        with pytest.raises(ConnectionClosed):
+            await t
+    assert dial.cancelled == 1  # the one dial, cancelled by close
+
+
+async def test_drain_stops_new_dials_only(pool_parts) -> None:
+    dial = Connector()
+    pool = pool_parts(dial)
+    warm = await pool.checkout(KEY)
+    other = replace(KEY, dst=("10.0.0.3", 15008))
+    dial.gate = asyncio.Event()
+    in_flight = asyncio.ensure_future(pool.checkout(other))
+    await eventually_async(lambda: len(dial.dials) == 2, "the other key's dial under way")
+    pool.drain()
+    assert await pool.checkout(KEY) is warm  # the pooled connection still serves
+    with pytest.raises(ConnectionClosed, match="draining"):
+        await pool.checkout(replace(KEY, dst=("10.0.0.4", 15008)))
+    dial.gate.set()
+    assert (await in_flight).key == other  # the dial in progress finished for its waiter
+    assert len(dial.dials) == 2
+
+
+async def test_waiters_beyond_the_stream_limit_share_the_next_dial(pool_parts) -> None:
+    dial = Connector(delay=0.01)
+    pool = pool_parts(dial, max_streams=100)
+    conns = await asyncio.gather(*(pool.checkout(KEY) for _ in range(150)))
+    assert len(dial.dials) == 2
+    first, second = dial.made
+    assert conns.count(first) == 100 and conns.count(second) == 50
+    assert pool.pooled(KEY) is second

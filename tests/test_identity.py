@@ -15,11 +15,14 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from cryptography.x509.verification import PolicyBuilder, Store
+from prometheus_client.parser import text_string_to_metric_families
 
 from hbone.identity import Identity
 from hbone.tls import TlsPolicy, WorkloadCertificate
 from tests.waiting import eventually_async
 from ztunnel.identity.certificates import CaError, CertificateUnavailable, FakeCA, SecretManager
+from ztunnel.metrics.certs import CertExpiry
+from ztunnel.metrics.families import Metrics, render_openmetrics
 
 CLIENT = Identity("cluster.local", "demo", "client")
 SERVER = Identity("cluster.local", "demo", "server")
@@ -349,4 +352,42 @@ async def test_unusable_certificate_material_is_a_fetch_failure(clock: Clock, ca
     with pytest.raises(CertificateUnavailable, match="has no trust roots"):
         await sm.credentials(CLIENT)
     assert sm.dump()[0]["state"].startswith("Unavailable")
+    await sm.close()
+
+
+async def test_expiry_follows_fetches_rotations_and_forget(clock: Clock, ca: CountingCA) -> None:
+    """What `istio_cert_expiry_seconds` shows: each held identity's last fetched NotAfter."""
+    sm = SecretManager(ca, clock=clock, rng=random.Random(1))
+    metrics = Metrics(process_metrics=False)
+    metrics.registry.register(CertExpiry(sm.expiries))
+
+    def shown() -> dict[str, float]:
+        text = render_openmetrics(metrics.registry).decode()
+        return {
+            s.labels["identity"]: s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "istio_cert_expiry_seconds"
+            for s in family.samples
+        }
+
+    assert shown() == {}
+    first = await sm.get(CLIENT)
+    ca.gate = asyncio.Event()
+    sm.prefetch(SERVER)  # not fetched yet: no series
+    assert shown() == {str(CLIENT): first.not_after.timestamp()} == {str(CLIENT): T0 + 24 * 3600}
+    ca.gate.set()
+    await sm.get(SERVER)
+    ca.gate = None
+    # Rotation: the new certificate's NotAfter.
+    clock.now = T0 + 12 * 3600
+    await sm.refresh_due()
+    assert shown()[str(CLIENT)] == (await sm.get(CLIENT)).not_after.timestamp() == T0 + 36 * 3600
+    # Refreshes failing past expiry: the last NotAfter stays (an alert on it fires).
+    ca.fail = "CA down"
+    clock.now = T0 + 36 * 3600
+    await sm.refresh_due()
+    assert sm.dump()[0]["state"].startswith("Unavailable")
+    assert shown()[str(CLIENT)] == T0 + 36 * 3600
+    sm.forget(CLIENT)
+    assert list(shown()) == [str(SERVER)]
     await sm.close()

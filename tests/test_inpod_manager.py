@@ -10,6 +10,7 @@ The full node (the real agent, the CNI plugins, traffic) is in `test_inpod_node.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import random
@@ -22,6 +23,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import Fleet, Proxy
 from tests.netns import Netns, require_root
@@ -325,3 +328,47 @@ def test_without_the_right_to_switch_namespaces_start_up_stops_in_one_line(
         "ztunnel: PROXY_MODE=shared (in-pod mode): cannot switch network namespaces (needs CAP_SYS_ADMIN):"
         " setns(CLONE_NEWNET): Operation not permitted"
     ]
+
+
+async def test_cert_expiry_series_per_pod_identity_leaves_with_the_pod(
+    node: tuple[Proxy, Agent, str], pods: list[Netns]
+) -> None:
+    """`istio_cert_expiry_seconds{identity}` in the parent's `/metrics`: the NotAfter of the
+    certificate `/config_dump` shows, while a pod of the identity runs; gone once it is deleted."""
+    _proxy, agent, ip = node
+    identity = "spiffe://cluster.local/ns/ns/sa/sa-a"
+    pod = Netns("pod")
+    pods.append(pod)
+    await agent.accept()
+    assert await agent.request(zds.add("uid-a", "pod-a", "ns", "sa-a"), [open_netns(pod)]) == ""
+    assert await agent.request(zds.snapshot_sent()) == ""
+
+    def expiry_series() -> dict[str, float]:
+        text = http_get(f"http://{ip}:15020/metrics")[1]
+        return {
+            s.labels["identity"]: s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "istio_cert_expiry_seconds"
+            for s in family.samples
+        }
+
+    await eventually_async(lambda: identity in expiry_series(), "the identity's expiry series", blocking=True)
+    _, dump = await asyncio.to_thread(http_get, f"http://{ip}:15000/config_dump")
+    [cert] = json.loads(dump)["certificates"]
+    assert cert["identity"] == identity and cert["state"] == "Available"
+    leaf = x509.load_pem_x509_certificate(base64.b64decode(cert["certChain"][0]["pem"]))
+    not_after = leaf.not_valid_after_utc.timestamp()
+    shown = await asyncio.to_thread(expiry_series)
+    assert shown == {identity: not_after}
+    # The same instant `/config_dump` writes out.
+    assert cert["certChain"][0]["expirationTime"] == leaf.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ")
+    # One series, from the parent: the workers' certificates are copies of its own.
+    text = (await asyncio.to_thread(http_get, f"http://{ip}:15020/metrics"))[1]
+    assert text.count("istio_cert_expiry_seconds{") == 1, text
+
+    assert await agent.request(zds.delete("uid-a")) == ""
+    assert await asyncio.to_thread(expiry_series) == {}
+    assert (
+        "istio_cert_expiry_seconds"
+        not in (await asyncio.to_thread(http_get, f"http://{ip}:15020/metrics"))[1]
+    )

@@ -110,6 +110,12 @@ def test_two_workers_a_killed_worker_is_replaced_while_the_other_keeps_echoing(m
         return bool(w["pid"] != victim["pid"] and w["state"] == "ready")
 
     eventually(lambda: zt.readiness_answer()[0] == 500, "readiness down")
+    # The answer says what it waits for (unless the replacement was quicker than this look).
+    answer = zt.readiness_answer()
+    assert answer[0] == 200 or answer[1] == (
+        "not ready, pending: proxy\n"
+        "proxy: each of the 2 data-plane workers serving (its listeners accepting)\n"
+    ), answer
     # The other worker's connections keep echoing; new connections are served meanwhile.
     assert holder.ping().count("y") == counts[1]
     assert talk(client, plain, "meanwhile") == "echo meanwhile"

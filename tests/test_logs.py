@@ -157,7 +157,7 @@ def test_set_filter_appends_and_resets(out: io.StringIO) -> None:
     assert set_filter("ztunnel::xds=trace", reset=False) == "info,access=debug,ztunnel.xds=trace"
     assert set_filter("warn", reset=False) == "warn,access=debug,ztunnel.xds=trace"
     assert current_filter() == "warn,access=debug,ztunnel.xds=trace"
-    logging.getLogger("ztunnel.state.store").info("hidden now")
+    logging.getLogger("ztunnel.state").info("hidden now")
     logging.getLogger("ztunnel.xds").log(logs.TRACE, "visible")
     assert set_filter("", reset=True) == "info,access=debug"
     logging.getLogger("ztunnel.xds").debug("hidden again")

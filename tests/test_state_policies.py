@@ -126,7 +126,7 @@ def test_unknown_listed_policy_is_skipped_and_warned_about_once(caplog: pytest.L
     state = ProxyState()
     w = workload("w1", "10.0.0.1", authorization_policies=("ns/not-yet",))
     state.upsert_workload(w)
-    with caplog.at_level("WARNING", logger="ztunnel.state.store"):
+    with caplog.at_level("WARNING", logger="ztunnel.state"):
         for _ in range(3):  # as for three connections
             assert state.policies_for(w) == []
     assert [r.getMessage() for r in caplog.records] == [

@@ -41,6 +41,7 @@ from ztunnel.admin.server import (
 from ztunnel.config.settings import Config
 from ztunnel.identity.certhelper import CertHelper
 from ztunnel.identity.certificates import FakeCA, SecretManager
+from ztunnel.metrics.certs import CertExpiry
 from ztunnel.metrics.families import Metrics
 from ztunnel.startup import StartupError
 from ztunnel.state.store import ProxyState
@@ -111,6 +112,10 @@ class ControlRuntime:
         # gone a moment later: this process never holds it (but for the CRLs, when configured).
         self.certwork = CertHelper()
         self.secrets = SecretManager(FakeCA(work=self.certwork), tls=self.tls) if config.fake_ca else None
+        # The certificates are this process's (the workers get theirs from it): so is their expiry.
+        self.metrics.registry.register(
+            CertExpiry(lambda: self.secrets.expiries() if self.secrets is not None else ())
+        )
         self.static: LocalConfig | None = None
         self._servers: list[HttpServer] = []
         self._ca: GrpcCaClient | None = None

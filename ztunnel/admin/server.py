@@ -23,7 +23,7 @@ from ztunnel.admin import profiling
 from ztunnel.logs import lines as logs
 from ztunnel.metrics.families import Metrics
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ztunnel.admin")
 
 HEADER_TIMEOUT = 2.0
 MAX_HEADER_BYTES = 8 * 1024
@@ -419,6 +419,17 @@ class Readiness:
 
     def __init__(self) -> None:
         self._pending: dict[str, set[ReadinessHandle]] = {}
+        self._waiting: dict[str, str] = {}  # what a pending task waits for, by name
+
+    def waiting_for(self, task_name: str, what: str) -> None:
+        """Say what a pending task waits for (shown under the task names by `/healthz/ready`, until
+        the task is done)."""
+        if task_name in self._pending:
+            self._waiting[task_name] = what
+
+    def details(self) -> list[str]:
+        """`<task>: <what it waits for>` for each pending task that said."""
+        return [f"{name}: {self._waiting[name]}" for name in self.pending() if name in self._waiting]
 
     def register(self, task_name: str) -> ReadinessHandle:
         handle = ReadinessHandle(self, task_name)
@@ -428,6 +439,7 @@ class Readiness:
     def ready(self, task_name: str) -> None:
         """Mark every registration of `task_name` done."""
         self._pending.pop(task_name, None)
+        self._waiting.pop(task_name, None)
 
     def pending(self) -> list[str]:
         return sorted(self._pending)
@@ -442,15 +454,18 @@ class Readiness:
         handles.discard(handle)
         if not handles:
             del self._pending[handle.name]
+            self._waiting.pop(handle.name, None)
 
 
 def readiness_server(readiness: Readiness) -> HttpServer:
-    """`GET /healthz/ready`: 200 `ready` or 500 naming the pending tasks."""
+    """`GET /healthz/ready`: 200 `ready` or 500 naming the pending tasks (the reference's line), then
+    a line per task that said what it waits for."""
 
     def ready(_: Request) -> Response:
         pending = readiness.pending()
         if not pending:
             return Response(200, b"ready\n")
-        return Response(500, f"not ready, pending: {', '.join(pending)}\n".encode())
+        lines = [f"not ready, pending: {', '.join(pending)}", *readiness.details()]
+        return Response(500, "".join(f"{line}\n" for line in lines).encode())
 
     return HttpServer("readiness", {"/healthz/ready": HttpEndpoint(ready, GET, "readiness")})

@@ -149,18 +149,39 @@ def parse_address(value: str, *, allow_localhost: bool = False) -> Address:
 
 
 def parse_compliance_policy(value: str) -> None:
-    """Only "no policy" can be honoured: `pqc` (key exchange restricted to X25519MLKEM768) needs
-    key-exchange group selection, which Python 3.11's ssl module does not offer, and an OpenSSL
-    with ML-KEM (3.5 or later). Refused rather than silently ignored."""
+    """Only "no policy" can be honoured, and `pqc` is refused rather than silently ignored.
+
+    `pqc` restricts key exchange to X25519MLKEM768 alone. `cryptography`'s bundled OpenSSL (3.5 or
+    later) has that group, and HBONE's TLS can run on it through pyOpenSSL, but no public pyOpenSSL
+    API restricts a context's groups: `SSL.Context` has no `set_groups` (OpenSSL's
+    `SSL_CTX_set1_groups_list`), and `set_tmp_ecdh` takes elliptic curves only. Python's `ssl`
+    gains `SSLContext.set_groups` in 3.15, and runs on the system's OpenSSL."""
     if value == "":
         return None
     if value == "pqc":
-        raise ValueError(
-            "not supported: it restricts key exchange to X25519MLKEM768, which this build cannot "
-            f"select (Python {sys.version_info.major}.{sys.version_info.minor} ssl sets no key-exchange "
-            f"groups; {ssl.OPENSSL_VERSION})"
-        )
+        raise ValueError(pqc_unsupported())
     raise ValueError("expected pqc or empty")
+
+
+def pqc_unsupported() -> str:
+    """Why `COMPLIANCE_POLICY=pqc` cannot be honoured here: the missing API, named with the versions
+    that lack it."""
+    from importlib.metadata import version
+
+    from cryptography.hazmat.backends.openssl import backend
+    from OpenSSL import SSL
+
+    engine = f"pyOpenSSL {version('pyopenssl')} on {backend.openssl_version_text()}"
+    if hasattr(SSL.Context, "set_groups"):
+        missing = f"{engine} has SSL.Context.set_groups, which this build does not use yet"
+    else:
+        missing = f"{engine} has no SSL.Context.set_groups (SSL_CTX_set1_groups_list)"
+    python = f"Python {sys.version_info.major}.{sys.version_info.minor}"
+    stdlib = "" if hasattr(ssl.SSLContext, "set_groups") else " has no SSLContext.set_groups and"
+    return (
+        f"not supported: it restricts key exchange to X25519MLKEM768 alone, and no public API here "
+        f"selects key-exchange groups: {missing}; {python}'s ssl{stdlib} runs on {ssl.OPENSSL_VERSION}"
+    )
 
 
 def parse_log_level(value: str) -> str:

@@ -1,12 +1,14 @@
-"""What the DNS proxy answers itself: A and AAAA for names of known services, as a pure function of
-the state store, the client's workload and the question.
+"""What the DNS proxy answers itself: A and AAAA for names of known services and for the per-pod
+names of headless services, as a pure function of the state store, the client's workload and the
+question.
 
 `resolve` names the outcome (`Authoritative` records or `FORWARD`); `replies.answer` turns it into
 the reply message. This module needs no DNS library: a SOCKS5 listener resolves a host name with it
-in a proxy that runs no DNS server (and so never loads dnspython). Names are tried as asked, as their Kubernetes expansions for the client's namespace, and
-with a search domain stripped (then the reply carries a CNAME from the asked name to the stripped
-one); each candidate also as wildcards of decreasing specificity. A known name never gets NXDOMAIN:
-no address of the asked family is NOERROR with an empty answer.
+in a proxy that runs no DNS server (and so never loads dnspython). Names are tried as asked, as their
+Kubernetes expansions for the client's namespace, and with a search domain stripped (then the reply
+carries a CNAME from the asked name to the stripped one); each candidate as a service's hostname,
+then as wildcards of decreasing specificity, then as `<pod>.<headless service's hostname>`. A known
+name never gets NXDOMAIN: no address of the asked family is NOERROR with an empty answer.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Authoritative:
     name: str  # as asked, lowercase, no trailing dot
     owner: str
     addresses: tuple[IPAddress, ...]
-    service: Service | None = None  # None: the record type is not served for this name
+    # What the name means (None: the record type is not served for this name).
+    host: Service | Workload | None = None
 
 
 class _Forward:
@@ -109,10 +112,11 @@ def wildcards(name: str) -> list[str]:
     return ["*." + ".".join(labels[i:]) for i in range(1, len(labels))]
 
 
-def find_service(
+def find_host(
     state: ProxyState, client: Workload, name: str, settings: ResolverSettings
-) -> tuple[Service, Alias, str] | None:
-    """The service a name means to this client: (service, the alias that matched, hostname matched)."""
+) -> tuple[Service | Workload, Alias, str] | None:
+    """What a name means to this client: (a service or a pod, the alias that matched, the name
+    matched: a service's hostname, a wildcard, or the alias itself for a pod)."""
     headless_suffix = f".svc.{settings.cluster_domain}"
 
     def candidate(s: Service) -> bool:
@@ -126,20 +130,54 @@ def find_service(
             )
             if service is not None:
                 return service, alias, hostname
+        pod = find_pod(state, client, alias.name, headless_suffix)
+        if pod is not None:
+            return pod, alias, alias.name
     return None
+
+
+def find_pod(state: ProxyState, client: Workload, name: str, headless_suffix: str) -> Workload | None:
+    """`<pod>.<hostname>`: among the workloads named `<pod>` that list the service of that hostname
+    with no VIP and a cluster-local hostname (a headless Kubernetes service), the first of the
+    client's namespace and cluster, else of its cluster, else of its namespace, else the first."""
+    pod, dot, hostname = name.partition(".")
+    if not dot or not hostname.endswith(headless_suffix):
+        return None
+    best: Workload | None = None
+    best_rank = -1
+    for w in state.workloads_by_name(pod):
+        if not _lists_headless(state, w, hostname):
+            continue
+        rank = 2 * (w.cluster_id == client.cluster_id) + (w.namespace == client.namespace)
+        if rank > best_rank:
+            best, best_rank = w, rank
+            if rank == 3:
+                break
+    return best
+
+
+def _lists_headless(state: ProxyState, w: Workload, hostname: str) -> bool:
+    for key, _ in w.services:
+        if key.partition("/")[2] == hostname:
+            service = state.service_by_key(key)
+            if service is not None and not service.vips:
+                return True
+    return False
 
 
 def _family_ok(ip: IPAddress, rdtype: int) -> bool:
     return ip.version == (4 if rdtype == RDTYPE_A else 6)
 
 
-def addresses_of(state: ProxyState, service: Service, client: Workload, rdtype: int) -> list[IPAddress]:
-    if service.vips:
-        return [
-            v.address for v in service.vips if v.network == client.network and _family_ok(v.address, rdtype)
-        ]
+def addresses_of(
+    state: ProxyState, host: Service | Workload, client: Workload, rdtype: int
+) -> list[IPAddress]:
+    if isinstance(host, Workload):  # a pod: every address of the family
+        return [a for a in host.addresses if _family_ok(a, rdtype)]
+    if host.vips:
+        return [v.address for v in host.vips if v.network == client.network and _family_ok(v.address, rdtype)]
     out: list[IPAddress] = []
-    for endpoint in state.endpoints(service.key):
+    for endpoint in state.endpoints(host.key):
         w = state.workload_by_uid(endpoint.workload_uid)
         if w is None:
             continue
@@ -149,10 +187,14 @@ def addresses_of(state: ProxyState, service: Service, client: Workload, rdtype: 
     return out
 
 
-def _served(service: Service, rdtype: int, settings: ResolverSettings) -> bool:
-    if rdtype == RDTYPE_AAAA:
-        return settings.ipv6_enabled and service.ip_families is not IPFamilies.IPV4_ONLY
-    return service.ip_families is not IPFamilies.IPV6_ONLY
+def _served(host: Service | Workload, rdtype: int, settings: ResolverSettings) -> bool:
+    """AAAA only with IPv6 enabled; a service's IP families, when it has them, restrict it further."""
+    if rdtype == RDTYPE_AAAA and not settings.ipv6_enabled:
+        return False
+    if isinstance(host, Workload):
+        return True
+    wanted = IPFamilies.IPV4_ONLY if rdtype == RDTYPE_AAAA else IPFamilies.IPV6_ONLY
+    return host.ip_families is not wanted
 
 
 def resolve(
@@ -166,13 +208,13 @@ def resolve(
     """Our answer to `name` (lowercase, no trailing dot) of type `rdtype`, or FORWARD."""
     if rdtype not in (RDTYPE_A, RDTYPE_AAAA):
         return FORWARD
-    found = find_service(state, client, name, settings)
+    found = find_host(state, client, name, settings)
     if found is None:
         return FORWARD
-    service, alias, hostname = found
-    if not _served(service, rdtype, settings):
+    host, alias, matched = found
+    if not _served(host, rdtype, settings):
         return Authoritative(name, name, ())
-    addresses = addresses_of(state, service, client, rdtype)
+    addresses = addresses_of(state, host, client, rdtype)
     shuffle(addresses)
-    owner = alias.stripped if alias.stripped is not None and not hostname.startswith("*.") else name
-    return Authoritative(name, owner, tuple(addresses), service)
+    owner = alias.stripped if alias.stripped is not None and not matched.startswith("*.") else name
+    return Authoritative(name, owner, tuple(addresses), host)

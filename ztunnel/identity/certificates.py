@@ -171,6 +171,9 @@ class _Entry:
     backoff: float = INITIAL_BACKOFF
     # What /config_dump shows of the certificate's chain and roots (None: not known yet).
     info: tuple[tuple[CertInfo, ...], tuple[CertInfo, ...]] | None = None
+    # NotAfter (Unix seconds) of the last certificate fetched, kept through failed refreshes (and
+    # past expiry) until the identity is forgotten: `istio_cert_expiry_seconds`.
+    expires: float | None = None
 
     @property
     def cert(self) -> WorkloadCertificate | None:
@@ -250,6 +253,15 @@ class SecretManager:
     def identities(self) -> list[Identity]:
         return sorted(self._entries, key=str)
 
+    def expiries(self) -> list[tuple[str, float]]:
+        """(SPIFFE URI, NotAfter in Unix seconds) of the last certificate fetched for each identity
+        held, sorted: set by each successful fetch or rotation, gone when the identity is forgotten."""
+        return [
+            (str(identity), entry.expires)
+            for identity in self.identities()
+            if (entry := self._entries[identity]).expires is not None
+        ]
+
     async def refresh_due(self, now: float | None = None) -> list[Identity]:
         """Start the refreshes and retries due at `now` (default: the clock) and wait for them."""
         started = self._start_due(self._clock() if now is None else now)
@@ -325,6 +337,7 @@ class SecretManager:
             entry.creds, entry.error, entry.backoff, entry.info = creds, None, INITIAL_BACKOFF, info
             not_before, not_after = cert.not_before.timestamp(), cert.not_after.timestamp()
             entry.refresh_at = not_before + (not_after - not_before) / 2
+            entry.expires = not_after
             log.debug("fetched certificate for %s, refresh at %s", identity, entry.refresh_at)
             return creds
         finally:

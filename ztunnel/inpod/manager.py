@@ -7,8 +7,16 @@ acknowledging; for a delete (or a pod missing from a snapshot) it drains that pr
 proxies run is the `PodRuntime` given at construction: the supervisor's (`ztunnel/workers/`), with
 which every data-plane worker runs one proxy per pod and the ACK waits for all of them. A
 pod whose proxy fails to start is NACKed and retried every 5 s. The connection is made again with
-backoff (10 ms doubling to 15 s) whenever it drops; running proxies survive that. Readiness
-`workload proxy manager` is held until a snapshot is applied with nothing pending.
+backoff (10 ms doubling to 1 s) whenever it drops or cannot be made; running proxies survive that.
+Readiness `workload proxy manager` is held until a snapshot is applied with nothing pending, and
+says what it waits for (no agent at the path yet, the agent's snapshot, a pod's proxy).
+
+A node agent that comes late must still find this proxy: an absent socket (the agent has not
+created it yet) or a refused one (a previous agent's file) is tried again within a second, the
+connect never blocks the event loop (a listener that does not accept would freeze readiness and the
+admin endpoints with it), an agent that accepted but sends nothing within `SNAPSHOT_SILENCE` is left
+for a new connection (one left in the backlog of an agent that never serves it would otherwise hold
+readiness for good), and an unexpected error costs the connection, not the manager.
 """
 
 from __future__ import annotations
@@ -31,7 +39,12 @@ log = logging.getLogger("ztunnel.inpod")
 READINESS_TASK = "workload proxy manager"
 RETRY_INTERVAL = 5.0
 RECONNECT_INITIAL = 0.01
-RECONNECT_MAX = 15.0
+# The reference caps at 15 s: an agent that comes late would wait up to that long for us. A connect
+# to a local socket costs microseconds, so we look every second.
+RECONNECT_MAX = 1.0
+# Before its snapshot is complete the agent sends its messages back to back: this much silence means
+# it is not serving this connection.
+SNAPSHOT_SILENCE = 10.0
 
 
 class PodRuntime(Protocol):
@@ -76,6 +89,9 @@ class WorkloadProxyManager:
         self._pods = pods
         self._readiness = readiness
         self._ready_handle: ReadinessHandle | None = readiness.register(READINESS_TASK)
+        # What readiness waits for while not connected (the last connect's outcome).
+        self._waiting = f"not connected to the node agent at {uds_path} yet"
+        readiness.waiting_for(READINESS_TASK, self._waiting)
         self._metrics = metrics
         self._retry_interval = RETRY_INTERVAL if retry_interval is None else retry_interval
         self.sm = ZdsStateMachine()
@@ -94,8 +110,10 @@ class WorkloadProxyManager:
         backoff = RECONNECT_INITIAL
         while not self._closing:
             try:
-                sock = self._connect()
+                sock = await self._connect()
             except OSError as e:
+                self._waiting = f"no node agent at {self.uds_path} yet ({e.strerror or e})"
+                self._update_readiness()
                 (log.warning if backoff == RECONNECT_INITIAL else log.debug)(
                     "cannot connect to the node agent at %s (will retry): %s", self.uds_path, e.strerror or e
                 )
@@ -105,9 +123,15 @@ class WorkloadProxyManager:
             backoff = RECONNECT_INITIAL
             self._sock = sock
             try:
-                await self._converse(sock)
+                self._waiting = await self._converse(sock)
             except OSError as e:
                 log.warning("connection to the node agent failed: %s", e.strerror or e)
+                self._waiting = f"the connection to the node agent failed ({e.strerror or e}); reconnecting"
+            except ProtocolError:
+                raise
+            except Exception as e:
+                log.exception("unexpected error in the conversation with the node agent; reconnecting")
+                self._waiting = f"unexpected error with the node agent ({e}); reconnecting"
             finally:
                 self._sock = None
                 sock.close()
@@ -116,17 +140,18 @@ class WorkloadProxyManager:
             if not self._closing:
                 await asyncio.sleep(backoff)
 
-    def _connect(self) -> socket.socket:
+    async def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            sock.connect(self.uds_path)
             sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, self.uds_path)
         except BaseException:
             sock.close()
             raise
         return sock
 
-    async def _converse(self, sock: socket.socket) -> None:
+    async def _converse(self, sock: socket.socket) -> str:
+        """Talk until the connection is to be dropped; why, as readiness says it meanwhile."""
         await _send(sock, zds.hello())
         self.connected = True
         self.sm.connection_reset()
@@ -134,14 +159,25 @@ class WorkloadProxyManager:
         log.info("connected to the node agent at %s", self.uds_path)
         while True:
             try:
-                packet = await _recv(sock)
+                # Until the snapshot is complete, silence means the agent is not serving us.
+                async with asyncio.timeout(None if self.sm.snapshot_received else SNAPSHOT_SILENCE):
+                    packet = await _recv(sock)
+            except TimeoutError:
+                log.warning(
+                    "the node agent at %s sent nothing for %gs before its snapshot; connecting again",
+                    self.uds_path,
+                    SNAPSHOT_SILENCE,
+                )
+                return (
+                    f"the node agent sent nothing for {SNAPSHOT_SILENCE:g}s before its snapshot; reconnecting"
+                )
             except zds.ZdsError as e:
                 log.warning("bad packet from the node agent: %s", e)
                 await _send(sock, zds.ack(str(e)))
-                return
+                return f"bad packet from the node agent ({e}); reconnecting"
             if packet is None:
                 log.info("the node agent closed the connection")
-                return
+                return "the node agent closed the connection; reconnecting"
             step = self.sm.receive(*packet)
             reply = step.reply
             for action in step.actions:
@@ -154,7 +190,7 @@ class WorkloadProxyManager:
             self._update_readiness()
             if step.outcome is Outcome.RECONNECT:
                 log.warning("dropping the node agent connection: %s", step.error)
-                return
+                return f"dropped the node agent connection ({step.error}); reconnecting"
             if step.outcome is Outcome.EXIT:
                 log.error("node agent protocol error: %s", step.error)
                 raise ProtocolError(step.error)
@@ -224,8 +260,19 @@ class WorkloadProxyManager:
         if ready and self._ready_handle is not None:
             self._ready_handle.release()
             self._ready_handle = None
-        elif not ready and self._ready_handle is None:
-            self._ready_handle = self._readiness.register(READINESS_TASK)
+        elif not ready:
+            if self._ready_handle is None:
+                self._ready_handle = self._readiness.register(READINESS_TASK)
+            self._readiness.waiting_for(READINESS_TASK, self._waiting_for())
+
+    def _waiting_for(self) -> str:
+        """What `/healthz/ready` says the task waits for."""
+        if not self.connected:
+            return self._waiting
+        if not self.sm.snapshot_received:
+            return f"connected to the node agent at {self.uds_path}, waiting for its snapshot of the pods"
+        pods = ", ".join(f"{uid} ({e.error})" for uid, e in sorted(self.pending.items()))
+        return f"pods whose proxy failed to start, retried every {self._retry_interval:g}s: {pods}"
 
     # -- shutdown and admin -----------------------------------------------------------------------------
 

@@ -317,7 +317,7 @@ class LineHandler(logging.Handler):
 
 def _dropped_line(n: int) -> Line:
     message = "log lines dropped: the log stream was not read in time"
-    return Line(time.time(), logging.WARNING, "ztunnel.logs.lines", message, [("dropped", n)], ())
+    return Line(time.time(), logging.WARNING, "ztunnel.logs", message, [("dropped", n)], ())
 
 
 def _spans(record: logging.LogRecord) -> Spans:

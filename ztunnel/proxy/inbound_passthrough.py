@@ -59,9 +59,17 @@ class InboundPassthrough:
         self.ctx = ctx
 
     async def handle(self, transport: asyncio.Transport, inbox: Inbox) -> asyncio.Future[RelayResult] | None:
-        ctx = self.ctx
+        """A connection accepted on 15006: to our app, at its original destination's port."""
         src = canonical_addr(transport.get_extra_info("peername"))
         dst = original_dst(transport.get_extra_info("socket"))
+        return await self.forward(transport, inbox, src, dst)
+
+    async def forward(
+        self, transport: asyncio.Transport, inbox: Inbox, src: tuple[str, int], dst: tuple[str, int]
+    ) -> asyncio.Future[RelayResult] | None:
+        """The accepted connection from `src` to its original destination `dst`, admitted (else
+        closed) and carried to the app; the carried future, or None when it was closed."""
+        ctx = self.ctx
         src_s, dst_s = format_addr(*src), format_addr(*dst)
         request = InboundRequest(peer=(parse_ip(src[0]), src[1]), local=(parse_ip(dst[0]), dst[1]))
         decision = await ctx.admit(request)

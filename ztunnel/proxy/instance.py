@@ -25,6 +25,7 @@ from hbone.settings import H2Settings
 from xds.model import Workload
 from ztunnel import dns
 from ztunnel.config.settings import Config, WorkloadInfo, illegal_ports
+from ztunnel.dns.resolver import ResolverSettings
 from ztunnel.identity.certificates import SecretManager
 from ztunnel.metrics.families import Metrics
 from ztunnel.metrics.registry import GaugeCell
@@ -81,33 +82,54 @@ def build_proxy(
     except BaseException:
         local.close()
         raise
-    rules = AdmissionRules(
-        network=config.network,
-        illegal_ports=illegal_ports(config),
-        localhost_app_tunnel=config.localhost_app_tunnel,
+    ctx = proxy_context(
+        inputs,
+        local,
+        sockets,
         spoof_source=not inbound_only and _spoofs_source(config, listening),
+        resolver=dns_server.settings if dns_server is not None else None,
     )
-    ctx = ProxyContext(
+    return ProxyInstance(ctx, listening, dns_server)
+
+
+def proxy_context(
+    inputs: ProxyInputs,
+    local: LocalWorkload,
+    sockets: SocketFactory,
+    *,
+    spoof_source: bool,
+    resolver: ResolverSettings | None = None,
+) -> ProxyContext:
+    """The context of `local`'s proxy: its rules fixed from the configuration and from what binding
+    allowed (`spoof_source`: the app may see the client's own address), its shared pieces new.
+    `resolver`: its DNS server's, else the configured one. `build_proxy` makes it once the listeners
+    are bound; the listeners' in-process tests make it with sockets of their own."""
+    config = inputs.config
+    return ProxyContext(
         config=config,
         state=inputs.state,
         secrets=inputs.secrets,
         metrics=inputs.metrics,
         sockets=sockets,
-        info=info,
+        info=local.info,
         bind=bind_address(config),
         settings=H2Settings(
             stream_window=config.http2_stream_window_size,
             connection_window=config.http2_connection_window_size,
             frame_size=config.http2_frame_size,
         ),
-        rules=rules,
-        resolver=dns_server.settings if dns_server is not None else dns.resolver_settings(config, ()),
+        rules=AdmissionRules(
+            network=config.network,
+            illegal_ports=illegal_ports(config),
+            localhost_app_tunnel=config.localhost_app_tunnel,
+            spoof_source=spoof_source,
+        ),
+        resolver=resolver if resolver is not None else dns.resolver_settings(config, ()),
         local=local,
         tracker=ConnectionTracker(inputs.state),
         tasks=TaskSet(),
         connections=set(),
     )
-    return ProxyInstance(ctx, listening, dns_server)
 
 
 def _bind(
@@ -261,6 +283,7 @@ class ProxyInstance:
             await self.dns.close()
         for server in self._servers:
             server.close()
+        self._upstreams.drain()
         pending = self.ctx.tasks.pending()
         inbound = self._inbound.server
         if graceful:

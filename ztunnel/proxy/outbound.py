@@ -27,6 +27,14 @@ class Outbound:
         """A connection accepted on 15001: to its original destination."""
         src = canonical_addr(transport.get_extra_info("peername"))
         dst = original_dst(transport.get_extra_info("socket"))
+        return await self.forward(transport, inbox, src, dst)
+
+    async def forward(
+        self, transport: asyncio.Transport, inbox: Inbox, src: tuple[str, int], dst: tuple[str, int]
+    ) -> asyncio.Future[RelayResult] | None:
+        """The accepted connection from `src`, to its original destination `dst`: refused when that is
+        one of our own ports, else its upstream opened and both carried; the carried future, or None
+        when it was closed."""
         if is_self_call(parse_ip(dst[0]), dst[1], self.ctx.rules.illegal_ports, ours=False):
             connection_failed(format_addr(*src), format_addr(*dst), "outbound", RECURSIVE_CALL)
             transport.close()

@@ -3,7 +3,9 @@ of an outbound connection.
 
 The client's CONNECT target (an address, or a name: a mesh name as the DNS proxy would answer it, so
 it reaches the service's VIP, any other by the system resolver) goes through the same upstream
-logic as a redirected connection on 15001. Success is replied only once the upstream is established,
+logic as a redirected connection on 15001. A name is looked up in the client's family first (A on
+the IPv4 listener), then in the other one, so a service of either family is reached; a name with
+neither is answered "host unreachable" and logged. Success is replied only once the upstream is established,
 so a client learns of a refused or denied destination from the reply code, which this module maps
 from the kind of the upstream's failure.
 """
@@ -17,13 +19,14 @@ import socket
 
 from hbone.address import canonical_addr, canonical_host, format_addr
 from hbone.relay import Inbox, RelayResult
-from xds.model import IPAddress
-from ztunnel.dns.resolver import Authoritative, resolve
+from xds.model import IPAddress, Workload
+from ztunnel.dns.resolver import RDTYPE_A, RDTYPE_AAAA, Authoritative, ResolverSettings, resolve
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.socks5_codec import ConnectRequested, HandshakeFailed, Reply, Socks5Handshake, encode_reply
 from ztunnel.proxy.telemetry import connection_failed
 from ztunnel.proxy.upstream import FailureKind, UpstreamFailure, Upstreams
+from ztunnel.state.store import ProxyState
 
 log = logging.getLogger("ztunnel.proxy")
 
@@ -39,6 +42,28 @@ REPLIES = {
 
 def reply_for(failure: UpstreamFailure) -> Reply:
     return REPLIES[failure.kind]
+
+
+class NoAddress(OSError):
+    """A name that resolves to no address of either family: the client is answered
+    `Reply.HOST_UNREACHABLE`, and the log says which name."""
+
+
+def mesh_address(
+    state: ProxyState, client: Workload, host: str, family: int, settings: ResolverSettings
+) -> IPAddress | None:
+    """The address a mesh name stands for, as the DNS proxy would answer it: the A records first, then
+    the AAAA ones (the reverse for a client on IPv6), so that a service of one family is reached from
+    either; None for a name the mesh does not know. NoAddress when it has records of neither family."""
+    name = host.lower().rstrip(".")
+    order = (RDTYPE_AAAA, RDTYPE_A) if family == 6 else (RDTYPE_A, RDTYPE_AAAA)
+    for rdtype in order:
+        answer = resolve(state, client, name, rdtype, settings)
+        if not isinstance(answer, Authoritative):
+            return None
+        if answer.addresses:
+            return answer.addresses[0]
+    raise NoAddress(f"{host} is a mesh name with no IPv4 or IPv6 address")
 
 
 class Socks5Listener:
@@ -98,12 +123,9 @@ class Socks5Listener:
             return canonical_host(str(host))
         local = await self.ctx.local.local_workload()
         if local is not None:
-            rdtype = 28 if family == 6 else 1  # AAAA for IPv6 clients, else A
-            mesh = resolve(self.ctx.state, local, host.lower().rstrip("."), rdtype, self.ctx.resolver)
-            if isinstance(mesh, Authoritative):
-                if not mesh.addresses:
-                    raise OSError(f"no IPv{family} address for {host}")
-                return str(mesh.addresses[0])
+            mesh = mesh_address(self.ctx.state, local, host, family, self.ctx.resolver)
+            if mesh is not None:
+                return str(mesh)
         loop = asyncio.get_running_loop()
         fam = socket.AF_INET6 if family == 6 else socket.AF_INET
         try:

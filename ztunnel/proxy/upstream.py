@@ -4,10 +4,12 @@
 route (`route()`), a workload hostname's address, then the connection by the route's protocol:
 plain TCP, an HBONE stream from the pool (to the workload, or to its waypoint with the original
 destination as `:authority`), or double HBONE through a network gateway (TLS + HTTP/2 inside a
-pooled stream). Failures are classified once, by type, into an `UpstreamFailure` naming the access
-log's error, its response flag and the kind of failure (what a SOCKS5 client is told). As the
-reference, every HTTP/2-level failure of an HBONE upstream (no SETTINGS after TLS, a reset CONNECT
-stream, a closed or GOAWAY'd connection) is `H2_HANDSHAKE_FAILURE`.
+pooled stream). The HBONE connections come from a `Tunnels` (`HboneTunnels`: TCP, TLS 1.3,
+HTTP/2): with `ProxyContext.connect_tcp` and the system resolver, where this module meets the
+network. Failures are classified once, by type, into an `UpstreamFailure` naming the access log's
+error, its response flag and the kind of failure (what a SOCKS5 client is told). As the reference,
+every HTTP/2-level failure of an HBONE upstream (no SETTINGS after TLS, a reset CONNECT stream, a
+closed or GOAWAY'd connection) is `H2_HANDSHAKE_FAILURE`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import enum
 import functools
 import ipaddress
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol as TypingProtocol
 
 from hbone.address import canonical_host, format_addr
 from hbone.client import HboneConnection
@@ -32,9 +37,10 @@ from hbone.errors import (
 )
 from hbone.identity import Identity
 from hbone.inner import open_inner
-from hbone.pool import Pool, PoolKey
+from hbone.pool import Pool, PooledConnection, PoolKey
 from hbone.relay import Inbox
 from hbone.stream import HboneStream
+from hbone.tls import TlsCredentials
 from xds.model import IPAddress, Workload
 from ztunnel.metrics.families import UNKNOWN
 from ztunnel.proxy import baggage
@@ -111,16 +117,70 @@ def classify_upstream_error(e: BaseException, protocol: Protocol) -> UpstreamFai
     return UpstreamFailure(describe(e), "CONNECT", FailureKind.FAILED)
 
 
-class Upstreams:
-    """The upstreams of one proxy's outbound connections, and the HBONE pool they share."""
+class Tunnels(TypingProtocol):
+    """The HBONE edge of the outbound side: what makes the connections the pool holds and the inner
+    connection of double HBONE. `HboneTunnels` makes them for real (TCP, TLS 1.3, HTTP/2); the
+    listeners' playbook tests give a fake peer instead."""
+
+    async def dial(self, key: PoolKey) -> PooledConnection:
+        """A new HBONE connection to `key.dst`, as `key.src_identity`, to one of `key.dst_identities`."""
+        ...
+
+    async def inner(
+        self, outer: HboneStream, credentials: TlsCredentials, expected: tuple[Identity, ...]
+    ) -> PooledConnection:
+        """Double HBONE: TLS to one of `expected` and HTTP/2 inside the established `outer` stream."""
+        ...
+
+
+class HboneTunnels:
+    """`Tunnels` over the network: the proxy's sockets, its certificates and HTTP/2 settings."""
 
     def __init__(self, ctx: ProxyContext) -> None:
         self.ctx = ctx
+
+    async def dial(self, key: PoolKey) -> HboneConnection:
+        ctx = self.ctx
+        sock = await ctx.sockets.connect(key.dst, source_ip=key.src_ip, timeout=CONNECT_TIMEOUT)
+        credentials = await ctx.secrets.credentials(key.src_identity)
+        return await HboneConnection.open(
+            sock,
+            credentials,
+            key.dst_identities,
+            ctx.settings,
+            max_streams=ctx.config.pool_max_streams_per_connection,
+        )
+
+    async def inner(
+        self, outer: HboneStream, credentials: TlsCredentials, expected: tuple[Identity, ...]
+    ) -> HboneConnection:
+        ctx = self.ctx
+        return await open_inner(
+            outer, credentials, expected, ctx.settings, max_streams=ctx.config.pool_max_streams_per_connection
+        )
+
+
+class Upstreams:
+    """The upstreams of one proxy's outbound connections, and the HBONE pool they share.
+
+    `tunnels` makes the HBONE connections (`HboneTunnels` unless given); `clock` is the pool's, which
+    releases a connection not checked out for `POOL_UNUSED_RELEASE_TIMEOUT`."""
+
+    def __init__(
+        self,
+        ctx: ProxyContext,
+        *,
+        tunnels: Tunnels | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ctx = ctx
         config = ctx.config
-        self.pool = Pool(
-            self._dial_hbone,
+        self.tunnels = tunnels if tunnels is not None else HboneTunnels(ctx)
+        self.pool: Pool[PooledConnection] = Pool(
+            self.tunnels.dial,
             max_streams=config.pool_max_streams_per_connection,
             idle_timeout=config.pool_unused_release_timeout,
+            clock=clock,
         )
 
     async def open(
@@ -227,13 +287,7 @@ class Upstreams:
         except BaseException:
             outer.abort()
             raise
-        inner = await open_inner(
-            outer,
-            credentials,
-            _identities(r.final_identities),
-            ctx.settings,
-            max_streams=ctx.config.pool_max_streams_per_connection,
-        )
+        inner = await self.tunnels.inner(outer, credentials, _identities(r.final_identities))
         try:
             stream = await inner.connect(
                 r.inner_authority, [*headers, ("x-forwarded-network", ctx.config.network)]
@@ -243,18 +297,6 @@ class Upstreams:
             raise
         inner.close()  # closes (GOAWAY, TLS close_notify, outer END_STREAM) once the stream ends
         return stream
-
-    async def _dial_hbone(self, key: PoolKey) -> HboneConnection:
-        ctx = self.ctx
-        sock = await ctx.sockets.connect(key.dst, source_ip=key.src_ip, timeout=CONNECT_TIMEOUT)
-        credentials = await ctx.secrets.credentials(key.src_identity)
-        return await HboneConnection.open(
-            sock,
-            credentials,
-            key.dst_identities,
-            ctx.settings,
-            max_streams=ctx.config.pool_max_streams_per_connection,
-        )
 
     async def _resolve_workload(self, hostname: str, version: int) -> IPAddress:
         """A workload's hostname by the system resolver: A and AAAA (A only without IPv6), one
@@ -268,6 +310,10 @@ class Upstreams:
         if chosen is None:
             raise OSError(f"no addresses for {hostname}")
         return chosen
+
+    def drain(self) -> None:
+        """No new HBONE connections: connections still being established use the pooled ones."""
+        self.pool.drain()
 
     async def close(self) -> None:
         await self.pool.close()

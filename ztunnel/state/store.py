@@ -37,7 +37,7 @@ from xds.render import (
     workload_to_dict,
 )
 
-log = logging.getLogger("ztunnel.state.store")
+log = logging.getLogger("ztunnel.state")
 
 Listener = Callable[[], None]
 # On-demand xDS: ask the control plane for `key` (`network/ip`, a uid, `namespace/hostname`) and
@@ -51,6 +51,9 @@ class ProxyState:
         self._workloads: dict[str, Workload] = {}  # by uid, in first-seen order
         self._workloads_by_addr: dict[NetworkAddress, list[str]] = {}
         self._workloads_by_hostname: dict[NamespacedHostname, list[str]] = {}
+        # uids by workload (pod) name, for the DNS proxy's per-pod names: one uid, or a list of
+        # several (most names are one pod's, and a list per workload would triple the index).
+        self._workloads_by_name: dict[str, str | list[str]] = {}
         self._services: dict[str, Service] = {}  # by namespace/hostname, in first-seen order
         self._services_by_vip: dict[NetworkAddress, list[str]] = {}
         self._services_by_hostname: dict[str, list[str]] = {}
@@ -192,6 +195,8 @@ class ProxyState:
                 uids = self._workloads_by_hostname.setdefault(NamespacedHostname(w.namespace, w.hostname), [])
                 if w.uid not in uids:
                     uids.append(w.uid)
+            if w.name:
+                self._index_name(w)
             for service_key, ports in w.services:
                 self._memberships.setdefault(service_key, {})[w.uid] = Endpoint(w.uid, ports, w.status)
             self._changed = True
@@ -216,12 +221,33 @@ class ProxyState:
             _unlist(self._workloads_by_addr, addr, w.uid)
         if w.hostname:
             _unlist(self._workloads_by_hostname, NamespacedHostname(w.namespace, w.hostname), w.uid)
+        if w.name:
+            self._unindex_name(w)
         for service_key, _ in w.services:
             endpoints = self._memberships.get(service_key)
             if endpoints is not None:
                 endpoints.pop(w.uid, None)
                 if not endpoints:
                     del self._memberships[service_key]
+
+    def _index_name(self, w: Workload) -> None:
+        held = self._workloads_by_name.get(w.name)
+        if held is None:
+            self._workloads_by_name[w.name] = w.uid
+        elif isinstance(held, str):
+            if held != w.uid:
+                self._workloads_by_name[w.name] = [held, w.uid]
+        elif w.uid not in held:
+            held.append(w.uid)
+
+    def _unindex_name(self, w: Workload) -> None:
+        held = self._workloads_by_name.get(w.name)
+        if held == w.uid:
+            del self._workloads_by_name[w.name]
+        elif isinstance(held, list) and w.uid in held:
+            held.remove(w.uid)
+            if len(held) == 1:
+                self._workloads_by_name[w.name] = held[0]
 
     # --- services ----------------------------------------------------------------------------------
 
@@ -301,6 +327,7 @@ class ProxyState:
             self._workloads.clear()
             self._workloads_by_addr.clear()
             self._workloads_by_hostname.clear()
+            self._workloads_by_name.clear()
             self._memberships.clear()
             self._services.clear()
             self._services_by_vip.clear()
@@ -356,6 +383,12 @@ class ProxyState:
         """A workload named by `namespace/hostname` (a waypoint or gateway given by hostname)."""
         uids = self._workloads_by_hostname.get(NamespacedHostname(namespace, hostname))
         return self._workloads[uids[0]] if uids else None
+
+    def workloads_by_name(self, name: str) -> list[Workload]:
+        """Every workload of this name (a pod's name, in any namespace or cluster), in the order
+        they were last updated: the DNS proxy's per-pod names of headless services."""
+        held = self._workloads_by_name.get(name, ())
+        return [self._workloads[held]] if isinstance(held, str) else [self._workloads[uid] for uid in held]
 
     def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
         """Every service with this exact VIP, whatever its visibility, in first-seen order."""

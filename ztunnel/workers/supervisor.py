@@ -153,7 +153,7 @@ class Supervisor:
         self.synced = False
         self.spawner = spawner
         self._stop = asyncio.Event()
-        self._proxy_ready: ReadinessHandle | None = self.readiness.register("proxy")
+        self._proxy_ready: ReadinessHandle | None = self._hold_proxy_ready()
         self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._seq = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -169,6 +169,13 @@ class Supervisor:
             Failed: self._on_failed,
             Pong: lambda slot, message: None,
         }
+
+    def _hold_proxy_ready(self) -> ReadinessHandle:
+        handle = self.readiness.register("proxy")
+        self.readiness.waiting_for(
+            "proxy", f"each of the {self.fleet.count} data-plane workers serving (its listeners accepting)"
+        )
+        return handle
 
     def _helper_pids(self) -> list[int]:
         """The workers alive now, and the certificate helper while one runs (the processes
@@ -316,7 +323,7 @@ class Supervisor:
                     self._proxy_ready.release()
                     self._proxy_ready = None
                 elif not event.ready and self._proxy_ready is None:
-                    self._proxy_ready = self.readiness.register("proxy")
+                    self._proxy_ready = self._hold_proxy_ready()
             elif isinstance(event, policy.Started):
                 if not self._started.done():
                     self._started.set_result(None)
