@@ -13,6 +13,7 @@ own clients map them.
 from __future__ import annotations
 
 import enum
+import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -105,7 +106,7 @@ def frame_message(payload: bytes) -> bytes:
 
 def encode_timeout(seconds: float) -> str:
     """`grpc-timeout`: at most 8 digits and a unit; rounded up, so a deadline is never shortened."""
-    nanos = max(0, int(seconds * 1e9 + 0.999))
+    nanos = max(0, math.ceil(round(seconds * 1e9, 3)))
     for unit, size in (("n", 1), ("u", 1_000), ("m", 1_000_000), ("S", 10**9), ("M", 60 * 10**9)):
         value = -(-nanos // size)
         if value < 100_000_000:
