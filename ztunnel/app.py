@@ -45,8 +45,10 @@ def run_proxy(environ: dict[str, str]) -> int:
 def start_data_plane(config: Config, environ: Mapping[str, str]) -> Spawner:
     """The workers, forked with the worker body and its imports loaded and nothing of the control
     side; replacements are new interpreters given `environ`."""
+    from hbone.tlswarm import warm_up
     from ztunnel.workers.worker import preload, run_worker
 
+    warm_up()  # OpenSSL's tables, built once here and shared by every worker forked below
     preload(config)
     first = fork_workers(functools.partial(run_worker, config), max(1, config.worker_threads))
     return Spawner(first, environ)
