@@ -220,7 +220,8 @@ class CallState:
         if self.status is not None:
             return
         fields = dict(headers)
-        status = int(fields.get(":status", "0") or 0)
+        raw = fields.get(":status", "")
+        status = int(raw) if raw.isascii() and raw.isdigit() else 0  # the core checked it: 3 digits
         self.http_status = status
         if end_stream:
             self.status = status_from(headers, status)
