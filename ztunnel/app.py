@@ -2,10 +2,11 @@
 
 The configuration is read from the environment, logging set up, the fd limit raised and glibc's
 allocator tuned. Then the order is what the processes' memory is made of: the worker body and what
-it imports are loaded, the workers are forked (before any event loop or gRPC thread), and only then
-does this process import the control side (the supervisor, the control runtime, the admin and
-metrics servers, the local file's YAML, gRPC when a control plane is used), which so never exists
-in a worker's memory. The supervisor runs until it is stopped.
+it imports are loaded, OpenSSL's tables filled (`hbone.tlswarm`), the workers are forked (before
+any event loop or thread), and only then does this process import the control side (the
+supervisor, the control runtime, the admin and metrics servers, the local file's YAML, protobuf
+and our gRPC client when a control plane is used), which so never exists in a worker's memory. The
+supervisor runs until it is stopped.
 """
 
 from __future__ import annotations
