@@ -26,7 +26,6 @@ from hbone.h2core import events as ev
 from hbone.hpack import HeaderFieldError
 from hbone.settings import H2Settings
 from xds.grpc.wire import (
-    OK,
     CallState,
     RpcError,
     Status,
@@ -146,15 +145,12 @@ def _ended_before_write() -> Status:
 class GrpcConnection(asyncio.Protocol):
     """One HTTP/2 connection to a gRPC server, carrying any number of calls."""
 
-    def __init__(
-        self, *, authority: str, tls: bool, settings: H2Settings, max_message: int, peer: str
-    ) -> None:
+    def __init__(self, *, authority: str, tls: bool, settings: H2Settings, max_message: int) -> None:
         self.loop = asyncio.get_running_loop()
         self.authority = authority
         self.tls = tls
         self.settings = settings
         self.max_message = max_message
-        self.peer = peer
         self._core = H2Core(client_side=True, settings=settings, now=self.loop.time())
         self.transport: asyncio.Transport | None = None
         self.calls: dict[int, Call] = {}
@@ -418,7 +414,6 @@ async def connect(
         tls=ssl_context is not None,
         settings=settings,
         max_message=max_message,
-        peer=authority,
     )
     try:
         async with asyncio.timeout(timeout):
@@ -451,6 +446,3 @@ def _reason(e: BaseException) -> str:
     if isinstance(e, ssl.SSLError):
         return f"TLS: {e.reason or e}"
     return getattr(e, "strerror", None) or str(e)
-
-
-__all__ = ["OK", "Call", "GrpcConnection", "RpcError", "Status", "StatusCode", "connect"]
