@@ -126,8 +126,9 @@ def control_side_in(pid: int) -> list[str]:
 
 
 def test_workers_never_load_the_control_sides_libraries(control_plane: ControlPlane) -> None:
-    """With xDS and the CA over gRPC, the parent holds gRPC, protobuf and PyYAML, but not cryptography
-    (its certificate helper does); the workers, forked before the parent imported them, map none."""
+    """With xDS and the CA over gRPC, the parent holds protobuf and PyYAML, but neither grpcio (its
+    gRPC client is our own, on the HTTP/2 core) nor cryptography (its certificate helper has it);
+    the workers, forked before the parent imported them, map none."""
     xds = {"XDS_ADDRESS": f"http://{control_plane.address}", "CA_ADDRESS": f"http://{control_plane.address}"}
     proxy = launch(proxy_env("client", CLIENT, LOCAL_XDS=CLIENT_ONLY, **xds), CLIENT)
     try:
@@ -136,10 +137,14 @@ def test_workers_never_load_the_control_sides_libraries(control_plane: ControlPl
         eventually(
             lambda: [c["state"] for c in proxy.dump()["certificates"]] == ["Available"], "the certificate"
         )
-        assert control_side_in(proxy.process.pid) == ["PyYAML", "gRPC", "protobuf"]
+        assert control_side_in(proxy.process.pid) == ["PyYAML", "protobuf"]
         helpers = children(proxy.process.pid)
         assert len(helpers) == 2  # the two workers
         assert {pid: control_side_in(pid) for pid in helpers} == {pid: [] for pid in helpers}
+        # Nor grpcio's Python side: nothing of the proxy imports it.
+        for pid in (proxy.process.pid, *helpers):
+            with open(f"/proc/{pid}/maps") as f:
+                assert not [line for line in f if "cygrpc" in line], pid
     finally:
         stop(proxy)
 
