@@ -143,6 +143,11 @@ class ControlPlane:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 # gRPC sets SO_REUSEPORT by default: a second control plane would share the port silently.
                 ("grpc.so_reuseport", 0),
+                # istiod's keepalive enforcement (a PING every 15 s at most, with or without calls):
+                # gRPC's default (5 min) would answer the proxy's 30 s keepalive with GOAWAY.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 15_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 15_000),
+                ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
         discovery_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.ads, server)

@@ -140,6 +140,7 @@ class H2Session(asyncio.BufferedProtocol):
             ev.SettingsReceived: self._on_remote_settings,
             ev.PingAcked: self._on_ping_ack,
             ev.SettingsAcked: _ignore,
+            ev.TrailersReceived: _ignore,  # HBONE carries none worth reading
             ev.GoAwayReceived: self._on_goaway,
             ev.ConnectionTerminated: self._on_terminated,
         }

@@ -123,6 +123,11 @@ def _joined(pems: Sequence[bytes]) -> bytes:
 
 
 def _load_key_pair(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:
+    load_pem_pair(ctx, cert.key_pem, _joined(cert.chain_pem))
+
+
+def load_pem_pair(ctx: ssl.SSLContext, key_pem: bytes, chain_pem: bytes) -> None:
+    """Load a PEM key and its chain into `ctx`."""
     # The ssl module only loads a key pair from a file: write it to a private file (0600 in a
     # 0700 directory, in memory when /dev/shm exists) and delete it right after loading.
     parent = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -131,8 +136,8 @@ def _load_key_pair(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:
         path = os.path.join(directory, "pair.pem")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(cert.key_pem if cert.key_pem.endswith(b"\n") else cert.key_pem + b"\n")
-            f.write(_joined(cert.chain_pem))
+            f.write(key_pem if key_pem.endswith(b"\n") else key_pem + b"\n")
+            f.write(chain_pem)
         ctx.load_cert_chain(path)
     finally:
         shutil.rmtree(directory, ignore_errors=True)

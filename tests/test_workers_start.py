@@ -116,8 +116,9 @@ def control_side_in(pid: int) -> list[str]:
 
 
 def test_workers_never_load_the_control_sides_libraries(fleet: Fleet, control_plane: ControlPlane) -> None:
-    """With xDS and the CA over gRPC, the parent holds gRPC, protobuf and PyYAML, but not cryptography
-    (its certificate helper does); the workers, forked before the parent imported them, map none."""
+    """With xDS and the CA over gRPC, the parent holds protobuf and PyYAML, but neither grpcio (its
+    gRPC client is our own, on the HTTP/2 core) nor cryptography (its certificate helper has it);
+    the workers, forked before the parent imported them, map none."""
     proxy = fleet.proxy({**control_plane.wire(client_alone()), "LOCAL_XDS": CLIENT_ONLY})
     try:
         proxy.start()
@@ -126,10 +127,14 @@ def test_workers_never_load_the_control_sides_libraries(fleet: Fleet, control_pl
             lambda: [c["state"] for c in proxy.config_dump()["certificates"]] == ["Available"],
             "the certificate",
         )
-        assert control_side_in(proxy.pid) == ["PyYAML", "gRPC", "protobuf"]
+        assert control_side_in(proxy.pid) == ["PyYAML", "protobuf"]
         helpers = proxy.workers()
         assert len(helpers) == 2  # the two workers
         assert {pid: control_side_in(pid) for pid in helpers} == {pid: [] for pid in helpers}
+        # Nor grpcio's Python side: nothing of the proxy imports it.
+        for pid in (proxy.pid, *helpers):
+            with open(f"/proc/{pid}/maps") as f:
+                assert not [line for line in f if "cygrpc" in line], pid
     finally:
         proxy.stop()
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.apps import echo_roundtrip, openssl_s_client, sha, socks5_connect, start_echo
+from tests.apps import echo_roundtrip, free_port, openssl_s_client, sha, socks5_connect, start_echo
+from tests.certs import make_ca
 from tests.harness import ControlPlane, Fleet, Proxy, proxy_env
 from tests.waiting import eventually_async
 
@@ -204,5 +205,39 @@ async def test_proxy_over_tls_to_the_control_plane(tmp_path: Path, fleet: Fleet)
             10.0,
             blocking=True,
         )
+    finally:
+        cp.stop()
+
+
+async def test_a_wrong_root_or_address_is_one_clear_line_and_readiness_held(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    """The control plane over TLS with a root that did not sign it, and an address nobody listens
+    on: each proxy says why in a line per attempt, stays not ready, and never logs a traceback."""
+    cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, MESH, "--tls")
+    try:
+        other_root = tmp_path / "other-root.pem"
+        other_root.write_bytes(make_ca("not the control plane's").root_pem)
+        wrong_root = proxy_env(
+            CLIENT, "demo/client/client", XDS_ADDRESS=f"https://{cp.address}", XDS_ROOT_CA=str(other_root)
+        )
+        nobody = proxy_env(SERVER, "demo/server/server", XDS_ADDRESS=f"http://{CP_HOST}:{free_port(CP_HOST)}")
+        cases = {
+            "TLS: unable to get local issuer certificate": fleet.proxy(wrong_root),
+            "Connection refused": fleet.proxy(nobody),
+        }
+        for proxy in cases.values():
+            del proxy.env["LOCAL_XDS"]
+            proxy.spawn()
+        for why, proxy in cases.items():
+            await eventually_async(
+                lambda p=proxy: p.log().count("XDS client connection error") >= 2,  # type: ignore[misc]
+                lambda p=proxy: f"two connection errors in {p.log()[-2000:]}",  # type: ignore[misc]
+                15.0,
+            )
+            lines = [line for line in proxy.log().splitlines() if "XDS client connection error" in line]
+            assert all(why in line for line in lines), lines
+            assert "Traceback" not in proxy.log()
+            assert not ready(proxy.ip)
     finally:
         cp.stop()

@@ -33,6 +33,7 @@ from xds.client import (
     StreamStatus,
     reconnect_delay,
 )
+from xds.grpc.wire import StatusCode
 from ztunnel.metrics.families import Metrics
 
 
@@ -101,18 +102,18 @@ async def test_connection_errors_back_off_doubling(clients: list[Running]) -> No
 
 
 def test_reconnect_delays_of_the_reference() -> None:
-    unavailable = grpc.StatusCode.UNAVAILABLE
+    unavailable = StatusCode.UNAVAILABLE
     cases: list[tuple[BaseException | None, float, str, float]] = [
         (None, 1.0, "Complete", 0.0),
         (ConnectionFailed("refused"), INITIAL_BACKOFF, CONNECTION_ERROR, 0.02),
         (ConnectionFailed("refused"), 10.0, CONNECTION_ERROR, MAX_BACKOFF),
-        (StreamStatus(grpc.StatusCode.UNKNOWN, ""), 5.0, "Reconnect", INITIAL_BACKOFF),
-        (StreamStatus(grpc.StatusCode.CANCELLED, ""), 5.0, "Reconnect", INITIAL_BACKOFF),
-        (StreamStatus(grpc.StatusCode.DEADLINE_EXCEEDED, ""), 5.0, "Reconnect", INITIAL_BACKOFF),
+        (StreamStatus(StatusCode.UNKNOWN, ""), 5.0, "Reconnect", INITIAL_BACKOFF),
+        (StreamStatus(StatusCode.CANCELLED, ""), 5.0, "Reconnect", INITIAL_BACKOFF),
+        (StreamStatus(StatusCode.DEADLINE_EXCEEDED, ""), 5.0, "Reconnect", INITIAL_BACKOFF),
         (StreamStatus(unavailable, "x: transport is closing"), 5.0, "Reconnect", INITIAL_BACKOFF),
         (StreamStatus(unavailable, "received prior goaway: code"), 5.0, "Reconnect", INITIAL_BACKOFF),
         (StreamStatus(unavailable, "socket closed"), 1.0, "Error", 2.0),
-        (StreamStatus(grpc.StatusCode.PERMISSION_DENIED, "no"), 1.0, "Error", 2.0),
+        (StreamStatus(StatusCode.PERMISSION_DENIED, "no"), 1.0, "Error", 2.0),
         (ValueError("anything else"), 8.0, "Error", 0.0),
     ]
     for end, backoff, reason, delay in cases:

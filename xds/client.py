@@ -21,10 +21,8 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-import grpc
-import grpc.aio
 from google.protobuf.message import DecodeError
 
 from policy.model import Authorization
@@ -35,7 +33,6 @@ from xds.channel import (
     ControlPlaneError,
     call_metadata,
     open_channel,
-    wait_connected,
 )
 
 # The control plane's server takes the client's limit from here (a large file fails on neither side).
@@ -48,10 +45,12 @@ from xds.convert import (
     authorization_from_wire,
 )
 from xds.gen.envoy.config.core.v3 import base_pb2
-from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
+from xds.gen.envoy.service.discovery.v3 import discovery_pb2
 from xds.gen.google.rpc import status_pb2
 from xds.gen.istio.security import authorization_pb2
 from xds.gen.istio.workload import workload_pb2
+from xds.grpc.connection import Call
+from xds.grpc.wire import RpcError, Status, StatusCode
 from xds.model import Service, Workload
 
 log = logging.getLogger(__name__)
@@ -68,7 +67,9 @@ ERROR = "Error"
 RECONNECT = "Reconnect"
 COMPLETE = "Complete"
 
-_RECONNECT_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+DELTA_ADS_PATH = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
+
+_RECONNECT_CODES = (StatusCode.UNKNOWN, StatusCode.CANCELLED, StatusCode.DEADLINE_EXCEEDED)
 _RECONNECT_MESSAGES = ("transport is closing", "received prior goaway")
 
 
@@ -104,7 +105,7 @@ class ConnectionFailed(Exception):
 class StreamStatus(Exception):
     """The stream ended with a non-OK gRPC status."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
@@ -121,7 +122,7 @@ def reconnect_delay(end: BaseException | None, backoff: float) -> tuple[str, flo
         return CONNECTION_ERROR, min(MAX_BACKOFF, backoff * 2)
     if isinstance(end, StreamStatus):
         if end.code in _RECONNECT_CODES or (
-            end.code is grpc.StatusCode.UNAVAILABLE and any(m in end.details for m in _RECONNECT_MESSAGES)
+            end.code is StatusCode.UNAVAILABLE and any(m in end.details for m in _RECONNECT_MESSAGES)
         ):
             return RECONNECT, INITIAL_BACKOFF
         return ERROR, min(MAX_BACKOFF, backoff * 2)
@@ -211,7 +212,7 @@ class XdsClient:
         self._synced = asyncio.Event()
         self._demanded: dict[tuple[str, str], list[asyncio.Future[None]]] = {}
         self._arrival_checks: dict[asyncio.Future[None], Callable[[], bool]] = {}
-        self._call: grpc.aio.StreamStreamCall[Any, Any] | None = None
+        self._call: Call | None = None
         self._write_lock = asyncio.Lock()
         self._run_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -329,32 +330,28 @@ class XdsClient:
 
     async def _stream_once(self) -> None:
         try:
-            channel = open_channel(self.address, self._root_ca, self._alt_hostname)
+            channel = open_channel(
+                self.address, self._root_ca, self._alt_hostname, connect_timeout=self._connect_timeout
+            )
+            metadata = call_metadata(self._token, self._cluster_id, self._headers)
         except ControlPlaneError as e:
             raise ConnectionFailed(str(e)) from None
         try:
             try:
-                connected = await wait_connected(channel, self._connect_timeout)
-                metadata = call_metadata(self._token, self._cluster_id, self._headers)
-            except TimeoutError:
-                raise ConnectionFailed(f"timed out connecting to {self.address.target}") from None
-            except ControlPlaneError as e:
-                raise ConnectionFailed(str(e)) from None
-            stub = discovery_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
-            call = stub.DeltaAggregatedResources(metadata=metadata)
+                call = await channel.stream(DELTA_ADS_PATH, metadata)
+            except RpcError as e:
+                raise ConnectionFailed(e.details or e.code.name) from None
             try:
                 await self._converse(call)
-            except grpc.aio.AioRpcError as e:
-                if not connected:
-                    raise ConnectionFailed(e.details() or e.code().name) from None
-                raise StreamStatus(e.code(), e.details() or "") from None
+            except RpcError as e:
+                raise StreamStatus(e.code, e.details) from None
             finally:
                 self._call = None
                 call.cancel()
         finally:
-            await channel.close(grace=None)
+            await channel.close()
 
-    async def _converse(self, call: grpc.aio.StreamStreamCall[Any, Any]) -> None:
+    async def _converse(self, call: Call) -> None:
         self.connections += 1
         self._call = call
         for request in self.initial_requests():
@@ -370,9 +367,13 @@ class XdsClient:
             await self._write(call, request)
         log.info("Stream established", extra={"fields": {"address": self.address.target}})
         while True:
-            response = await call.read()
-            if response is grpc.aio.EOF:
-                break
+            message = await call.read()  # raises RpcError for a status other than OK
+            if message is None:
+                return
+            try:
+                response = discovery_pb2.DeltaDiscoveryResponse.FromString(message)
+            except DecodeError as e:
+                raise RpcError(Status(StatusCode.INTERNAL, f"undecodable response: {e}")) from None
             converted = None
             if _payload_bytes(response) >= THREADED_CONVERSION_BYTES:
                 # Decoding and converting are pure: a big push (a policy of 100k CIDRs) is converted
@@ -382,21 +383,14 @@ class XdsClient:
             reply = self.handle_response(response, converted)
             await self._write(call, reply)
             self._answered(response.type_url)
-        code = await call.code()
-        if code is not grpc.StatusCode.OK:
-            raise StreamStatus(code, await call.details() or "")
 
-    async def _write(
-        self, call: grpc.aio.StreamStreamCall[Any, Any], request: discovery_pb2.DeltaDiscoveryRequest
-    ) -> None:
+    async def _write(self, call: Call, request: discovery_pb2.DeltaDiscoveryRequest) -> None:
         async with self._write_lock:
             try:
-                await call.write(request)
-            except asyncio.InvalidStateError:
-                # The call ended under us; its status says how.
-                code = await call.code()
-                if code is not grpc.StatusCode.OK:
-                    raise StreamStatus(code, await call.details() or "") from None
+                await call.write(request.SerializeToString())
+            except RpcError:
+                if call.state.status is not None and call.state.status.code is StatusCode.OK:
+                    return  # the server ended the stream cleanly: the reader sees its end next
                 raise
 
     def _answered(self, type_url: str) -> None:

@@ -2,10 +2,11 @@
 
 The configuration is read from the environment, logging set up, the fd limit raised and glibc's
 allocator tuned. Then the order is what the processes' memory is made of: the worker body and what
-it imports are loaded, the workers are forked (before any event loop or gRPC thread), and only then
-does this process import the control side (the supervisor, the control runtime, the admin and
-metrics servers, the local file's YAML, gRPC when a control plane is used), which so never exists
-in a worker's memory. The supervisor runs until it is stopped.
+it imports are loaded, OpenSSL's tables filled (`hbone.tlswarm`), the workers are forked (before
+any event loop or thread), and only then does this process import the control side (the
+supervisor, the control runtime, the admin and metrics servers, the local file's YAML, protobuf
+and our gRPC client when a control plane is used), which so never exists in a worker's memory. The
+supervisor runs until it is stopped.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def run_proxy(environ: dict[str, str]) -> int:
 def start_data_plane(config: Config, environ: Mapping[str, str]) -> Spawner:
     """The workers, forked with the worker body and its imports loaded and nothing of the control
     side; replacements are new interpreters given `environ`."""
+    from hbone.tlswarm import warm_up
     from ztunnel.workers.worker import preload, run_worker
 
+    warm_up()  # OpenSSL's tables, built once here and shared by every worker forked below
     preload(config)
     first = fork_workers(functools.partial(run_worker, config), max(1, config.worker_threads))
     return Spawner(first, environ)

@@ -85,6 +85,7 @@ from hbone.h2core.events import (
     SettingsReceived,
     StreamEnded,
     StreamReset,
+    TrailersReceived,
     WindowUpdated,
 )
 
@@ -489,9 +490,10 @@ class H2Core(CoreBase):
             stream.expected_length = length
             self._events.append(ResponseReceived(sid, headers, end))
         else:
-            fields.check_trailers(sid, raw)
+            trailers = fields.check_trailers(sid, raw)
             if not end:
                 raise H2StreamError(sid, ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM")
+            self._events.append(TrailersReceived(sid, trailers))
         if end:
             expected = stream.expected_length
             if expected is not None and expected != stream.received_length:

@@ -48,6 +48,18 @@ class ResponseReceived(Event):
         self.end_stream = end_stream
 
 
+class TrailersReceived(Event):
+    """A header block after the response or request (trailers; it ends the stream: `StreamEnded`
+    follows). gRPC's status travels in them."""
+
+    FIELDS = ("headers", "stream_id")
+    __slots__ = FIELDS
+
+    def __init__(self, stream_id: int, headers: Headers) -> None:
+        self.stream_id = stream_id
+        self.headers = headers
+
+
 class DataReceived(Event):
     """DATA payload bytes; `flow_length` of the receive windows they used (padding included).
 

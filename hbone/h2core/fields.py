@@ -82,5 +82,5 @@ def check_response(stream_id: int, raw: Iterable[tuple[bytes, bytes]]) -> tuple[
     return fields, int(status), length
 
 
-def check_trailers(stream_id: int, raw: Iterable[tuple[bytes, bytes]]) -> None:
-    _walk(stream_id, raw, _NO_PSEUDO)
+def check_trailers(stream_id: int, raw: Iterable[tuple[bytes, bytes]]) -> Headers:
+    return _walk(stream_id, raw, _NO_PSEUDO)[1]

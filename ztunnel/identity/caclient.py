@@ -9,7 +9,8 @@ identities with its own token, so the request carries `ImpersonatedIdentity` in 
 the returned leaf must name the identity asked for. The response chain is leaf, intermediates, and last the trust bundle (which may
 hold several roots). Every failure raises `CaError` with a message naming the CA and the reason.
 
-The channel, TLS roots and per-call headers are those of the xDS client (`xds.channel`); with https the
+The channel (our own gRPC client, `xds.grpc`), TLS roots and per-call headers are those of the xDS
+client (`xds.channel`); with https the
 root certificate is read again before each request and the channel rebuilt when it changed.
 """
 
@@ -18,19 +19,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import grpc
-import grpc.aio
+from google.protobuf.message import DecodeError
 
 from hbone.identity import Identity
 from xds.channel import (
     AuthToken,
+    Channel,
     ControlPlaneAddress,
     ControlPlaneError,
     call_metadata,
     open_channel,
     read_root_ca,
 )
-from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
+from xds.gen.istio.v1.auth import ca_pb2
+from xds.grpc.wire import RpcError, StatusCode
 from ztunnel.identity.certhelper import CertWork, InProcess, IssuedCertificate
 from ztunnel.identity.certificates import CaError
 from ztunnel.identity.certwork import CertWorkError
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 IMPERSONATED_IDENTITY = "ImpersonatedIdentity"
 DEFAULT_CALL_TIMEOUT = 60.0
+CREATE_CERTIFICATE_PATH = "/istio.v1.auth.IstioCertificateService/CreateCertificate"
 
 
 class GrpcCaClient:
@@ -74,7 +77,7 @@ class GrpcCaClient:
         self._impersonate = impersonate
         self._call_timeout = call_timeout
         self._work = work or InProcess()
-        self._channel: grpc.aio.Channel | None = None
+        self._channel: Channel | None = None
         self._channel_roots: bytes | None = None
 
     async def fetch(self, identity: Identity) -> IssuedCertificate:
@@ -92,14 +95,18 @@ class GrpcCaClient:
             metadata = call_metadata(self._token, self._cluster_id, self._headers)
         except ControlPlaneError as e:
             raise CaError(f"CA {self.address.target}: {e}") from None
-        stub = ca_pb2_grpc.IstioCertificateServiceStub(channel)
         try:
-            response = await stub.CreateCertificate(request, metadata=metadata, timeout=self._call_timeout)
-        except grpc.aio.AioRpcError as e:
-            what = "unreachable" if e.code() is grpc.StatusCode.UNAVAILABLE else "refused the request"
+            answer = await channel.unary(
+                CREATE_CERTIFICATE_PATH, request.SerializeToString(), metadata, self._call_timeout
+            )
+            response = ca_pb2.IstioCertificateResponse.FromString(answer)
+        except RpcError as e:
+            what = "unreachable" if e.code is StatusCode.UNAVAILABLE else "refused the request"
             raise CaError(
-                f"CA {self.address.target} {what}: {e.code().name}: {e.details() or 'no details'}"
+                f"CA {self.address.target} {what}: {e.code.name}: {e.details or 'no details'}"
             ) from None
+        except DecodeError as e:
+            raise CaError(f"CA {self.address.target} sent an undecodable response: {e}") from None
         try:
             cert = await self._work.check_chain(
                 self.address.target, identity, key.key_pem, response.cert_chain, impersonate=self._impersonate
@@ -114,10 +121,10 @@ class GrpcCaClient:
 
     async def close(self) -> None:
         if self._channel is not None:
-            await self._channel.close(grace=None)
+            await self._channel.close()
             self._channel = None
 
-    async def _current_channel(self) -> grpc.aio.Channel:
+    async def _current_channel(self) -> Channel:
         # A changed root file (a ConfigMap swap) takes a new channel; reading it costs little next
         # to a CSR signature.
         roots = read_root_ca(self._root_ca) if self.address.tls and self._root_ca is not None else None
