@@ -36,8 +36,9 @@ def proxy_logs() -> Iterator[LogLines]:
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    """`ztunnel proxy` processes this test starts (`await fleet.start(env, ...)`); at the end each is
-    stopped (SIGTERM, then SIGKILL to its whole process group) and none of its processes is left."""
+    """The `ztunnel` processes this test starts through `tests/harness.py` (`await fleet.start(env,
+    ...)`, `fleet.control_plane(...)`, ...); at the end each is stopped (SIGTERM, then SIGKILL to its
+    whole process group) and none of its processes is left."""
     proxies = Fleet(tmp_path / "proxies")
     try:
         yield proxies
@@ -47,7 +48,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def module_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """`fleet` for proxies a whole module shares (started once: `fleet.start_all(env, ...)`)."""
+    """`fleet` for processes a whole module shares (started once: `fleet.start_all(env, ...)`)."""
     proxies = Fleet(tmp_path_factory.mktemp("proxies"))
     try:
         yield proxies
