@@ -36,7 +36,7 @@ async def _unary(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) ->
         code, _, details = rest.decode().partition(":")
         await context.abort(grpc.StatusCode[code], details)
     if verb == b"stall":
-        await asyncio.sleep(3600)
+        await asyncio.sleep(3600)  # a peer that never answers: the stimulus
     if verb == b"big":
         return b"b" * int(rest)
     if verb == b"meta":

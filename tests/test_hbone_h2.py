@@ -293,10 +293,10 @@ async def test_unread_data_is_not_acknowledged(loopback) -> None:
     sink = Collector(stream)
     stream.set_protocol(sink)
     # Nothing consumed, so no WINDOW_UPDATE: the server still holds what exceeds the window.
-    for _ in range(500):
-        if streams and streams[0].get_write_buffer_size() == len(payload) - 4194304:
-            break
-        await asyncio.sleep(0.01)
+    await eventually_async(
+        lambda: streams and streams[0].get_write_buffer_size() == len(payload) - 4194304,
+        "the server holding what exceeds the window",
+    )
     # A round trip on another stream: a WINDOW_UPDATE sent before it would have reached the
     # server, and let it send more, before this echo comes back.
     other, other_sink = await open_stream(conn, "127.0.0.1:81")

@@ -72,7 +72,7 @@ class Connector:
     async def __call__(self, key: PoolKey) -> FakeConnection:
         self.dials.append(key)
         if self.delay:
-            await asyncio.sleep(self.delay)
+            await asyncio.sleep(self.delay)  # a slow dial: the stimulus
         if self.gate is not None:
             try:
                 await self.gate.wait()

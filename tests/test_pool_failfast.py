@@ -88,7 +88,7 @@ SOCKS = textwrap.dedent(
 
     async def silent_and_live(silent, live):
         dead = [asyncio.ensure_future(within(22, echo(silent, 8080, b"x"))) for _ in range(5)]
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the live peer asked half a second later: the stimulus
         alive = await within(9, echo(live, 8080, b"through"))
         if "w" in alive:
             alive.pop("w").close()
