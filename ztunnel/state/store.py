@@ -36,6 +36,7 @@ from xds.render import (
     service_to_dict,
     workload_to_dict,
 )
+from ztunnel.state.image import encode_image
 
 log = logging.getLogger("ztunnel.state.store")
 
@@ -338,13 +339,10 @@ class ProxyState:
             return self._by_addr[key]
         except KeyError:
             pass
-        uids = self._workloads_by_addr.get(NetworkAddress(network, ip))
+        candidates = self._workloads_at(network, ip)
         found = (
-            max(
-                (self._workloads[uid] for uid in uids),
-                key=lambda w: ("//Pod/" in w.uid, w.tunnel_protocol is TunnelProtocol.HBONE),
-            )
-            if uids
+            max(candidates, key=lambda w: ("//Pod/" in w.uid, w.tunnel_protocol is TunnelProtocol.HBONE))
+            if candidates
             else None
         )
         if len(self._by_addr) >= _LOOKUPS_KEPT:
@@ -357,6 +355,23 @@ class ProxyState:
         uids = self._workloads_by_hostname.get(NamespacedHostname(namespace, hostname))
         return self._workloads[uids[0]] if uids else None
 
+    # The tables' reads the rules above and below build on (`SharedState` answers them from an image).
+
+    def _workloads_at(self, network: str, ip: IPAddress) -> list[Workload]:
+        return [self._workloads[uid] for uid in self._workloads_by_addr.get(NetworkAddress(network, ip), ())]
+
+    def _services_named(self, hostname: str) -> list[Service]:
+        return [self._services[key] for key in self._services_by_hostname.get(hostname, ())]
+
+    def _cidr_services(self) -> Iterable[Service]:
+        return self._services_with_cidr_vips.values()
+
+    def _memberships_of(self, service_key: str) -> Iterable[Endpoint]:
+        return self._memberships.get(service_key, {}).values()
+
+    def _local_candidates(self, name: str, namespace: str) -> Iterable[Workload]:
+        return self._workloads.values()
+
     def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
         """Every service with this exact VIP, whatever its visibility, in first-seen order."""
         return [self._services[key] for key in self._services_by_vip.get(NetworkAddress(network, ip), ())]
@@ -368,7 +383,7 @@ class ProxyState:
             return exact
         best: Service | None = None
         best_rank: tuple[bool, int, bool] | None = None
-        for service in self._services_with_cidr_vips.values():
+        for service in self._cidr_services():
             if not _visible(service, client_namespace):
                 continue
             for vip in service.cidr_vips:
@@ -388,7 +403,7 @@ class ProxyState:
     ) -> Service | None:
         """`preferred_namespace` is the DNS proxy's PREFERED_SERVICE_NAMESPACE tie-break; `candidate`,
         when given, decides which of the services with that hostname take part."""
-        services = [self._services[key] for key in self._services_by_hostname.get(hostname, ())]
+        services = self._services_named(hostname)
         if candidate is not None:
             services = [s for s in services if candidate(s)]
         return _preferred(services, client_namespace, preferred_namespace)
@@ -399,24 +414,24 @@ class ProxyState:
     def endpoints(self, service_key: str) -> list[Endpoint]:
         """The endpoints in use: the service's own and its workloads', unhealthy ones only under
         ALLOW_ALL. Empty for an unknown service (its endpoints are staged)."""
-        service = self._services.get(service_key)
+        service = self.service_by_key(service_key)
         if service is None:
             return []
-        memberships = self._memberships.get(service_key, {})
+        memberships: Iterable[Endpoint] = self._memberships_of(service_key)
         if service.endpoints:
             merged = {ep.workload_uid: ep for ep in service.endpoints}
-            merged.update(memberships)
-            memberships = merged
+            merged.update((ep.workload_uid, ep) for ep in memberships)
+            memberships = merged.values()
         lb = service.load_balancer
         if lb is not None and lb.health_policy is HealthPolicy.ALLOW_ALL:
-            return list(memberships.values())
-        return [ep for ep in memberships.values() if ep.status is WorkloadStatus.HEALTHY]
+            return list(memberships)
+        return [ep for ep in memberships if ep.status is WorkloadStatus.HEALTHY]
 
     def find_local_workload(
         self, name: str, namespace: str, service_account: str, node_name: str | None
     ) -> Workload | None:
         """The proxy's own workload, looked for among the workloads of its node (all when no node)."""
-        for w in self._workloads.values():
+        for w in self._local_candidates(name, namespace):
             if node_name and w.node != node_name:
                 continue
             if w.name == name and w.namespace == namespace and w.service_account == service_account:
@@ -455,15 +470,30 @@ class ProxyState:
         return policies
 
     def services_of_workload(self, w: Workload) -> list[Service]:
-        return [self._services[key] for key, _ in w.services if key in self._services]
+        found = (self.service_by_key(key) for key, _ in w.services)
+        return [s for s in found if s is not None]
+
+    # --- the image the workers read ---------------------------------------------------------------
+
+    def image(self) -> list[bytes]:
+        """The workloads and services as a compact image (`ztunnel.state.image`), in chunks."""
+        return encode_image(
+            self._workloads,
+            self._workloads_by_addr,
+            self._workloads_by_hostname,
+            self._services,
+            self._services_by_vip,
+            self._services_by_hostname,
+            self._memberships,
+        )
 
     # --- /config_dump ------------------------------------------------------------------------------
 
     def dump(self) -> dict[str, Any]:
         """JSON-serialisable, in the local config's format; services show the endpoints in use."""
         return {
-            "workloads": [workload_to_dict(w) for w in self._workloads.values()],
-            "services": [service_to_dict(s, self.endpoints(s.key)) for s in self._services.values()],
+            "workloads": [workload_to_dict(w) for w in self.workloads()],
+            "services": [service_to_dict(s, self.endpoints(s.key)) for s in self.services()],
             "policies": [policy_to_dict(p) for p in self._policies.values()],
             "stagedServices": {
                 key: {uid: endpoint_to_dict(ep) for uid, ep in endpoints.items()}

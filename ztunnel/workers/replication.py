@@ -1,20 +1,27 @@
-"""The supervisor's store, replicated into every worker as typed changes.
+"""The supervisor's store, shared with every worker.
 
-`ReplicatedState` is the supervisor's `ProxyState`: every committed change (one xDS response, the
-local file, a batch) is handed to its `publish` callable as one `StateChanges`. A worker applies it
-to its own plain `ProxyState` with `apply_changes`, under one notification; a worker that starts
-late gets `snapshot()` first.
+`ReplicatedState` is the supervisor's `ProxyState`. After every committed change (one xDS response,
+the local file, a batch) that touched a workload or a service, it encodes the workloads and services
+into a new image (`ztunnel.state.image`) in a sealed memfd and hands it to its `publish` callable as
+`StateImageReady` with the fd: every worker maps the same pages read-only (`map_image`), so the mesh
+is held once per node. The policies, few and read per connection, still travel as one `StateChanges`
+per change, which a worker applies to its `SharedState` with `apply_changes`. A worker that starts
+late gets `snapshot()` first: the policies, then the current image.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
-from collections.abc import Callable, Iterator
+import mmap
+import os
+from collections.abc import Callable, Iterator, Sequence
 
 from policy.model import Authorization
 from xds.localconfig import LocalConfig
 from xds.model import Service, Workload
+from ztunnel.state.image import StateImage
 from ztunnel.state.store import Demander, ProxyState
 from ztunnel.workers.messages import (
     Clear,
@@ -22,13 +29,58 @@ from ztunnel.workers.messages import (
     RemoveService,
     RemoveWorkload,
     StateChanges,
+    StateImageReady,
     StateOp,
+    ToWorker,
     UpsertPolicy,
     UpsertService,
     UpsertWorkload,
 )
 
-Publish = Callable[[StateChanges], None]
+# A message for every worker, with the fds that go with it (the receiver of an image's fd owns a dup).
+Publish = Callable[[ToWorker, Sequence[int]], None]
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+def write_image(chunks: Sequence[bytes]) -> tuple[int, int]:
+    """A sealed memfd holding the image `chunks`: (fd, size). Its pages are shared memory, counted
+    once however many processes map them."""
+    fd = os.memfd_create("ztunnel-state", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        size = 0
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                n = os.write(fd, view)
+                view, size = view[n:], size + n
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
+
+
+def hold_fds(message: ToWorker, fds: Sequence[int]) -> list[int]:
+    """The fds to queue with `message` for a worker. An image's memfd is let go by the state once a
+    newer image is made, maybe before the message is written: the queue holds a dup of it."""
+    return [os.dup(fd) for fd in fds] if isinstance(message, StateImageReady) else list(fds)
+
+
+def release_fds(message: ToWorker, fds: Sequence[int]) -> None:
+    """`message` was written (or will never be): let go of what `hold_fds` took."""
+    if isinstance(message, StateImageReady):
+        for fd in fds:
+            os.close(fd)
+
+
+def map_image(fd: int, size: int) -> StateImage:
+    """The image in a sealed memfd, mapped read-only (the fd may be closed after). A memfd that is
+    not sealed against writes is refused: the image is read in place and must not change."""
+    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE == 0:
+        raise ValueError("the state image's memfd is not sealed against writes")
+    if size == 0 or os.fstat(fd).st_size != size:
+        raise ValueError(f"the state image's memfd holds {os.fstat(fd).st_size} bytes, not {size}")
+    return StateImage(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
 
 
 def demand_arrived(state: ProxyState, key: str) -> Callable[[], bool]:
@@ -53,6 +105,8 @@ class ReplicatedState(ProxyState):
         self._journal: list[StateOp] = []
         self._depth = 0  # ops inside ops (a service removed by name) are recorded once
         self._batches = 0
+        self._image: tuple[int, int] | None = None  # (memfd, size) of the workers' current image
+        self.generation = 0
 
     @contextlib.contextmanager
     def _op(self, op: StateOp) -> Iterator[None]:
@@ -74,15 +128,36 @@ class ReplicatedState(ProxyState):
         finally:
             self._batches -= 1
         if self._batches == 0 and self._journal:
-            ops, self._journal = tuple(self._journal), []
-            self._publish(StateChanges(ops))
+            ops, self._journal = self._journal, []
+            policies = tuple(op for op in ops if isinstance(op, Clear | UpsertPolicy | RemovePolicy))
+            if policies:
+                self._publish(StateChanges(policies), ())
+            if len(policies) < len(ops) or any(isinstance(op, Clear) for op in ops):
+                self._publish_image()
 
-    def snapshot(self) -> StateChanges:
+    def _publish_image(self) -> None:
+        fd, size = write_image(self.image())
+        previous, self._image = self._image, (fd, size)
+        self.generation += 1
+        self._publish(StateImageReady(size, self.generation), (fd,))
+        if previous is not None:
+            os.close(previous[0])  # the workers hold their own
+
+    def snapshot(self) -> list[tuple[ToWorker, Sequence[int]]]:
+        """What a worker that starts is sent first: the policies, then the current image (if any)."""
         ops: list[StateOp] = [Clear()]
-        ops += [UpsertWorkload(w) for w in self.workloads()]
-        ops += [UpsertService(s) for s in self.services()]
         ops += [UpsertPolicy(p) for p in self.policies()]
-        return StateChanges(tuple(ops))
+        out: list[tuple[ToWorker, Sequence[int]]] = [(StateChanges(tuple(ops)), ())]
+        if self._image is not None:
+            fd, size = self._image
+            out.append((StateImageReady(size, self.generation), (fd,)))
+        return out
+
+    def close(self) -> None:
+        """Let the current image go (the workers keep what they mapped)."""
+        if self._image is not None:
+            os.close(self._image[0])
+            self._image = None
 
     def upsert_workload(self, w: Workload) -> None:
         with self._op(UpsertWorkload(w)):
@@ -116,7 +191,8 @@ class ReplicatedState(ProxyState):
 
 
 def apply_changes(state: ProxyState, changes: StateChanges) -> None:
-    """A worker applies one change of the supervisor's store, with one notification."""
+    """A worker applies one change of the supervisor's store, with one notification (in a worker:
+    the policies; a `ProxyState` of its own takes the workloads and services too)."""
     with state.batch():
         for op in changes.ops:
             if isinstance(op, Clear):
