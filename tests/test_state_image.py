@@ -165,6 +165,7 @@ def _mesh(rng: random.Random, n: int) -> tuple[list[Workload], list[Service]]:
                 network=rng.choice(["", "", "net1"]),
                 tunnel_protocol=rng.choice(list(TunnelProtocol)[:2]),
                 service_account=f"sa{i % 5}",
+                workload_name=f"app{i % 40}" if i % 3 == 0 else "",
                 node=f"node{i % 4}",
                 services=members,
                 status=WorkloadStatus.UNHEALTHY if rng.random() < 0.1 else WorkloadStatus.HEALTHY,
@@ -214,6 +215,17 @@ def _same_answers(
                 s.hostname, ns, "ns0"
             )
     assert worker.workloads() == parent.workloads() and worker.services() == parent.services()
+    named = {(w.namespace, w.workload_name or w.name) for w in rng.sample(parent.workloads(), 50)}
+    named |= {("ns0", "app-gone"), ("nope", "w1")}
+    assert (
+        worker.series_names_present(named)
+        == parent.series_names_present(named)
+        == named
+        - {
+            ("ns0", "app-gone"),
+            ("nope", "w1"),
+        }
+    )
     assert worker.workload_by_uid("nope") is None and worker.service_by_key("ns/nope") is None
 
 

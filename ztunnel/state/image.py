@@ -10,7 +10,7 @@ The image is a header and sections, each 8-byte aligned:
   workloads' `services`), each a tuple of plain values marshalled on its own, with an array of their offsets, so a lookup decodes
   only the records it finds;
 * indexes: one per question the store answers (a workload by uid, by address, by hostname, by
-  name; a service by key, by VIP, by hostname; the memberships by service key). An index is two
+  name, by the name its metric series carry; a service by key, by VIP, by hostname; the memberships by service key). An index is two
   arrays sorted together: `crc32(key) << 32 | order` and the record number. A lookup hashes its key,
   bisects, and checks each candidate's own fields (so a hash collision costs a decode, never a wrong
   answer); `order` keeps the store's order among records sharing a key (first seen first), which
@@ -59,6 +59,7 @@ MAGIC = b"ZTIMAGE1"
 _HEADER = struct.Struct("<8sI")
 _SECTION = struct.Struct("<QQ")
 
+_INDEXES = ("uid", "addr", "host", "name", "series", "key", "vip", "svchost", "member")
 # The sections, in the order the header lists them.
 _SECTIONS = (
     "workloads",
@@ -68,13 +69,11 @@ _SECTIONS = (
     "members",
     "member_offsets",
     "cidr_services",
-    *(
-        f"{name}_{part}"
-        for name in ("uid", "addr", "host", "name", "key", "vip", "svchost", "member")
-        for part in ("hashes", "ids")
-    ),
+    *(f"{name}_{part}" for name in _INDEXES for part in ("hashes", "ids")),
 )
-CACHE_KEPT = 4096  # decoded records kept per kind (workloads, services, memberships)
+# Decoded records kept per kind (workloads, services, memberships): a node's connections name few,
+# and a worker's memory must not grow with the mesh (about 1.5 MiB of workloads at most).
+CACHE_KEPT = 1024
 
 
 class ImageError(ValueError):
@@ -221,12 +220,13 @@ def encode_image(
     """The image of a store's tables (`ProxyState.image()` passes its own), as chunks to write in
     order. Only the memberships of known services are kept (the staged ones are the parent's)."""
     wrec, srec, mrec = _Records(), _Records(), _Records()
-    idx = {name: _Index() for name in ("uid", "addr", "host", "name", "key", "vip", "svchost", "member")}
+    idx = {name: _Index() for name in _INDEXES}
     wid: dict[str, int] = {}
     for uid, w in workloads.items():
         wid[uid] = n = wrec.add(workload_record(w))
         idx["uid"].add(uid.encode(), n)
         idx["name"].add(text_key(w.namespace, w.name), n)
+        idx["series"].add(text_key(w.namespace, w.workload_name or w.name), n)
     for addr, uids in by_addr.items():
         for uid in uids:
             idx["addr"].add(addr_key(addr.network, addr.address), wid[uid])
@@ -327,8 +327,7 @@ class StateImage:
         self._members = _Table(parts["members"], parts["member_offsets"].cast("Q"), _members_of)
         self._cidr = parts["cidr_services"].cast("I")
         self._index = {
-            name: (parts[f"{name}_hashes"].cast("Q"), parts[f"{name}_ids"].cast("I"))
-            for name in ("uid", "addr", "host", "name", "key", "vip", "svchost", "member")
+            name: (parts[f"{name}_hashes"].cast("Q"), parts[f"{name}_ids"].cast("I")) for name in _INDEXES
         }
 
     @property
@@ -371,6 +370,11 @@ class StateImage:
     def workloads_named(self, namespace: str, name: str) -> list[Workload]:
         found = (self._workloads.get(n) for n in self._ids("name", text_key(namespace, name)))
         return [w for w in found if w.namespace == namespace and w.name == name]
+
+    def has_series_name(self, namespace: str, name: str) -> bool:
+        """Whether a workload's series would name it `namespace`, `name` (its workload name, else its name)."""
+        found = (self._workloads.get(n) for n in self._ids("series", text_key(namespace, name)))
+        return any(w.namespace == namespace and (w.workload_name or w.name) == name for w in found)
 
     # --- services ---
 

@@ -66,3 +66,6 @@ class SharedState(ProxyState):
 
     def _local_candidates(self, name: str, namespace: str) -> Iterable[Workload]:
         return self.shared.workloads_named(namespace, name)
+
+    def series_names_present(self, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
+        return {key for key in keys if self.shared.has_series_name(*key)}

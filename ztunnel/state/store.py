@@ -372,6 +372,11 @@ class ProxyState:
     def _local_candidates(self, name: str, namespace: str) -> Iterable[Workload]:
         return self._workloads.values()
 
+    def series_names_present(self, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which of `keys` (namespace, workload name as metric series name it: `workload_name`, else
+        the name) some workload of the store has."""
+        return keys & {(w.namespace, w.workload_name or w.name) for w in self._workloads.values()}
+
     def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
         """Every service with this exact VIP, whatever its visibility, in first-seen order."""
         return [self._services[key] for key in self._services_by_vip.get(NetworkAddress(network, ip), ())]

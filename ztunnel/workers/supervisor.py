@@ -463,7 +463,11 @@ class Supervisor:
         if grace <= 0:
             return
         await sweep_stale_series(
-            grace, self.sums.retired_workloads, self.state.workloads, self.sums.drop_retired, self.clock
+            grace,
+            self.sums.retired_workloads,
+            self.state.series_names_present,
+            self.sums.drop_retired,
+            self.clock,
         )
 
     async def _claim_listeners(self) -> None:

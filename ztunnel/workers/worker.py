@@ -364,7 +364,7 @@ class WorkerRuntime:
         await sweep_stale_series(
             grace,
             self.metrics.series_workloads,
-            self.state.workloads,
+            self.state.series_names_present,
             self.metrics.drop_series,
             asyncio.get_running_loop().time,
         )
