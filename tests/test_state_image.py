@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import random
 
 import pytest
 
+from xds.localconfig import LocalConfig
 from xds.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
@@ -49,6 +51,9 @@ from ztunnel.state.image import (
 )
 from ztunnel.state.shared import SharedState
 from ztunnel.state.store import ProxyState
+from ztunnel.workers import replication
+from ztunnel.workers.messages import StateImageReady, ToWorker
+from ztunnel.workers.replication import ReplicatedState, map_image
 
 FULL_WORKLOAD = Workload(
     uid="c//v1/Pod/ns/full",
@@ -214,7 +219,12 @@ def _same_answers(
             assert worker.service_by_hostname(s.hostname, ns, "ns0") == parent.service_by_hostname(
                 s.hostname, ns, "ns0"
             )
-    assert worker.workloads() == parent.workloads() and worker.services() == parent.services()
+    # (Those changed since the base image come last from a worker: the listing's order is the parent's.)
+    assert {w.uid: w for w in worker.workloads()} == {w.uid: w for w in parent.workloads()}
+    assert {s.key: s for s in worker.services()} == {s.key: s for s in parent.services()}
+    assert len(worker.workloads()) == len(parent.workloads()) and len(worker.services()) == len(
+        parent.services()
+    )
     named = {(w.namespace, w.workload_name or w.name) for w in rng.sample(parent.workloads(), 50)}
     named |= {("ns0", "app-gone"), ("nope", "w1")}
     assert (
@@ -268,6 +278,63 @@ def test_a_large_mesh_answers_the_same_from_the_image_as_from_the_store() -> Non
     for (net, ip), found in by_addr.items():
         assert {w.uid for w in worker._workloads_at(net, ip)} == {w.uid for w in found}  # type: ignore[arg-type]
     assert worker.workload_by_addr("", _ip(10**6)) is None
+
+
+def test_pushes_reach_a_worker_as_delta_images_over_a_base_and_a_new_base_now_and_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(replication, "DELTA_MIN", 150)  # a new base after about four pushes
+    rng = random.Random(7)
+    workloads, services = _mesh(rng, 3000)
+    sent: list[tuple[ToWorker, list[int]]] = []
+    parent = ReplicatedState(lambda message, fds: sent.append((message, [os.dup(fd) for fd in fds])))
+    worker = SharedState()
+
+    def deliver() -> list[bool]:
+        kinds = []
+        for message, fds in sent:
+            if isinstance(message, StateImageReady):
+                worker.install(map_image(fds[0], message.size), message.delta)
+                kinds.append(message.delta)
+            for fd in fds:
+                os.close(fd)
+        sent.clear()
+        return kinds
+
+    with parent.batch():
+        for s in services:
+            parent.upsert_service(s)
+        for w in workloads:
+            parent.upsert_workload(w)
+    assert deliver() == [False]  # the first state: a base image
+    probes = [NetworkAddress(net, _ip(i)) for i in range(0, 1500, 5) for net in ("", "net1")]
+    probes += [
+        NetworkAddress(net, ipaddress.IPv4Address(0x0B000000 + i)) for i in range(300) for net in ("", "net1")
+    ]
+    kinds: list[bool] = []
+    for round in range(8):  # pushes of 1 %: workloads moved, removed, back; services changed or gone
+        with parent.batch():
+            for w in rng.sample(workloads, 30):
+                moved = dataclasses.replace(
+                    w, addresses=(_ip(rng.randrange(1500)),), canonical_revision=f"r{round}"
+                )
+                parent.upsert_workload(moved)
+            for w in rng.sample(workloads, 5):
+                parent.remove(w.uid)
+            for s in rng.sample(services, 3):
+                if rng.random() < 0.5:
+                    parent.remove_service(s.key)
+                else:
+                    parent.upsert_service(
+                        dataclasses.replace(s, vips=(NetworkAddress("", _ip(rng.randrange(1500))),))
+                    )
+        kinds += deliver()
+        _same_answers(parent, worker, probes, rng)
+    assert kinds[:3] == [True, True, True]  # deltas: only what changed is encoded
+    assert False in kinds  # past a sixteenth of the store changed: a new base, the delta let go
+    parent.apply_local_config(LocalConfig())  # the store replaced: a base at once
+    assert deliver() == [False] and worker.workloads() == [] and worker.delta is None
+    parent.close()
 
 
 def test_the_decoded_records_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

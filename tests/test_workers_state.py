@@ -65,7 +65,7 @@ class Worker:
         if isinstance(message, StateImageReady):
             dup = os.dup(fds[0])
             try:
-                self.state.install(map_image(dup, message.size))
+                self.state.install(map_image(dup, message.size), message.delta)
             finally:
                 os.close(dup)
             self.images += 1

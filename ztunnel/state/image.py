@@ -27,6 +27,7 @@ import zlib
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from xds.model import (
@@ -55,11 +56,13 @@ from xds.model import (
     ip_from_bytes,
 )
 
-MAGIC = b"ZTIMAGE1"
+MAGIC = b"ZTIMAGE2"
 _HEADER = struct.Struct("<8sI")
 _SECTION = struct.Struct("<QQ")
 
 _INDEXES = ("uid", "addr", "host", "name", "series", "key", "vip", "svchost", "member")
+# The indexes a delta image overrides key by key (by name and series, a delta adds to the base).
+_OVERRIDES = ("uid", "addr", "host", "key", "vip", "svchost", "member")
 # The sections, in the order the header lists them.
 _SECTIONS = (
     "workloads",
@@ -70,6 +73,7 @@ _SECTIONS = (
     "member_offsets",
     "cidr_services",
     *(f"{name}_{part}" for name in _INDEXES for part in ("hashes", "ids")),
+    *(f"{name}_{part}" for name in _OVERRIDES for part in ("touched", "keys", "key_offsets")),
 )
 # Decoded records kept per kind (workloads, services, memberships): a node's connections name few,
 # and a worker's memory must not grow with the mesh (about 1.5 MiB of workloads at most).
@@ -202,66 +206,186 @@ class _Index:
         self.entries.append(zlib.crc32(key) << 32 | len(self.ids))
         self.ids.append(record)
 
-    def sections(self) -> tuple[bytes, bytes]:
+    def sections(self) -> tuple[list[bytes], list[bytes]]:
         order = sorted(self.entries)
         ids = self.ids
-        return array("Q", order).tobytes(), array("I", [ids[e & 0xFFFFFFFF] for e in order]).tobytes()
+        return [array("Q", order).tobytes()], [array("I", [ids[e & 0xFFFFFFFF] for e in order]).tobytes()]
 
 
-def encode_image(
-    workloads: Mapping[str, Workload],
-    by_addr: Mapping[NetworkAddress, Sequence[str]],
-    by_hostname: Mapping[NamespacedHostname, Sequence[str]],
-    services: Mapping[str, Service],
-    services_by_vip: Mapping[NetworkAddress, Sequence[str]],
-    services_by_hostname: Mapping[str, Sequence[str]],
-    memberships: Mapping[str, Mapping[str, Endpoint]],
-) -> list[bytes]:
-    """The image of a store's tables (`ProxyState.image()` passes its own), as chunks to write in
-    order. Only the memberships of known services are kept (the staged ones are the parent's)."""
-    wrec, srec, mrec = _Records(), _Records(), _Records()
-    idx = {name: _Index() for name in _INDEXES}
-    wid: dict[str, int] = {}
-    for uid, w in workloads.items():
-        wid[uid] = n = wrec.add(workload_record(w))
-        idx["uid"].add(uid.encode(), n)
-        idx["name"].add(text_key(w.namespace, w.name), n)
-        idx["series"].add(text_key(w.namespace, w.workload_name or w.name), n)
-    for addr, uids in by_addr.items():
+class _NoKeys:
+    """A base image's: it overrides nothing."""
+
+    def add(self, key: bytes) -> None:
+        pass
+
+    def sections(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
+        return [], [], [array("Q", [0]).tobytes()]
+
+
+class _KeySet:
+    """Keys, to ask whether one is among them: sorted `crc32(key) << 32 | n`, and the keys."""
+
+    def __init__(self) -> None:
+        self.entries: list[int] = []
+        self.keys: list[bytes] = []
+
+    def add(self, key: bytes) -> None:
+        self.entries.append(zlib.crc32(key) << 32 | len(self.keys))
+        self.keys.append(key)
+
+    def sections(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
+        offsets = array("Q", [0])
+        for key in self.keys:
+            offsets.append(offsets[-1] + len(key))
+        return [array("Q", sorted(self.entries)).tobytes()], self.keys, [offsets.tobytes()]
+
+
+@dataclass(frozen=True)
+class Tables:
+    """A store's tables, as `ProxyState.tables()` gives them to the encoder."""
+
+    workloads: Mapping[str, Workload]
+    by_addr: Mapping[NetworkAddress, Sequence[str]]
+    by_hostname: Mapping[NamespacedHostname, Sequence[str]]
+    services: Mapping[str, Service]
+    services_by_vip: Mapping[NetworkAddress, Sequence[str]]
+    services_by_hostname: Mapping[str, Sequence[str]]
+    cidr_services: Mapping[str, Service]
+    memberships: Mapping[str, Mapping[str, Endpoint]]
+
+
+@dataclass
+class Touched:
+    """What changed since the base image, as the keys of each index: a delta image answers these
+    keys in full (their whole lists, as the store has them now), the base image every other."""
+
+    uids: dict[str, None] = field(default_factory=dict)  # workloads changed, in the order of change
+    addrs: set[NetworkAddress] = field(default_factory=set)
+    hosts: set[NamespacedHostname] = field(default_factory=set)
+    services: set[str] = field(default_factory=set)
+    vips: set[NetworkAddress] = field(default_factory=set)
+    svchosts: set[str] = field(default_factory=set)
+    members: set[str] = field(default_factory=set)
+
+    def workload(self, w: Workload) -> None:
+        self.uids[w.uid] = None
+        self.addrs.update(NetworkAddress(w.network, ip) for ip in w.addresses)
+        if w.hostname:
+            self.hosts.add(NamespacedHostname(w.namespace, w.hostname))
+        self.members.update(key for key, _ in w.services)
+
+    def service(self, s: Service) -> None:
+        self.services.add(s.key)
+        self.vips.update(s.vips)
+        self.svchosts.add(s.hostname)
+        self.members.add(s.key)
+
+    def __len__(self) -> int:
+        return len(self.uids) + len(self.services)
+
+
+class _Encoder:
+    """Records added as the indexes name them; each workload or service encoded once."""
+
+    def __init__(self, t: Tables, delta: bool) -> None:
+        self.t = t
+        self.delta = delta
+        self.wrec, self.srec, self.mrec = _Records(), _Records(), _Records()
+        self.idx = {name: _Index() for name in _INDEXES}
+        self.touched = {name: _KeySet() if delta else _NoKeys() for name in _OVERRIDES}
+        self._wid: dict[str, int] = {}
+        self._sid: dict[str, int] = {}
+
+    def wid(self, uid: str) -> int:
+        n = self._wid.get(uid)
+        if n is None:
+            self._wid[uid] = n = self.wrec.add(workload_record(self.t.workloads[uid]))
+        return n
+
+    def sid(self, key: str) -> int:
+        n = self._sid.get(key)
+        if n is None:
+            self._sid[key] = n = self.srec.add(service_record(self.t.services[key]))
+        return n
+
+    def workloads(
+        self, uids: Iterable[str], addrs: Iterable[NetworkAddress], hosts: Iterable[NamespacedHostname]
+    ) -> None:
+        t, idx, touched = self.t, self.idx, self.touched
         for uid in uids:
-            idx["addr"].add(addr_key(addr.network, addr.address), wid[uid])
-    for nh, uids in by_hostname.items():
-        for uid in uids:
-            idx["host"].add(text_key(nh.namespace, nh.hostname), wid[uid])
-    sid: dict[str, int] = {}
-    cidr = array("I")
-    for key, s in services.items():
-        sid[key] = n = srec.add(service_record(s))
-        idx["key"].add(key.encode(), n)
-        if s.cidr_vips:
-            cidr.append(n)
-    for vip, keys in services_by_vip.items():
+            touched["uid"].add(key := uid.encode())
+            w = t.workloads.get(uid)
+            if w is not None:
+                idx["uid"].add(key, n := self.wid(uid))
+                idx["name"].add(text_key(w.namespace, w.name), n)
+                idx["series"].add(text_key(w.namespace, w.workload_name or w.name), n)
+        for addr in addrs:
+            touched["addr"].add(key := addr_key(addr.network, addr.address))
+            for uid in t.by_addr.get(addr, ()):
+                idx["addr"].add(key, self.wid(uid))
+        for nh in hosts:
+            touched["host"].add(key := text_key(nh.namespace, nh.hostname))
+            for uid in t.by_hostname.get(nh, ()):
+                idx["host"].add(key, self.wid(uid))
+
+    def services(
+        self,
+        keys: Iterable[str],
+        vips: Iterable[NetworkAddress],
+        hosts: Iterable[str],
+        members: Iterable[str],
+    ) -> None:
+        t, idx, touched = self.t, self.idx, self.touched
         for key in keys:
-            idx["vip"].add(addr_key(vip.network, vip.address), sid[key])
-    for hostname, keys in services_by_hostname.items():
-        for key in keys:
-            idx["svchost"].add(hostname.encode(), sid[key])
-    for key, endpoints in memberships.items():
-        if key in services:
-            idx["member"].add(key.encode(), mrec.add(_members_record(key, endpoints.values())))
-    body: dict[str, list[bytes]] = {
-        "workloads": wrec.chunks,
-        "workload_offsets": [wrec.offsets.tobytes()],
-        "services": srec.chunks,
-        "service_offsets": [srec.offsets.tobytes()],
-        "members": mrec.chunks,
-        "member_offsets": [mrec.offsets.tobytes()],
-        "cidr_services": [cidr.tobytes()],
-    }
-    for name, index in idx.items():
-        hashes, ids = index.sections()
-        body[f"{name}_hashes"], body[f"{name}_ids"] = [hashes], [ids]
-    return _layout(body)
+            touched["key"].add(raw := key.encode())
+            if key in t.services:
+                idx["key"].add(raw, self.sid(key))
+        for vip in vips:
+            touched["vip"].add(raw := addr_key(vip.network, vip.address))
+            for key in t.services_by_vip.get(vip, ()):
+                idx["vip"].add(raw, self.sid(key))
+        for hostname in hosts:
+            touched["svchost"].add(raw := hostname.encode())
+            for key in t.services_by_hostname.get(hostname, ()):
+                idx["svchost"].add(raw, self.sid(key))
+        for key in members:
+            touched["member"].add(raw := key.encode())
+            endpoints = t.memberships.get(key)
+            if endpoints and key in t.services:
+                idx["member"].add(raw, self.mrec.add(_members_record(key, endpoints.values())))
+
+    def chunks(self) -> list[bytes]:
+        cidr = array("I", [self.sid(key) for key in self.t.cidr_services])
+        body: dict[str, list[bytes]] = {
+            "workloads": self.wrec.chunks,
+            "workload_offsets": [self.wrec.offsets.tobytes()],
+            "services": self.srec.chunks,
+            "service_offsets": [self.srec.offsets.tobytes()],
+            "members": self.mrec.chunks,
+            "member_offsets": [self.mrec.offsets.tobytes()],
+            "cidr_services": [cidr.tobytes()],
+        }
+        for name, index in self.idx.items():
+            body[f"{name}_hashes"], body[f"{name}_ids"] = index.sections()
+        for name, keys in self.touched.items():
+            body[f"{name}_touched"], body[f"{name}_keys"], body[f"{name}_key_offsets"] = keys.sections()
+        return _layout(body)
+
+
+def encode_image(t: Tables, touched: Touched | None = None) -> list[bytes]:
+    """The image of a store's tables, as chunks to write in order: the whole store (a base image),
+    or with `touched` a delta image: only those keys, each with the whole of what the store has for
+    it now. Only the memberships of known services are kept (the staged ones are the parent's)."""
+    enc = _Encoder(t, delta=touched is not None)
+    if touched is None:
+        for uid in t.workloads:
+            enc.wid(uid)  # the records in the store's order: `workloads()` lists them so
+        enc.workloads(t.workloads, t.by_addr, t.by_hostname)
+        enc.services(t.services, t.services_by_vip, t.services_by_hostname, t.memberships)
+    else:
+        enc.workloads(touched.uids, touched.addrs, touched.hosts)
+        enc.services(sorted(touched.services), touched.vips, touched.svchosts, touched.members)
+    return enc.chunks()
 
 
 def _layout(body: dict[str, list[bytes]]) -> list[bytes]:
@@ -329,6 +453,28 @@ class StateImage:
         self._index = {
             name: (parts[f"{name}_hashes"].cast("Q"), parts[f"{name}_ids"].cast("I")) for name in _INDEXES
         }
+        self._touched = {
+            name: (
+                parts[f"{name}_touched"].cast("Q"),
+                parts[f"{name}_keys"],
+                parts[f"{name}_key_offsets"].cast("Q"),
+            )
+            for name in _OVERRIDES
+        }
+
+    def touches(self, index: str, key: bytes) -> bool:
+        """Whether this (delta) image answers `key` of `index` in full, in place of the base."""
+        hashes, keys, offsets = self._touched[index]
+        if not hashes:
+            return False
+        low = zlib.crc32(key) << 32
+        i = bisect_left(hashes, low)
+        while i < len(hashes) and hashes[i] >> 32 == low >> 32:
+            n = hashes[i] & 0xFFFFFFFF
+            if keys[offsets[n] : offsets[n + 1]] == key:
+                return True
+            i += 1
+        return False
 
     @property
     def size(self) -> int:
@@ -371,10 +517,11 @@ class StateImage:
         found = (self._workloads.get(n) for n in self._ids("name", text_key(namespace, name)))
         return [w for w in found if w.namespace == namespace and w.name == name]
 
-    def has_series_name(self, namespace: str, name: str) -> bool:
-        """Whether a workload's series would name it `namespace`, `name` (its workload name, else its name)."""
+    def series_named(self, namespace: str, name: str) -> list[Workload]:
+        """The workloads whose metric series name them `namespace`, `name` (their workload name,
+        else their name)."""
         found = (self._workloads.get(n) for n in self._ids("series", text_key(namespace, name)))
-        return any(w.namespace == namespace and (w.workload_name or w.name) == name for w in found)
+        return [w for w in found if w.namespace == namespace and (w.workload_name or w.name) == name]
 
     # --- services ---
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from xds.model import Endpoint, IPAddress, Service, Workload
-from ztunnel.state.image import StateImage
+from ztunnel.state.image import StateImage, addr_key, text_key
 from ztunnel.state.store import Demander, ProxyState
 
 _EMPTY = StateImage(b"".join(ProxyState().image()))
@@ -23,49 +23,79 @@ _EMPTY = StateImage(b"".join(ProxyState().image()))
 class SharedState(ProxyState):
     def __init__(self, demander: Demander | None = None) -> None:
         super().__init__(demander)
-        self.shared: StateImage = _EMPTY
+        self.shared: StateImage = _EMPTY  # the base image
+        self.delta: StateImage | None = None  # what changed since the base, key by key
 
-    def install(self, image: StateImage) -> None:
-        """Read the workloads and services from `image` from now on (the old one is let go)."""
+    def install(self, image: StateImage, delta: bool = False) -> None:
+        """Read the workloads and services from `image` from now on: a base image (the delta is
+        let go with the old base), or a delta over the base (in place of the previous delta)."""
         with self.batch():
-            self.shared = image
+            if delta:
+                self.delta = image
+            else:
+                self.shared, self.delta = image, None
             self._changed = True
 
-    # --- the tables, from the image ---
+    def _image(self, index: str, key: bytes) -> StateImage:
+        """The image that answers `key` of `index`: the delta if it touched it, else the base."""
+        delta = self.delta
+        return delta if delta is not None and delta.touches(index, key) else self.shared
+
+    def _changed_since_base(self, uid: str) -> bool:
+        return self.delta is not None and self.delta.touches("uid", uid.encode())
+
+    # --- the tables, from the images ---
 
     def workloads(self) -> list[Workload]:
-        return list(self.shared.workloads())
+        """Every workload (those changed since the base last)."""
+        found = [w for w in self.shared.workloads() if not self._changed_since_base(w.uid)]
+        if self.delta is not None:
+            found += [w for w in self.delta.workloads() if self._changed_since_base(w.uid)]
+        return found
 
     def services(self) -> list[Service]:
-        return list(self.shared.services())
+        """Every service (those changed since the base last)."""
+        delta = self.delta
+        if delta is None:
+            return list(self.shared.services())
+        found = [s for s in self.shared.services() if not delta.touches("key", s.key.encode())]
+        return found + [s for s in delta.services() if delta.touches("key", s.key.encode())]
 
     def workload_by_uid(self, uid: str) -> Workload | None:
-        return self.shared.workload_by_uid(uid)
+        return self._image("uid", uid.encode()).workload_by_uid(uid)
 
     def _workloads_at(self, network: str, ip: IPAddress) -> list[Workload]:
-        return self.shared.workloads_at(network, ip)
+        return self._image("addr", addr_key(network, ip)).workloads_at(network, ip)
 
     def workload_by_hostname(self, namespace: str, hostname: str) -> Workload | None:
-        found = self.shared.workloads_by_hostname(namespace, hostname)
+        found = self._image("host", text_key(namespace, hostname)).workloads_by_hostname(namespace, hostname)
         return found[0] if found else None
 
     def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
-        return self.shared.services_at(network, ip)
+        return self._image("vip", addr_key(network, ip)).services_at(network, ip)
 
     def service_by_key(self, key: str) -> Service | None:
-        return self.shared.service_by_key(key)
+        return self._image("key", key.encode()).service_by_key(key)
 
     def _services_named(self, hostname: str) -> list[Service]:
-        return self.shared.services_by_hostname(hostname)
+        return self._image("svchost", hostname.encode()).services_by_hostname(hostname)
 
     def _cidr_services(self) -> Iterable[Service]:
-        return self.shared.services_with_cidr_vips()
+        return (self.delta or self.shared).services_with_cidr_vips()
 
     def _memberships_of(self, service_key: str) -> Iterable[Endpoint]:
-        return self.shared.memberships(service_key)
+        return self._image("member", service_key.encode()).memberships(service_key)
 
     def _local_candidates(self, name: str, namespace: str) -> Iterable[Workload]:
-        return self.shared.workloads_named(namespace, name)
+        found = [
+            w for w in self.shared.workloads_named(namespace, name) if not self._changed_since_base(w.uid)
+        ]
+        return found + (self.delta.workloads_named(namespace, name) if self.delta is not None else [])
 
     def series_names_present(self, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
-        return {key for key in keys if self.shared.has_series_name(*key)}
+        return {key for key in keys if self._has_series_name(*key)}
+
+    def _has_series_name(self, namespace: str, name: str) -> bool:
+        if self.delta is not None and self.delta.series_named(namespace, name):
+            return True
+        return any(not self._changed_since_base(w.uid) for w in self.shared.series_named(namespace, name))

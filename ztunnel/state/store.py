@@ -36,7 +36,7 @@ from xds.render import (
     service_to_dict,
     workload_to_dict,
 )
-from ztunnel.state.image import encode_image
+from ztunnel.state.image import Tables, Touched, encode_image
 
 log = logging.getLogger("ztunnel.state.store")
 
@@ -435,13 +435,18 @@ class ProxyState:
     def find_local_workload(
         self, name: str, namespace: str, service_account: str, node_name: str | None
     ) -> Workload | None:
-        """The proxy's own workload, looked for among the workloads of its node (all when no node)."""
-        for w in self._local_candidates(name, namespace):
-            if node_name and w.node != node_name:
-                continue
-            if w.name == name and w.namespace == namespace and w.service_account == service_account:
-                return w
-        return None
+        """The proxy's own workload, looked for among the workloads of its node (all when no node).
+        When several match (a pod and a WorkloadEntry of one name), the smallest uid: every process
+        of the proxy, whatever order it holds them in, finds the same."""
+        found = [
+            w
+            for w in self._local_candidates(name, namespace)
+            if (not node_name or w.node == node_name)
+            and w.name == name
+            and w.namespace == namespace
+            and w.service_account == service_account
+        ]
+        return min(found, key=lambda w: w.uid) if found else None
 
     def policy(self, key: str) -> Authorization | None:
         return self._policies.get(key)
@@ -480,17 +485,20 @@ class ProxyState:
 
     # --- the image the workers read ---------------------------------------------------------------
 
-    def image(self) -> list[bytes]:
-        """The workloads and services as a compact image (`ztunnel.state.image`), in chunks."""
-        return encode_image(
+    def image(self, touched: Touched | None = None) -> list[bytes]:
+        """The workloads and services as a compact image (`ztunnel.state.image`), in chunks: all of
+        them, or a delta image of the `touched` keys."""
+        tables = Tables(
             self._workloads,
             self._workloads_by_addr,
             self._workloads_by_hostname,
             self._services,
             self._services_by_vip,
             self._services_by_hostname,
+            self._services_with_cidr_vips,
             self._memberships,
         )
+        return encode_image(tables, touched)
 
     # --- /config_dump ------------------------------------------------------------------------------
 

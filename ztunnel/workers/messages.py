@@ -84,10 +84,12 @@ class StateChanges:
 @dataclass(frozen=True)
 class StateImageReady:
     """Supervisor -> worker, with a sealed memfd: the workloads and services from now on, as an image
-    (`ztunnel.state.image`) of `size` bytes the worker maps read-only. `generation` counts them."""
+    (`ztunnel.state.image`) of `size` bytes the worker maps read-only: a base image, or with `delta`
+    what changed since the base (it replaces the previous delta). `generation` counts them."""
 
     size: int
     generation: int
+    delta: bool = False
 
 
 @dataclass(frozen=True)

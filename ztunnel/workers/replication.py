@@ -1,10 +1,12 @@
 """The supervisor's store, shared with every worker.
 
-`ReplicatedState` is the supervisor's `ProxyState`. After every committed change (one xDS response,
-the local file, a batch) that touched a workload or a service, it encodes the workloads and services
-into a new image (`ztunnel.state.image`) in a sealed memfd and hands it to its `publish` callable as
+`ReplicatedState` is the supervisor's `ProxyState`. The workloads and services reach the workers as
+images (`ztunnel.state.image`) in sealed memfds, handed to its `publish` callable as
 `StateImageReady` with the fd: every worker maps the same pages read-only (`map_image`), so the mesh
-is held once per node. The policies, few and read per connection, still travel as one `StateChanges`
+is held once per node. After every committed change (one xDS response, the local file, a batch) that
+touched a workload or a service, it encodes a delta image of what changed since the base image (the
+keys touched, each in full), which replaces the previous delta; once the changes since the base
+reach a sixteenth of the store, or the store was replaced, a new base image instead. The policies, few and read per connection, still travel as one `StateChanges`
 per change, which a worker applies to its `SharedState` with `apply_changes`. A worker that starts
 late gets `snapshot()` first: the policies, then the current image.
 """
@@ -21,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from policy.model import Authorization
 from xds.localconfig import LocalConfig
 from xds.model import Service, Workload
-from ztunnel.state.image import StateImage
+from ztunnel.state.image import StateImage, Touched
 from ztunnel.state.store import Demander, ProxyState
 from ztunnel.workers.messages import (
     Clear,
@@ -39,6 +41,7 @@ from ztunnel.workers.messages import (
 
 # A message for every worker, with the fds that go with it (the receiver of an image's fd owns a dup).
 Publish = Callable[[ToWorker, Sequence[int]], None]
+DELTA_MIN = 512  # workloads and services a delta image may carry, at least, before a new base
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
@@ -105,7 +108,11 @@ class ReplicatedState(ProxyState):
         self._journal: list[StateOp] = []
         self._depth = 0  # ops inside ops (a service removed by name) are recorded once
         self._batches = 0
-        self._image: tuple[int, int] | None = None  # (memfd, size) of the workers' current image
+        # (memfd, size) of the workers' current base image and delta image; what the delta holds.
+        self._base: tuple[int, int] | None = None
+        self._delta: tuple[int, int] | None = None
+        self._touched = Touched()
+        self._rebase = True  # the next image is a base (the store was replaced)
         self.generation = 0
 
     @contextlib.contextmanager
@@ -136,44 +143,70 @@ class ReplicatedState(ProxyState):
                 self._publish_image()
 
     def _publish_image(self) -> None:
-        fd, size = write_image(self.image())
-        previous, self._image = self._image, (fd, size)
+        limit = max(DELTA_MIN, (len(self._workloads) + len(self._services)) // 16)
+        rebase = self._rebase or self._base is None or len(self._touched) > limit
+        fd, size = write_image(self.image(None if rebase else self._touched))
         self.generation += 1
-        self._publish(StateImageReady(size, self.generation), (fd,))
-        if previous is not None:
-            os.close(previous[0])  # the workers hold their own
+        old = [self._delta]
+        if rebase:
+            old.append(self._base)
+            self._base, self._delta, self._touched, self._rebase = (fd, size), None, Touched(), False
+        else:
+            self._delta = (fd, size)
+        self._publish(StateImageReady(size, self.generation, delta=not rebase), (fd,))
+        for image in old:
+            if image is not None:
+                os.close(image[0])  # the workers hold their own
 
     def snapshot(self) -> list[tuple[ToWorker, Sequence[int]]]:
-        """What a worker that starts is sent first: the policies, then the current image (if any)."""
+        """What a worker that starts is sent first: the policies, then the current images (if any)."""
         ops: list[StateOp] = [Clear()]
         ops += [UpsertPolicy(p) for p in self.policies()]
         out: list[tuple[ToWorker, Sequence[int]]] = [(StateChanges(tuple(ops)), ())]
-        if self._image is not None:
-            fd, size = self._image
-            out.append((StateImageReady(size, self.generation), (fd,)))
+        for image, delta in ((self._base, False), (self._delta, True)):
+            if image is not None:
+                out.append((StateImageReady(image[1], self.generation, delta), (image[0],)))
         return out
 
     def close(self) -> None:
-        """Let the current image go (the workers keep what they mapped)."""
-        if self._image is not None:
-            os.close(self._image[0])
-            self._image = None
+        """Let the current images go (the workers keep what they mapped)."""
+        for image in (self._base, self._delta):
+            if image is not None:
+                os.close(image[0])
+        self._base = self._delta = None
 
     def upsert_workload(self, w: Workload) -> None:
         with self._op(UpsertWorkload(w)):
+            self._touch_workload(w.uid)
             super().upsert_workload(w)
+            self._touched.workload(w)
 
     def remove(self, name: str) -> bool:
         with self._op(RemoveWorkload(name)):
+            self._touch_workload(name)
             return super().remove(name)
 
     def upsert_service(self, s: Service) -> None:
         with self._op(UpsertService(s)):
+            self._touch_service(s.key)
             super().upsert_service(s)
+            self._touched.service(s)
 
     def remove_service(self, key: str) -> bool:
         with self._op(RemoveService(key)):
+            self._touch_service(key)
             return super().remove_service(key)
+
+    def _touch_workload(self, uid: str) -> None:
+        """The keys of what the store holds now for `uid` change too (an address left, a membership)."""
+        previous = self.workload_by_uid(uid)
+        if previous is not None:
+            self._touched.workload(previous)
+
+    def _touch_service(self, key: str) -> None:
+        previous = self.service_by_key(key)
+        if previous is not None:
+            self._touched.service(previous)
 
     def upsert_policy(self, p: Authorization) -> None:
         with self._op(UpsertPolicy(p)):
@@ -184,6 +217,7 @@ class ReplicatedState(ProxyState):
             return super().remove_policy(key)
 
     def apply_local_config(self, cfg: LocalConfig) -> None:
+        self._rebase = True
         with self.batch():
             if self._depth == 0:
                 self._journal.append(Clear())  # then the file's upserts, one by one

@@ -273,7 +273,7 @@ class WorkerRuntime:
             return
         finally:
             close_fds(fds)
-        self.state.install(image)
+        self.state.install(image, message.delta)
 
     async def _on_certificate(self, message: CertificateReply) -> None:
         self.ca.answer(message)
