@@ -142,9 +142,15 @@ class ReplicatedState(ProxyState):
             if len(policies) < len(ops) or any(isinstance(op, Clear) for op in ops):
                 self._publish_image()
 
+    def _delta_limit(self) -> int:
+        return max(DELTA_MIN, (len(self._workloads) + len(self._services)) // 16)
+
+    def _tracking(self) -> bool:
+        """Whether the next image may be a delta, so what changes is worth noting."""
+        return self._base is not None and not self._rebase and len(self._touched) <= self._delta_limit()
+
     def _publish_image(self) -> None:
-        limit = max(DELTA_MIN, (len(self._workloads) + len(self._services)) // 16)
-        rebase = self._rebase or self._base is None or len(self._touched) > limit
+        rebase = not self._tracking()
         fd, size = write_image(self.image(None if rebase else self._touched))
         self.generation += 1
         old = [self._delta]
@@ -177,24 +183,32 @@ class ReplicatedState(ProxyState):
 
     def upsert_workload(self, w: Workload) -> None:
         with self._op(UpsertWorkload(w)):
-            self._touch_workload(w.uid)
+            tracking = self._tracking()
+            if tracking:
+                self._touch_workload(w.uid)
             super().upsert_workload(w)
-            self._touched.workload(w)
+            if tracking:
+                self._touched.workload(w)
 
     def remove(self, name: str) -> bool:
         with self._op(RemoveWorkload(name)):
-            self._touch_workload(name)
+            if self._tracking():
+                self._touch_workload(name)
             return super().remove(name)
 
     def upsert_service(self, s: Service) -> None:
         with self._op(UpsertService(s)):
-            self._touch_service(s.key)
+            tracking = self._tracking()
+            if tracking:
+                self._touch_service(s.key)
             super().upsert_service(s)
-            self._touched.service(s)
+            if tracking:
+                self._touched.service(s)
 
     def remove_service(self, key: str) -> bool:
         with self._op(RemoveService(key)):
-            self._touch_service(key)
+            if self._tracking():
+                self._touch_service(key)
             return super().remove_service(key)
 
     def _touch_workload(self, uid: str) -> None:
