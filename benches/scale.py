@@ -266,6 +266,35 @@ def peak_rss_kib(pid: int) -> int:
     return 0
 
 
+# The proxy's start-up, from its log: each line's time after the xDS stream is established.
+MILESTONES = {
+    "stream_established": '"Stream established"',
+    "first_response_received": '"received response"',
+    "initial_state_applied": '"initial xDS state applied"',
+    "workers_ready": "data-plane workers ready",
+}
+
+
+def start_up_milestones(log_path: Path) -> dict[str, float]:
+    """Seconds from the stream's start to each milestone the proxy logged (RFC 3339 times)."""
+    from datetime import datetime
+
+    seen: dict[str, float] = {}
+    with log_path.open(errors="replace") as f:
+        for line in f:
+            for name, needle in MILESTONES.items():
+                if name not in seen and needle in line:
+                    stamp = line.split("\t", 1)[0].replace("Z", "+00:00")
+                    try:
+                        seen[name] = datetime.fromisoformat(stamp).timestamp()
+                    except ValueError:
+                        pass
+            if len(seen) == len(MILESTONES):
+                break
+    start = seen.get("stream_established")
+    return {k: round(v - start, 2) for k, v in seen.items()} if start is not None else {}
+
+
 async def wait_log(path: Path, needle: str, timeout: float, after: int = 0) -> float:
     """The monotonic time `needle` appears in the log at `path` past byte `after` (polled every 5 ms)."""
     deadline = time.monotonic() + timeout
@@ -337,6 +366,7 @@ class Run:
             "routable_s": round(routable, 2),
             "in_config_dump_s": round(dumped - started, 2),
             "config_dump_request_s": round(dump_s, 2),
+            "after_stream_s": start_up_milestones(self.workdir / "proxy.log"),
         }
         self.note(
             f"proxy ready {ready:.2f}s, routable {routable:.2f}s, all in /config_dump {dumped - started:.2f}s"
@@ -457,6 +487,7 @@ def table(f: dict[str, Any]) -> str:
         ("proxy: ready", f"{f['proxy']['ready_s']:.2f} s"),
         ("proxy: routable (every worker)", f"{f['proxy']['routable_s']:.2f} s"),
         ("proxy: all in /config_dump", f"{f['proxy']['in_config_dump_s']:.2f} s"),
+        ("  after the xDS stream opened", ", ".join(f"{k} {v:.2f} s" for k, v in f["proxy"]["after_stream_s"].items())),
         ("proxy: PSS in all", f"{settled['pss_total_kib'] / 1024:.1f} MiB"),
         *((f"  {p['role']} {p['pid']}", f"{p['pss_kib'] / 1024:.1f} MiB") for p in settled["processes"]),
         ("proxy: PSS per workload", f"{settled['pss_total_kib'] * 1024 / max(1, f['workloads']):,.0f} B"),
