@@ -256,6 +256,26 @@ def process_memory(root: int) -> list[dict[str, Any]]:
     return out
 
 
+def state_images_kib(pids: list[int]) -> int:
+    """The state images the proxy holds (memfds named `ztunnel-state`, each counted once): shared
+    memory, in a process's PSS only for the pages it has mapped in, so the proxy's memory in all is
+    at most its PSS plus this."""
+    seen: dict[int, int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:ztunnel-state"):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    seen[st.st_ino] = st.st_size
+            except OSError:
+                continue
+    return sum(seen.values()) // 1024
+
+
 def peak_rss_kib(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -391,9 +411,14 @@ class Run:
         assert proxy is not None
         processes = process_memory(proxy.pid)
         total = sum(p["pss_kib"] for p in processes)
-        self.figures.setdefault("memory", {})[when] = {"processes": processes, "pss_total_kib": total}
+        images = state_images_kib([p["pid"] for p in processes])
+        self.figures.setdefault("memory", {})[when] = {
+            "processes": processes,
+            "pss_total_kib": total,
+            "state_images_kib": images,
+        }
         parts = " + ".join(f"{p['role']} {p['pss_kib'] / 1024:.1f}" for p in processes)
-        self.note(f"proxy PSS {when}: {total / 1024:.1f} MiB ({parts})")
+        self.note(f"proxy PSS {when}: {total / 1024:.1f} MiB ({parts}); state images {images / 1024:.1f} MiB")
 
     async def push(self, mesh: ScaleMesh, prober: Prober) -> None:
         config = self.workdir / "mesh.yaml"
@@ -490,6 +515,7 @@ def table(f: dict[str, Any]) -> str:
         ("  after the xDS stream opened", ", ".join(f"{k} {v:.2f} s" for k, v in f["proxy"]["after_stream_s"].items())),
         ("proxy: PSS in all", f"{settled['pss_total_kib'] / 1024:.1f} MiB"),
         *((f"  {p['role']} {p['pid']}", f"{p['pss_kib'] / 1024:.1f} MiB") for p in settled["processes"]),
+        ("proxy: state images held (shared memory)", f"{settled['state_images_kib'] / 1024:.1f} MiB"),
         ("proxy: PSS per workload", f"{settled['pss_total_kib'] * 1024 / max(1, f['workloads']):,.0f} B"),
         ("push: workloads changed", str(f["push"]["workloads_changed"])),
         ("push: applied after the control plane's push", f"{f['push']['apply_s'] * 1000:.0f} ms"),
