@@ -13,12 +13,11 @@ late gets `snapshot()` first: the policies, then the current image.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import ipaddress
 import mmap
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from policy.model import Authorization
 from xds.localconfig import LocalConfig
@@ -105,9 +104,8 @@ class ReplicatedState(ProxyState):
     def __init__(self, publish: Publish, demander: Demander | None = None) -> None:
         super().__init__(demander)
         self._publish = publish
-        self._journal: list[StateOp] = []
-        self._depth = 0  # ops inside ops (a service removed by name) are recorded once
-        self._batches = 0
+        self.journal: list[StateOp] = []  # the changes of the batch under way
+        self.op_depth = 0  # ops inside ops (a service removed by name) are recorded once
         # (memfd, size) of the workers' current base image and delta image; what the delta holds.
         self._base: tuple[int, int] | None = None
         self._delta: tuple[int, int] | None = None
@@ -115,27 +113,13 @@ class ReplicatedState(ProxyState):
         self._rebase = True  # the next image is a base (the store was replaced)
         self.generation = 0
 
-    @contextlib.contextmanager
-    def _op(self, op: StateOp) -> Iterator[None]:
-        if self._depth == 0:
-            self._journal.append(op)
-        self._depth += 1
-        try:
-            with self.batch():
-                yield
-        finally:
-            self._depth -= 1
+    def _op(self, op: StateOp) -> _Op:
+        return _Op(self, op)
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        self._batches += 1
-        try:
-            with super().batch():
-                yield
-        finally:
-            self._batches -= 1
-        if self._batches == 0 and self._journal:
-            ops, self._journal = self._journal, []
+    def _committed(self) -> None:
+        super()._committed()
+        if self.journal:
+            ops, self.journal = self.journal, []
             policies = tuple(op for op in ops if isinstance(op, Clear | UpsertPolicy | RemovePolicy))
             if policies:
                 self._publish(StateChanges(policies), ())
@@ -233,9 +217,32 @@ class ReplicatedState(ProxyState):
     def apply_local_config(self, cfg: LocalConfig) -> None:
         self._rebase = True
         with self.batch():
-            if self._depth == 0:
-                self._journal.append(Clear())  # then the file's upserts, one by one
+            if self.op_depth == 0:
+                self.journal.append(Clear())  # then the file's upserts, one by one
             super().apply_local_config(cfg)
+
+
+class _Op:
+    """One change of the store, recorded once (a service removed by name is one change), in a batch."""
+
+    __slots__ = ("op", "state")
+
+    def __init__(self, state: ReplicatedState, op: StateOp) -> None:
+        self.state, self.op = state, op
+
+    def __enter__(self) -> None:
+        state = self.state
+        if state.op_depth == 0:
+            state.journal.append(self.op)
+        state.op_depth += 1
+        state.batch().__enter__()
+
+    def __exit__(self, *_: object) -> None:
+        state = self.state
+        try:
+            state.batch().__exit__()
+        finally:
+            state.op_depth -= 1
 
 
 def apply_changes(state: ProxyState, changes: StateChanges) -> None:
