@@ -156,3 +156,31 @@ def test_the_parent_tells_when_an_on_demand_key_has_arrived() -> None:
     assert by_ip() and by_vip() and by_name()
     assert not demand_arrived(state, "/10.0.0.9")()
     assert not demand_arrived(state, "other/10.0.0.2")()  # another network
+
+
+def _images_held() -> int:
+    """The state images this process holds open (memfds named `ztunnel-state`)."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:ztunnel-state")
+        except OSError:
+            continue
+    return held
+
+
+def test_the_parent_holds_at_most_a_base_and_a_delta_and_a_smaller_mesh_a_smaller_image() -> None:
+    before = _images_held()
+    sizes: list[int] = []
+    parent = ReplicatedState(
+        lambda message, fds: sizes.append(message.size) if isinstance(message, StateImageReady) else None
+    )
+    config = parse_local_config(FILE)
+    parent.apply_local_config(config)
+    for _ in range(3):
+        parent.upsert_workload(config.workloads[0])
+        assert _images_held() - before <= 2  # the previous images are let go as they are replaced
+    parent.apply_local_config(parse_local_config("workloads: []\n"))  # the mesh shrinks: a new base
+    assert sizes[-1] < sizes[0]
+    parent.close()
+    assert _images_held() == before
