@@ -294,7 +294,7 @@ def test_pushes_reach_a_worker_as_delta_images_over_a_base_and_a_new_base_now_an
         kinds = []
         for message, fds in sent:
             if isinstance(message, StateImageReady):
-                worker.install(map_image(fds[0], message.size), message.delta)
+                assert worker.install(map_image(fds[0], message.size), message.generation, message.base)
                 kinds.append(message.delta)
             for fd in fds:
                 os.close(fd)

@@ -65,7 +65,7 @@ class Worker:
         if isinstance(message, StateImageReady):
             dup = os.dup(fds[0])
             try:
-                self.state.install(map_image(dup, message.size), message.delta)
+                assert self.state.install(map_image(dup, message.size), message.generation, message.base)
             finally:
                 os.close(dup)
             self.images += 1
@@ -184,3 +184,24 @@ def test_the_parent_holds_at_most_a_base_and_a_delta_and_a_smaller_mesh_a_smalle
     assert sizes[-1] < sizes[0]
     parent.close()
     assert _images_held() == before
+
+
+def test_a_worker_refuses_a_delta_over_a_base_it_does_not_hold() -> None:
+    sent: list[tuple[ToWorker, Sequence[int]]] = []
+    parent = ReplicatedState(lambda message, fds: sent.append((message, list(fds))))
+    config = parse_local_config(FILE)
+    parent.apply_local_config(config)
+    parent.remove(config.workloads[1].uid)  # a delta over the first base
+    images = [(m, fds) for m, fds in sent if isinstance(m, StateImageReady)]
+    (base, base_fds), (delta, delta_fds) = images
+    assert base.base is None and delta.base == base.generation
+    worker = SharedState()  # say the base never reached it: the delta alone would mix two states
+    assert not worker.install(map_image(delta_fds[0], delta.size), delta.generation, delta.base)
+    assert worker.workloads() == [] and worker.delta is None
+    assert worker.install(map_image(base_fds[0], base.size), base.generation, base.base)
+    assert worker.install(map_image(delta_fds[0], delta.size), delta.generation, delta.base)
+    for message, _ in sent:
+        if isinstance(message, StateChanges):
+            apply_changes(worker, message)
+    same(worker, parent)
+    parent.close()

@@ -24,17 +24,23 @@ class SharedState(ProxyState):
     def __init__(self, demander: Demander | None = None) -> None:
         super().__init__(demander)
         self.shared: StateImage = _EMPTY  # the base image
+        self.base_generation = 0
         self.delta: StateImage | None = None  # what changed since the base, key by key
 
-    def install(self, image: StateImage, delta: bool = False) -> None:
+    def install(self, image: StateImage, generation: int = 0, base: int | None = None) -> bool:
         """Read the workloads and services from `image` from now on: a base image (the delta is
-        let go with the old base), or a delta over the base (in place of the previous delta)."""
+        let go with the old base), or a delta over base image `base` (in place of the previous
+        delta). A delta over another base than the one held is refused (False): the store stays as
+        it was, whole, rather than a mix."""
+        if base is not None and base != self.base_generation:
+            return False
         with self.batch():
-            if delta:
+            if base is not None:
                 self.delta = image
             else:
-                self.shared, self.delta = image, None
+                self.shared, self.delta, self.base_generation = image, None, generation
             self._changed = True
+        return True
 
     def _image(self, index: str, key: bytes) -> StateImage:
         """The image that answers `key` of `index`: the delta if it touched it, else the base."""

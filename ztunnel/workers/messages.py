@@ -84,12 +84,17 @@ class StateChanges:
 @dataclass(frozen=True)
 class StateImageReady:
     """Supervisor -> worker, with a sealed memfd: the workloads and services from now on, as an image
-    (`ztunnel.state.image`) of `size` bytes the worker maps read-only: a base image, or with `delta`
-    what changed since the base (it replaces the previous delta). `generation` counts them."""
+    (`ztunnel.state.image`) of `size` bytes the worker maps read-only: a base image, or, with `base`
+    (the generation of the base image it applies over), a delta of what changed since that base (it
+    replaces the previous delta). `generation` numbers the images."""
 
     size: int
     generation: int
-    delta: bool = False
+    base: int | None = None
+
+    @property
+    def delta(self) -> bool:
+        return self.base is not None
 
 
 @dataclass(frozen=True)

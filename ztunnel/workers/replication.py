@@ -106,9 +106,10 @@ class ReplicatedState(ProxyState):
         self._publish = publish
         self.journal: list[StateOp] = []  # the changes of the batch under way
         self.op_depth = 0  # ops inside ops (a service removed by name) are recorded once
-        # (memfd, size) of the workers' current base image and delta image; what the delta holds.
-        self._base: tuple[int, int] | None = None
-        self._delta: tuple[int, int] | None = None
+        # (memfd, size, generation) of the workers' current base image and delta image; what the
+        # delta holds.
+        self._base: tuple[int, int, int] | None = None
+        self._delta: tuple[int, int, int] | None = None
         self._touched = Touched()
         self._rebase = True  # the next image is a base (the store was replaced)
         self.generation = 0
@@ -137,16 +138,17 @@ class ReplicatedState(ProxyState):
         rebase = not self._tracking()
         fd, size = write_image(self.image(None if rebase else self._touched))
         self.generation += 1
+        image = (fd, size, self.generation)
         old = [self._delta]
         if rebase:
             old.append(self._base)
-            self._base, self._delta, self._touched, self._rebase = (fd, size), None, Touched(), False
+            self._base, self._delta, self._touched, self._rebase = image, None, Touched(), False
         else:
-            self._delta = (fd, size)
-        self._publish(StateImageReady(size, self.generation, delta=not rebase), (fd,))
-        for image in old:
-            if image is not None:
-                os.close(image[0])  # the workers hold their own
+            self._delta = image
+        self._publish(self._announce(image, delta=not rebase), (fd,))
+        for previous in old:
+            if previous is not None:
+                os.close(previous[0])  # the workers hold their own
 
     def snapshot(self) -> list[tuple[ToWorker, Sequence[int]]]:
         """What a worker that starts is sent first: the policies, then the current images (if any)."""
@@ -155,8 +157,12 @@ class ReplicatedState(ProxyState):
         out: list[tuple[ToWorker, Sequence[int]]] = [(StateChanges(tuple(ops)), ())]
         for image, delta in ((self._base, False), (self._delta, True)):
             if image is not None:
-                out.append((StateImageReady(image[1], self.generation, delta), (image[0],)))
+                out.append((self._announce(image, delta), (image[0],)))
         return out
+
+    def _announce(self, image: tuple[int, int, int], delta: bool) -> StateImageReady:
+        assert self._base is not None
+        return StateImageReady(image[1], image[2], self._base[2] if delta else None)
 
     def close(self) -> None:
         """Let the current images go (the workers keep what they mapped)."""

@@ -273,7 +273,13 @@ class WorkerRuntime:
             return
         finally:
             close_fds(fds)
-        self.state.install(image, message.delta)
+        if not self.state.install(image, message.generation, message.base):
+            log.error(
+                "state image %d refused: a delta over base %s, this worker holds base %d",
+                message.generation,
+                message.base,
+                self.state.base_generation,
+            )
 
     async def _on_certificate(self, message: CertificateReply) -> None:
         self.ca.answer(message)
