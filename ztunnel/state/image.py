@@ -28,6 +28,7 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from xds.model import (
@@ -194,20 +195,29 @@ class _Records:
         self.offsets.append(self.offsets[-1] + len(data))
         return len(self.offsets) - 2
 
+    def extend(self, records: Iterable[tuple[Any, ...]]) -> None:
+        """Many at once (a base image's), the loops in C where they can be."""
+        chunks = list(map(marshal.dumps, records))
+        ends = accumulate(map(len, chunks), initial=self.offsets[-1])
+        next(ends)  # the initial value: the last offset already there
+        self.offsets.extend(ends)
+        self.chunks += chunks
+
 
 class _Index:
     """Keys to record numbers, each key's records in the order they were added."""
 
     def __init__(self) -> None:
-        self.entries: list[int] = []
-        self.ids = array("I")
+        self.keys: list[bytes] = []
+        self.ids: list[int] = []
 
     def add(self, key: bytes, record: int) -> None:
-        self.entries.append(zlib.crc32(key) << 32 | len(self.ids))
+        self.keys.append(key)
         self.ids.append(record)
 
     def sections(self) -> tuple[list[bytes], list[bytes]]:
-        order = sorted(self.entries)
+        order = [h << 32 | i for i, h in enumerate(map(zlib.crc32, self.keys))]
+        order.sort()
         ids = self.ids
         return [array("Q", order).tobytes()], [array("I", [ids[e & 0xFFFFFFFF] for e in order]).tobytes()]
 
@@ -296,6 +306,14 @@ class _Encoder:
         self._wid: dict[str, int] = {}
         self._sid: dict[str, int] = {}
 
+    def all_records(self) -> None:
+        """Every workload and service, in the store's order (`workloads()` lists them so)."""
+        t = self.t
+        self.wrec.extend(map(workload_record, t.workloads.values()))
+        self._wid = {uid: n for n, uid in enumerate(t.workloads)}
+        self.srec.extend(map(service_record, t.services.values()))
+        self._sid = {key: n for n, key in enumerate(t.services)}
+
     def wid(self, uid: str) -> int:
         n = self._wid.get(uid)
         if n is None:
@@ -378,8 +396,7 @@ def encode_image(t: Tables, touched: Touched | None = None) -> list[bytes]:
     it now. Only the memberships of known services are kept (the staged ones are the parent's)."""
     enc = _Encoder(t, delta=touched is not None)
     if touched is None:
-        for uid in t.workloads:
-            enc.wid(uid)  # the records in the store's order: `workloads()` lists them so
+        enc.all_records()
         enc.workloads(t.workloads, t.by_addr, t.by_hostname)
         enc.services(t.services, t.services_by_vip, t.services_by_hostname, t.memberships)
     else:
