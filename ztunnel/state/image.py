@@ -1,20 +1,24 @@
-"""The mesh's workloads and services as one compact, read-only image: what the workers read in place.
+"""The mesh's workloads and services as compact, read-only images: what the workers read in place.
 
-The parent holds the store (`store.ProxyState`); after each change it encodes the workloads and
-services into one byte image (`encode_image`), which the workers map read-only and look up in
-place (`StateImage`), so the mesh is held once per node however many workers there are.
+The parent holds the store (`store.ProxyState`); after a change it encodes the workloads and
+services into a byte image (`encode_image`), which the workers map read-only and look up in place
+(`StateImage`), so the mesh is held once per node however many workers there are. A base image
+holds the whole store; a delta image only the keys a push touched since the base (`Touched`), each
+with the whole of what the store has for it, and the set of those keys (`StateImage.touches`).
 
-The image is a header and sections, each 8-byte aligned:
+An image is a header and sections, each 8-byte aligned:
 
 * records: every workload, service, and each service's memberships (its endpoints from the
-  workloads' `services`), each a tuple of plain values marshalled on its own, with an array of their offsets, so a lookup decodes
-  only the records it finds;
+  workloads' `services`), each a tuple of plain values marshalled on its own, with an array of
+  their offsets, so a lookup decodes only the records it finds;
 * indexes: one per question the store answers (a workload by uid, by address, by hostname, by
-  name, by the name its metric series carry; a service by key, by VIP, by hostname; the memberships by service key). An index is two
-  arrays sorted together: `crc32(key) << 32 | order` and the record number. A lookup hashes its key,
-  bisects, and checks each candidate's own fields (so a hash collision costs a decode, never a wrong
-  answer); `order` keeps the store's order among records sharing a key (first seen first), which
-  its rules depend on (a pod wins an address, then an HBONE workload, then the first seen).
+  name, by the name its metric series carry; a service by key, by VIP, by hostname; the
+  memberships by service key). An index is two arrays sorted together: `crc32(key) << 32 | order`
+  and the record number. A lookup hashes its key, bisects, and checks each candidate's own fields
+  (so a hash collision costs a decode, never a wrong answer); `order` keeps the store's order among
+  records sharing a key, which its rules depend on (a pod wins an address, then an HBONE workload,
+  then the first seen);
+* a delta's touched keys, per index it overrides: their sorted hashes and the keys themselves.
 
 Decoded records are kept in a bounded cache per image; a new image starts with an empty one.
 """
@@ -252,7 +256,7 @@ class _KeySet:
 
 @dataclass(frozen=True)
 class Tables:
-    """A store's tables, as `ProxyState.tables()` gives them to the encoder."""
+    """A store's tables, as `ProxyState.image()` gives them to the encoder."""
 
     workloads: Mapping[str, Workload]
     by_addr: Mapping[NetworkAddress, Sequence[str]]

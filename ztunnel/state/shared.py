@@ -1,10 +1,10 @@
 """A worker's store: the workloads and services read in place from the parent's image, the policies
 held as values.
 
-`SharedState` is a `ProxyState` whose tables of workloads and services are a `StateImage` (a
-read-only mapping the parent made, shared by every worker: `ztunnel.state.image`); the rules on top
-(which workload wins an address, which service a client sees, the endpoints in use) are the store's
-own. Policies stay values applied as changes (they are few and admission reads them per connection).
+`SharedState` is a `ProxyState` whose tables of workloads and services are the parent's images
+(read-only mappings shared by every worker: `ztunnel.state.image`): a key the delta image touched is
+answered by it, any other by the base image; the rules on top (which workload wins an address, which
+service a client sees, the endpoints in use) are the store's own. Policies stay values applied as changes (they are few and admission reads them per connection).
 A new image replaces the old one as one change: the listeners are notified, and the answers kept
 between changes are forgotten.
 """
