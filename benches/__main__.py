@@ -120,6 +120,11 @@ def _raise_nofile() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["scale"]:
+        from benches.scale import main as scale_main
+
+        return scale_main(argv[1:])
     args = build_parser().parse_args(argv)
     settings = _settings(args)
     if settings is None:

@@ -1,15 +1,27 @@
-"""The store a worker rebuilds from the parent's messages equals the parent's, change after change:
-a local file, xDS-like upserts and removals, policies, a service removed by name, a batch, and a
-whole snapshot for a worker that starts late (the messages go through pickle as on the socket pair)."""
+"""The store a worker reads (the parent's image in shared memory, and the policies as changes) answers
+as the parent's, change after change: a local file, xDS-like upserts and removals, policies, a
+service removed by name, a batch, and the whole store for a worker that starts late (the messages go
+through pickle as on the socket pair, the image's memfd is mapped as a worker maps it)."""
 
 from __future__ import annotations
 
+import os
 import pickle
+from collections.abc import Sequence
+
+import pytest
 
 from xds.localconfig import parse_local_config
+from ztunnel.state.shared import SharedState
 from ztunnel.state.store import ProxyState
-from ztunnel.workers.messages import StateChanges
-from ztunnel.workers.replication import ReplicatedState, apply_changes, demand_arrived
+from ztunnel.workers.messages import StateChanges, StateImageReady, ToWorker
+from ztunnel.workers.replication import (
+    ReplicatedState,
+    apply_changes,
+    demand_arrived,
+    map_image,
+    write_image,
+)
 
 FILE = """
 workloads:
@@ -41,46 +53,98 @@ policies:
 """
 
 
+class Worker:
+    """A worker's store fed as on the socket pair: messages through pickle, an image's fd mapped."""
+
+    def __init__(self) -> None:
+        self.state = SharedState()
+        self.images = 0
+
+    def take(self, message: ToWorker, fds: Sequence[int]) -> None:
+        message = pickle.loads(pickle.dumps(message))
+        if isinstance(message, StateImageReady):
+            dup = os.dup(fds[0])
+            try:
+                assert self.state.install(map_image(dup, message.size), message.generation, message.base)
+            finally:
+                os.close(dup)
+            self.images += 1
+        else:
+            assert isinstance(message, StateChanges) and not fds
+            apply_changes(self.state, message)
+
+
+def same(worker: ProxyState, parent: ProxyState) -> None:
+    """The worker answers as the parent does (it holds no staged memberships: those are the parent's)."""
+    ours, theirs = worker.dump(), parent.dump()
+    assert ours["stagedServices"] == {}
+    del ours["stagedServices"], theirs["stagedServices"]
+    assert ours == theirs
+
+
 def test_a_worker_store_follows_the_parent_change_by_change() -> None:
-    sent: list[StateChanges] = []
-    parent = ReplicatedState(lambda changes: sent.append(pickle.loads(pickle.dumps(changes))))
-    worker = ProxyState()
+    sent: list[tuple[ToWorker, Sequence[int]]] = []
+    parent = ReplicatedState(lambda message, fds: sent.append((message, list(fds))))
+    worker = Worker()
     notified: list[int] = []
-    worker.subscribe(lambda: notified.append(len(sent)))
+    worker.state.subscribe(lambda: notified.append(len(sent)))
 
     def replay() -> None:
         while sent:
-            apply_changes(worker, sent.pop(0))
-        assert worker.dump() == parent.dump()
+            worker.take(*sent.pop(0))
+        same(worker.state, parent)
 
     config = parse_local_config(FILE)
     parent.apply_local_config(config)
-    assert len(sent) == 1  # one file, one message
+    assert [type(m) for m, _ in sent] == [StateChanges, StateImageReady]  # the policies, the image
     replay()
-    assert len(worker.workloads()) == 2 and len(worker.policies()) == 1
+    assert len(worker.state.workloads()) == 2 and len(worker.state.policies()) == 1
 
     b = config.workloads[1]
-    with parent.batch():  # one xDS response: one message, one notification in the worker
+    with parent.batch():  # one xDS response: one image (and the policies' change), one notification each
         parent.remove(b.uid)
         parent.upsert_workload(b)
-        parent.remove_policy(config.policies[0].key)
-    assert len(sent) == 1
+    assert [type(m) for m, _ in sent] == [StateImageReady]
     before = len(notified)
     replay()
     assert len(notified) == before + 1
-    assert worker.policies() == []
+    parent.remove_policy(config.policies[0].key)
+    assert [type(m) for m, _ in sent] == [StateChanges]  # policies alone: no new image
+    replay()
+    assert worker.state.policies() == []
 
     assert parent.remove("ns/svc.ns.svc.cluster.local")  # a service removed by its xDS name
     replay()
-    assert worker.services() == []
-    assert "ns/svc.ns.svc.cluster.local" in worker.dump()["stagedServices"]  # a's membership stays
+    assert worker.state.services() == [] and worker.state.endpoints("ns/svc.ns.svc.cluster.local") == []
+    assert "ns/svc.ns.svc.cluster.local" in parent.dump()["stagedServices"]  # a's membership stays
 
     parent.upsert_policy(config.policies[0])
-    late = ProxyState()  # a worker started now gets the whole store at once
-    apply_changes(late, pickle.loads(pickle.dumps(parent.snapshot())))
-    assert late.dump() == parent.dump()
+    late = Worker()  # a worker started now gets the whole store at once: policies, then the image
+    for message, fds in parent.snapshot():
+        late.take(message, fds)
+    same(late.state, parent)
     replay()
-    assert worker.dump() == late.dump()
+    same(worker.state, late.state)
+    parent.close()
+
+
+def test_an_image_is_sealed_shared_memory_and_a_worker_refuses_another() -> None:
+    fd, size = write_image(ProxyState().image())
+    try:
+        with pytest.raises(OSError):
+            os.write(fd, b"x")  # sealed: no process changes what the workers read in place
+        assert map_image(fd, size).workload_count() == 0
+        with pytest.raises(ValueError, match="bytes, not"):
+            map_image(fd, size + 8)
+    finally:
+        os.close(fd)
+    unsealed = os.memfd_create("not-sealed")
+    try:
+        os.write(unsealed, b"".join(ProxyState().image()))
+        with pytest.raises(ValueError, match="not sealed"):
+            map_image(unsealed, size)
+    finally:
+        os.close(unsealed)
 
 
 def test_the_parent_tells_when_an_on_demand_key_has_arrived() -> None:
@@ -92,3 +156,52 @@ def test_the_parent_tells_when_an_on_demand_key_has_arrived() -> None:
     assert by_ip() and by_vip() and by_name()
     assert not demand_arrived(state, "/10.0.0.9")()
     assert not demand_arrived(state, "other/10.0.0.2")()  # another network
+
+
+def _images_held() -> int:
+    """The state images this process holds open (memfds named `ztunnel-state`)."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:ztunnel-state")
+        except OSError:
+            continue
+    return held
+
+
+def test_the_parent_holds_at_most_a_base_and_a_delta_and_a_smaller_mesh_a_smaller_image() -> None:
+    before = _images_held()
+    sizes: list[int] = []
+    parent = ReplicatedState(
+        lambda message, fds: sizes.append(message.size) if isinstance(message, StateImageReady) else None
+    )
+    config = parse_local_config(FILE)
+    parent.apply_local_config(config)
+    for _ in range(3):
+        parent.upsert_workload(config.workloads[0])
+        assert _images_held() - before <= 2  # the previous images are let go as they are replaced
+    parent.apply_local_config(parse_local_config("workloads: []\n"))  # the mesh shrinks: a new base
+    assert sizes[-1] < sizes[0]
+    parent.close()
+    assert _images_held() == before
+
+
+def test_a_worker_refuses_a_delta_over_a_base_it_does_not_hold() -> None:
+    sent: list[tuple[ToWorker, Sequence[int]]] = []
+    parent = ReplicatedState(lambda message, fds: sent.append((message, list(fds))))
+    config = parse_local_config(FILE)
+    parent.apply_local_config(config)
+    parent.remove(config.workloads[1].uid)  # a delta over the first base
+    images = [(m, fds) for m, fds in sent if isinstance(m, StateImageReady)]
+    (base, base_fds), (delta, delta_fds) = images
+    assert base.base is None and delta.base == base.generation
+    worker = SharedState()  # say the base never reached it: the delta alone would mix two states
+    assert not worker.install(map_image(delta_fds[0], delta.size), delta.generation, delta.base)
+    assert worker.workloads() == [] and worker.delta is None
+    assert worker.install(map_image(base_fds[0], base.size), base.generation, base.base)
+    assert worker.install(map_image(delta_fds[0], delta.size), delta.generation, delta.base)
+    for message, _ in sent:
+        if isinstance(message, StateChanges):
+            apply_changes(worker, message)
+    same(worker, parent)
+    parent.close()

@@ -21,9 +21,10 @@ the proto numbers, so an enum converts with `Enum(number)` and nothing else.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from enum import IntEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf import empty_pb2, wrappers_pb2
 
@@ -78,6 +79,7 @@ DEFAULT_CAPACITY = 1
 _U16 = 0xFFFF
 
 E = TypeVar("E", bound=IntEnum)
+T = TypeVar("T")
 
 
 # --- wire to model ------------------------------------------------------------------------------
@@ -144,6 +146,33 @@ def _ports(ports: object) -> tuple[tuple[int, int], ...]:
     )
 
 
+# A cluster's workloads repeat the same few strings (namespaces, service accounts, nodes, the trust
+# domain, service keys) and port maps: each converted message would hold its own copies, some 700
+# bytes a workload. Strings are interned (the interpreter drops them with their last user); port
+# maps and localities are shared through a table emptied whenever it fills.
+_intern = sys.intern
+_SHARED_KEPT = 4096
+_shared: dict[object, Any] = {}
+
+
+def _share(value: T) -> T:
+    kept = _shared.get(value)
+    if kept is not None:
+        return kept  # type: ignore[no-any-return]
+    if len(_shared) >= _SHARED_KEPT:
+        _shared.clear()
+    _shared[value] = value
+    return value
+
+
+def _memberships(pb: workload_pb2.Workload) -> tuple[tuple[str, tuple[tuple[int, int], ...]], ...]:
+    # A protobuf map has no order; sorted, the same message always gives an equal Workload.
+    return tuple(
+        (_intern(check_service_key(key)), _share(_ports(pb.services[key].ports)))
+        for key in sorted(pb.services)
+    )
+
+
 def workload_from_wire(pb: workload_pb2.Workload) -> Workload:
     tunnel_protocol = _enum(TunnelProtocol, pb.tunnel_protocol, "tunnel_protocol")
     if tunnel_protocol is TunnelProtocol.LEGACY_ISTIO_MTLS:
@@ -162,30 +191,27 @@ def workload_from_wire(pb: workload_pb2.Workload) -> Workload:
     return Workload(
         uid=_required(pb.uid, "workload uid"),
         name=pb.name,
-        namespace=pb.namespace,
+        namespace=_intern(pb.namespace),
         addresses=tuple(ip_from_bytes(ip) for ip in pb.addresses),
         hostname=pb.hostname,
-        network=pb.network,
+        network=_intern(pb.network),
         tunnel_protocol=tunnel_protocol,
-        trust_domain=pb.trust_domain or DEFAULT_TRUST_DOMAIN,
-        service_account=pb.service_account or DEFAULT_SERVICE_ACCOUNT,
+        trust_domain=_intern(pb.trust_domain or DEFAULT_TRUST_DOMAIN),
+        service_account=_intern(pb.service_account or DEFAULT_SERVICE_ACCOUNT),
         waypoint=_optional_gateway(pb, "waypoint"),
         network_gateway=_optional_gateway(pb, "network_gateway"),
-        node=pb.node,
-        canonical_name=pb.canonical_name,
-        canonical_revision=pb.canonical_revision,
-        workload_type=workload_type,
-        workload_name=pb.workload_name,
+        node=_intern(pb.node),
+        canonical_name=_intern(pb.canonical_name),
+        canonical_revision=_intern(pb.canonical_revision),
+        workload_type=_intern(workload_type),
+        workload_name=_intern(pb.workload_name),
         native_tunnel=pb.native_tunnel,
         application_tunnel=application_tunnel,
-        # A protobuf map has no order; sorted, the same message always gives an equal Workload.
-        services=tuple(
-            (check_service_key(key), _ports(pb.services[key].ports)) for key in sorted(pb.services)
-        ),
-        authorization_policies=tuple(pb.authorization_policies),
+        services=_memberships(pb),
+        authorization_policies=tuple(_intern(p) for p in pb.authorization_policies),
         status=_enum(WorkloadStatus, pb.status, "status"),
-        cluster_id=pb.cluster_id or DEFAULT_CLUSTER_ID,
-        locality=Locality(pb.locality.region, pb.locality.zone, pb.locality.subzone),
+        cluster_id=_intern(pb.cluster_id or DEFAULT_CLUSTER_ID),
+        locality=_share(Locality(pb.locality.region, pb.locality.zone, pb.locality.subzone)),
         network_mode=_enum(NetworkMode, pb.network_mode, "network_mode"),
         capacity=pb.capacity.value if pb.HasField("capacity") else DEFAULT_CAPACITY,
     )

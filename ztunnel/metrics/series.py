@@ -32,6 +32,11 @@ def present_workloads(workloads: Iterable[Workload]) -> set[WorkloadKey]:
     return {(w.namespace, w.workload_name or w.name) for w in workloads}
 
 
+# Which of the keys series name are in the state (`ProxyState.series_names_present`): asked per key,
+# so a worker never decodes the whole mesh for it.
+Present = Callable[[set[WorkloadKey]], set[WorkloadKey]]
+
+
 class StaleWorkloads:
     """The sans-IO part: when each workload named by some series was first seen absent."""
 
@@ -59,17 +64,16 @@ class StaleWorkloads:
 async def sweep_stale_series(
     grace: float,
     named: Callable[[], set[WorkloadKey]],
-    workloads: Callable[[], Iterable[Workload]],
+    present: Present,
     drop: Callable[[set[WorkloadKey]], object],
     clock: Callable[[], float],
 ) -> None:
     """Forever, every `sweep_interval(grace)`: `drop` the workloads `named` by series that have been
-    absent from `workloads` for `grace` (the one loop of the parent and of each worker)."""
+    absent from the state (`present`) for `grace` (the one loop of the parent and of each worker)."""
     stale = StaleWorkloads(grace)
     while True:
         await asyncio.sleep(sweep_interval(grace))
         names = named()
-        present = present_workloads(workloads()) if names else set()
-        gone = stale.update(names, present, clock())
+        gone = stale.update(names, present(names) if names else set(), clock())
         if gone:
             drop(gone)

@@ -7,9 +7,8 @@ called synchronously once a change (or a `batch()` of changes) is complete.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from policy.model import Authorization, Scope
@@ -36,6 +35,8 @@ from xds.render import (
     service_to_dict,
     workload_to_dict,
 )
+from ztunnel.state.image import Tables, Touched, encode_image
+from ztunnel.state.names import NameIndex
 
 log = logging.getLogger("ztunnel.state")
 
@@ -51,9 +52,7 @@ class ProxyState:
         self._workloads: dict[str, Workload] = {}  # by uid, in first-seen order
         self._workloads_by_addr: dict[NetworkAddress, list[str]] = {}
         self._workloads_by_hostname: dict[NamespacedHostname, list[str]] = {}
-        # uids by workload (pod) name, for the DNS proxy's per-pod names: one uid, or a list of
-        # several (most names are one pod's, and a list per workload would triple the index).
-        self._workloads_by_name: dict[str, str | list[str]] = {}
+        self._workloads_by_name = NameIndex()  # the DNS proxy's per-pod names
         self._services: dict[str, Service] = {}  # by namespace/hostname, in first-seen order
         self._services_by_vip: dict[NetworkAddress, list[str]] = {}
         self._services_by_hostname: dict[str, list[str]] = {}
@@ -74,6 +73,7 @@ class ProxyState:
         self._policies_of: dict[str, tuple[Workload, list[Authorization]]] = {}
         self._changed = False
         self._policies_changed = False
+        self._batch = Batch(self)
         self.demander = demander  # with XDS_ON_DEMAND=true: asks the control plane for a key
 
     # --- on demand ---------------------------------------------------------------------------------
@@ -148,18 +148,13 @@ class ProxyState:
         self._policy_listeners.append(callback)
         return lambda: self._policy_listeners.remove(callback)
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self) -> Batch:
         """Apply several changes, e.g. one xDS response, with one notification at the end."""
-        self._batch_depth += 1
-        self._forget_lookups()
-        try:
-            yield
-        finally:
-            self._forget_lookups()
-            self._batch_depth -= 1
-            if self._batch_depth == 0:
-                self._notify()
+        return self._batch
+
+    def _committed(self) -> None:
+        """The outermost batch ended: tell the listeners."""
+        self._notify()
 
     def _forget_lookups(self) -> None:
         self._by_addr.clear()
@@ -196,7 +191,7 @@ class ProxyState:
                 if w.uid not in uids:
                     uids.append(w.uid)
             if w.name:
-                self._index_name(w)
+                self._workloads_by_name.add(w.name, w.uid)
             for service_key, ports in w.services:
                 self._memberships.setdefault(service_key, {})[w.uid] = Endpoint(w.uid, ports, w.status)
             self._changed = True
@@ -222,32 +217,13 @@ class ProxyState:
         if w.hostname:
             _unlist(self._workloads_by_hostname, NamespacedHostname(w.namespace, w.hostname), w.uid)
         if w.name:
-            self._unindex_name(w)
+            self._workloads_by_name.remove(w.name, w.uid)
         for service_key, _ in w.services:
             endpoints = self._memberships.get(service_key)
             if endpoints is not None:
                 endpoints.pop(w.uid, None)
                 if not endpoints:
                     del self._memberships[service_key]
-
-    def _index_name(self, w: Workload) -> None:
-        held = self._workloads_by_name.get(w.name)
-        if held is None:
-            self._workloads_by_name[w.name] = w.uid
-        elif isinstance(held, str):
-            if held != w.uid:
-                self._workloads_by_name[w.name] = [held, w.uid]
-        elif w.uid not in held:
-            held.append(w.uid)
-
-    def _unindex_name(self, w: Workload) -> None:
-        held = self._workloads_by_name.get(w.name)
-        if held == w.uid:
-            del self._workloads_by_name[w.name]
-        elif isinstance(held, list) and w.uid in held:
-            held.remove(w.uid)
-            if len(held) == 1:
-                self._workloads_by_name[w.name] = held[0]
 
     # --- services ----------------------------------------------------------------------------------
 
@@ -365,13 +341,10 @@ class ProxyState:
             return self._by_addr[key]
         except KeyError:
             pass
-        uids = self._workloads_by_addr.get(NetworkAddress(network, ip))
+        candidates = self._workloads_at(network, ip)
         found = (
-            max(
-                (self._workloads[uid] for uid in uids),
-                key=lambda w: ("//Pod/" in w.uid, w.tunnel_protocol is TunnelProtocol.HBONE),
-            )
-            if uids
+            max(candidates, key=lambda w: ("//Pod/" in w.uid, w.tunnel_protocol is TunnelProtocol.HBONE))
+            if candidates
             else None
         )
         if len(self._by_addr) >= _LOOKUPS_KEPT:
@@ -387,8 +360,29 @@ class ProxyState:
     def workloads_by_name(self, name: str) -> list[Workload]:
         """Every workload of this name (a pod's name, in any namespace or cluster), in the order
         they were last updated: the DNS proxy's per-pod names of headless services."""
-        held = self._workloads_by_name.get(name, ())
-        return [self._workloads[held]] if isinstance(held, str) else [self._workloads[uid] for uid in held]
+        return [self._workloads[uid] for uid in self._workloads_by_name.uids(name)]
+
+    # The tables' reads the rules above and below build on (`SharedState` answers them from an image).
+
+    def _workloads_at(self, network: str, ip: IPAddress) -> list[Workload]:
+        return [self._workloads[uid] for uid in self._workloads_by_addr.get(NetworkAddress(network, ip), ())]
+
+    def _services_named(self, hostname: str) -> list[Service]:
+        return [self._services[key] for key in self._services_by_hostname.get(hostname, ())]
+
+    def _cidr_services(self) -> Iterable[Service]:
+        return self._services_with_cidr_vips.values()
+
+    def _memberships_of(self, service_key: str) -> Iterable[Endpoint]:
+        return self._memberships.get(service_key, {}).values()
+
+    def _local_candidates(self, name: str, namespace: str) -> Iterable[Workload]:
+        return self._workloads.values()
+
+    def series_names_present(self, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which of `keys` (namespace, workload name as metric series name it: `workload_name`, else
+        the name) some workload of the store has."""
+        return keys & {(w.namespace, w.workload_name or w.name) for w in self._workloads.values()}
 
     def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
         """Every service with this exact VIP, whatever its visibility, in first-seen order."""
@@ -401,7 +395,7 @@ class ProxyState:
             return exact
         best: Service | None = None
         best_rank: tuple[bool, int, bool] | None = None
-        for service in self._services_with_cidr_vips.values():
+        for service in self._cidr_services():
             if not _visible(service, client_namespace):
                 continue
             for vip in service.cidr_vips:
@@ -421,7 +415,7 @@ class ProxyState:
     ) -> Service | None:
         """`preferred_namespace` is the DNS proxy's PREFERED_SERVICE_NAMESPACE tie-break; `candidate`,
         when given, decides which of the services with that hostname take part."""
-        services = [self._services[key] for key in self._services_by_hostname.get(hostname, ())]
+        services = self._services_named(hostname)
         if candidate is not None:
             services = [s for s in services if candidate(s)]
         return _preferred(services, client_namespace, preferred_namespace)
@@ -432,29 +426,34 @@ class ProxyState:
     def endpoints(self, service_key: str) -> list[Endpoint]:
         """The endpoints in use: the service's own and its workloads', unhealthy ones only under
         ALLOW_ALL. Empty for an unknown service (its endpoints are staged)."""
-        service = self._services.get(service_key)
+        service = self.service_by_key(service_key)
         if service is None:
             return []
-        memberships = self._memberships.get(service_key, {})
+        memberships: Iterable[Endpoint] = self._memberships_of(service_key)
         if service.endpoints:
             merged = {ep.workload_uid: ep for ep in service.endpoints}
-            merged.update(memberships)
-            memberships = merged
+            merged.update((ep.workload_uid, ep) for ep in memberships)
+            memberships = merged.values()
         lb = service.load_balancer
         if lb is not None and lb.health_policy is HealthPolicy.ALLOW_ALL:
-            return list(memberships.values())
-        return [ep for ep in memberships.values() if ep.status is WorkloadStatus.HEALTHY]
+            return list(memberships)
+        return [ep for ep in memberships if ep.status is WorkloadStatus.HEALTHY]
 
     def find_local_workload(
         self, name: str, namespace: str, service_account: str, node_name: str | None
     ) -> Workload | None:
-        """The proxy's own workload, looked for among the workloads of its node (all when no node)."""
-        for w in self._workloads.values():
-            if node_name and w.node != node_name:
-                continue
-            if w.name == name and w.namespace == namespace and w.service_account == service_account:
-                return w
-        return None
+        """The proxy's own workload, looked for among the workloads of its node (all when no node).
+        When several match (a pod and a WorkloadEntry of one name), the smallest uid: every process
+        of the proxy, whatever order it holds them in, finds the same."""
+        found = [
+            w
+            for w in self._local_candidates(name, namespace)
+            if (not node_name or w.node == node_name)
+            and w.name == name
+            and w.namespace == namespace
+            and w.service_account == service_account
+        ]
+        return min(found, key=lambda w: w.uid) if found else None
 
     def policy(self, key: str) -> Authorization | None:
         return self._policies.get(key)
@@ -488,15 +487,33 @@ class ProxyState:
         return policies
 
     def services_of_workload(self, w: Workload) -> list[Service]:
-        return [self._services[key] for key, _ in w.services if key in self._services]
+        found = (self.service_by_key(key) for key, _ in w.services)
+        return [s for s in found if s is not None]
+
+    # --- the image the workers read ---------------------------------------------------------------
+
+    def image(self, touched: Touched | None = None) -> list[bytes]:
+        """The workloads and services as a compact image (`ztunnel.state.image`), in chunks: all of
+        them, or a delta image of the `touched` keys."""
+        tables = Tables(
+            self._workloads,
+            self._workloads_by_addr,
+            self._workloads_by_hostname,
+            self._services,
+            self._services_by_vip,
+            self._services_by_hostname,
+            self._services_with_cidr_vips,
+            self._memberships,
+        )
+        return encode_image(tables, touched)
 
     # --- /config_dump ------------------------------------------------------------------------------
 
     def dump(self) -> dict[str, Any]:
         """JSON-serialisable, in the local config's format; services show the endpoints in use."""
         return {
-            "workloads": [workload_to_dict(w) for w in self._workloads.values()],
-            "services": [service_to_dict(s, self.endpoints(s.key)) for s in self._services.values()],
+            "workloads": [workload_to_dict(w) for w in self.workloads()],
+            "services": [service_to_dict(s, self.endpoints(s.key)) for s in self.services()],
             "policies": [policy_to_dict(p) for p in self._policies.values()],
             "stagedServices": {
                 key: {uid: endpoint_to_dict(ep) for uid, ep in endpoints.items()}
@@ -504,6 +521,28 @@ class ProxyState:
                 if key not in self._services
             },
         }
+
+
+class Batch:
+    """`ProxyState.batch()`: every change is made in one (a plain context manager: a push of 100,000
+    workloads enters some 200,000)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    def __enter__(self) -> None:
+        state = self.state
+        state._batch_depth += 1
+        state._forget_lookups()
+
+    def __exit__(self, *_: object) -> None:
+        state = self.state
+        state._forget_lookups()
+        state._batch_depth -= 1
+        if state._batch_depth == 0:
+            state._committed()
 
 
 # Answers kept per lookup between changes of the store (a node's connections name a few addresses).

@@ -4,8 +4,9 @@ They cross only socket pairs between a parent and the processes it forked (the s
 pickle is the codec (`channel.py`): the model's frozen dataclasses travel as they are, with no second
 schema. Three conversations:
 
-* the supervisor and a worker: `Spawn` first (the worker starts), then the store's changes (`StateChanges`), `Synced`, certificates
-  (`CertificateRequest` -> `CertificateReply`), pods with their namespace fd (`PodAdd`, `PodDel` ->
+* the supervisor and a worker: `Spawn` first (the worker starts), then the store (the workloads and
+  services as an image in shared memory, `StateImageReady`; the policies as `StateChanges`),
+  `Synced`, certificates (`CertificateRequest` -> `CertificateReply`), pods with their namespace fd (`PodAdd`, `PodDel` ->
   `PodResult`), counters (`Scrape` -> `Counters`), profiles, the log filter, `Ping` -> `Pong`, `Stop`;
 * a worker's start-up: `Ready` or `Failed`.
 """
@@ -78,6 +79,22 @@ class StateChanges:
     """Supervisor -> worker: one committed change of the store (a whole snapshot starts with Clear)."""
 
     ops: tuple[StateOp, ...]
+
+
+@dataclass(frozen=True)
+class StateImageReady:
+    """Supervisor -> worker, with a sealed memfd: the workloads and services from now on, as an image
+    (`ztunnel.state.image`) of `size` bytes the worker maps read-only: a base image, or, with `base`
+    (the generation of the base image it applies over), a delta of what changed since that base (it
+    replaces the previous delta). `generation` numbers the images."""
+
+    size: int
+    generation: int
+    base: int | None = None
+
+    @property
+    def delta(self) -> bool:
+        return self.base is not None
 
 
 @dataclass(frozen=True)
@@ -231,6 +248,7 @@ class Stop:
 ToWorker = (
     Spawn
     | StateChanges
+    | StateImageReady
     | Synced
     | CertificateReply
     | DemandReply

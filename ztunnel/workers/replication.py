@@ -1,20 +1,28 @@
-"""The supervisor's store, replicated into every worker as typed changes.
+"""The supervisor's store, shared with every worker.
 
-`ReplicatedState` is the supervisor's `ProxyState`: every committed change (one xDS response, the
-local file, a batch) is handed to its `publish` callable as one `StateChanges`. A worker applies it
-to its own plain `ProxyState` with `apply_changes`, under one notification; a worker that starts
-late gets `snapshot()` first.
+`ReplicatedState` is the supervisor's `ProxyState`. The workloads and services reach the workers as
+images (`ztunnel.state.image`) in sealed memfds, handed to its `publish` callable as
+`StateImageReady` with the fd: every worker maps the same pages read-only (`map_image`), so the mesh
+is held once per node. After every committed change (one xDS response, the local file, a batch) that
+touched a workload or a service, it encodes a delta image of what changed since the base image (the
+keys touched, each in full), which replaces the previous delta; once the changes since the base
+reach a sixteenth of the store, or the store was replaced, a new base image instead. The policies, few and read per connection, still travel as one `StateChanges`
+per change, which a worker applies to its `SharedState` with `apply_changes`. A worker that starts
+late gets `snapshot()` first: the policies, then the current image.
 """
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import ipaddress
-from collections.abc import Callable, Iterator
+import mmap
+import os
+from collections.abc import Callable, Sequence
 
 from policy.model import Authorization
 from xds.localconfig import LocalConfig
 from xds.model import Service, Workload
+from ztunnel.state.image import StateImage, Touched
 from ztunnel.state.store import Demander, ProxyState
 from ztunnel.workers.messages import (
     Clear,
@@ -22,13 +30,59 @@ from ztunnel.workers.messages import (
     RemoveService,
     RemoveWorkload,
     StateChanges,
+    StateImageReady,
     StateOp,
+    ToWorker,
     UpsertPolicy,
     UpsertService,
     UpsertWorkload,
 )
 
-Publish = Callable[[StateChanges], None]
+# A message for every worker, with the fds that go with it (the receiver of an image's fd owns a dup).
+Publish = Callable[[ToWorker, Sequence[int]], None]
+DELTA_MIN = 512  # workloads and services a delta image may carry, at least, before a new base
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+def write_image(chunks: Sequence[bytes]) -> tuple[int, int]:
+    """A sealed memfd holding the image `chunks`: (fd, size). Its pages are shared memory, counted
+    once however many processes map them."""
+    fd = os.memfd_create("ztunnel-state", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        size = 0
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                n = os.write(fd, view)
+                view, size = view[n:], size + n
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
+
+
+def hold_fds(message: ToWorker, fds: Sequence[int]) -> list[int]:
+    """The fds to queue with `message` for a worker. An image's memfd is let go by the state once a
+    newer image is made, maybe before the message is written: the queue holds a dup of it."""
+    return [os.dup(fd) for fd in fds] if isinstance(message, StateImageReady) else list(fds)
+
+
+def release_fds(message: ToWorker, fds: Sequence[int]) -> None:
+    """`message` was written (or will never be): let go of what `hold_fds` took."""
+    if isinstance(message, StateImageReady):
+        for fd in fds:
+            os.close(fd)
+
+
+def map_image(fd: int, size: int) -> StateImage:
+    """The image in a sealed memfd, mapped read-only (the fd may be closed after). A memfd that is
+    not sealed against writes is refused: the image is read in place and must not change."""
+    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE == 0:
+        raise ValueError("the state image's memfd is not sealed against writes")
+    if size == 0 or os.fstat(fd).st_size != size:
+        raise ValueError(f"the state image's memfd holds {os.fstat(fd).st_size} bytes, not {size}")
+    return StateImage(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
 
 
 def demand_arrived(state: ProxyState, key: str) -> Callable[[], bool]:
@@ -50,55 +104,113 @@ class ReplicatedState(ProxyState):
     def __init__(self, publish: Publish, demander: Demander | None = None) -> None:
         super().__init__(demander)
         self._publish = publish
-        self._journal: list[StateOp] = []
-        self._depth = 0  # ops inside ops (a service removed by name) are recorded once
-        self._batches = 0
+        self.journal: list[StateOp] = []  # the changes of the batch under way
+        self.op_depth = 0  # ops inside ops (a service removed by name) are recorded once
+        # (memfd, size, generation) of the workers' current base image and delta image; what the
+        # delta holds.
+        self._base: tuple[int, int, int] | None = None
+        self._delta: tuple[int, int, int] | None = None
+        self._touched = Touched()
+        self._rebase = True  # the next image is a base (the store was replaced)
+        self.generation = 0
 
-    @contextlib.contextmanager
-    def _op(self, op: StateOp) -> Iterator[None]:
-        if self._depth == 0:
-            self._journal.append(op)
-        self._depth += 1
-        try:
-            with self.batch():
-                yield
-        finally:
-            self._depth -= 1
+    def _op(self, op: StateOp) -> _Op:
+        return _Op(self, op)
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        self._batches += 1
-        try:
-            with super().batch():
-                yield
-        finally:
-            self._batches -= 1
-        if self._batches == 0 and self._journal:
-            ops, self._journal = tuple(self._journal), []
-            self._publish(StateChanges(ops))
+    def _committed(self) -> None:
+        super()._committed()
+        if self.journal:
+            ops, self.journal = self.journal, []
+            policies = tuple(op for op in ops if isinstance(op, Clear | UpsertPolicy | RemovePolicy))
+            if policies:
+                self._publish(StateChanges(policies), ())
+            if len(policies) < len(ops) or any(isinstance(op, Clear) for op in ops):
+                self._publish_image()
 
-    def snapshot(self) -> StateChanges:
+    def _delta_limit(self) -> int:
+        return max(DELTA_MIN, (len(self._workloads) + len(self._services)) // 16)
+
+    def _tracking(self) -> bool:
+        """Whether the next image may be a delta, so what changes is worth noting."""
+        return self._base is not None and not self._rebase and len(self._touched) <= self._delta_limit()
+
+    def _publish_image(self) -> None:
+        rebase = not self._tracking()
+        fd, size = write_image(self.image(None if rebase else self._touched))
+        self.generation += 1
+        image = (fd, size, self.generation)
+        old = [self._delta]
+        if rebase:
+            old.append(self._base)
+            self._base, self._delta, self._touched, self._rebase = image, None, Touched(), False
+        else:
+            self._delta = image
+        self._publish(self._announce(image, delta=not rebase), (fd,))
+        for previous in old:
+            if previous is not None:
+                os.close(previous[0])  # the workers hold their own
+
+    def snapshot(self) -> list[tuple[ToWorker, Sequence[int]]]:
+        """What a worker that starts is sent first: the policies, then the current images (if any)."""
         ops: list[StateOp] = [Clear()]
-        ops += [UpsertWorkload(w) for w in self.workloads()]
-        ops += [UpsertService(s) for s in self.services()]
         ops += [UpsertPolicy(p) for p in self.policies()]
-        return StateChanges(tuple(ops))
+        out: list[tuple[ToWorker, Sequence[int]]] = [(StateChanges(tuple(ops)), ())]
+        for image, delta in ((self._base, False), (self._delta, True)):
+            if image is not None:
+                out.append((self._announce(image, delta), (image[0],)))
+        return out
+
+    def _announce(self, image: tuple[int, int, int], delta: bool) -> StateImageReady:
+        assert self._base is not None
+        return StateImageReady(image[1], image[2], self._base[2] if delta else None)
+
+    def close(self) -> None:
+        """Let the current images go (the workers keep what they mapped)."""
+        for image in (self._base, self._delta):
+            if image is not None:
+                os.close(image[0])
+        self._base = self._delta = None
 
     def upsert_workload(self, w: Workload) -> None:
         with self._op(UpsertWorkload(w)):
+            tracking = self._tracking()
+            if tracking:
+                self._touch_workload(w.uid)
             super().upsert_workload(w)
+            if tracking:
+                self._touched.workload(w)
 
     def remove(self, name: str) -> bool:
         with self._op(RemoveWorkload(name)):
+            if self._tracking():
+                self._touch_workload(name)
             return super().remove(name)
 
     def upsert_service(self, s: Service) -> None:
         with self._op(UpsertService(s)):
+            tracking = self._tracking()
+            if tracking:
+                self._touch_service(s.key)
             super().upsert_service(s)
+            if tracking:
+                self._touched.service(s)
 
     def remove_service(self, key: str) -> bool:
         with self._op(RemoveService(key)):
+            if self._tracking():
+                self._touch_service(key)
             return super().remove_service(key)
+
+    def _touch_workload(self, uid: str) -> None:
+        """The keys of what the store holds now for `uid` change too (an address left, a membership)."""
+        previous = self.workload_by_uid(uid)
+        if previous is not None:
+            self._touched.workload(previous)
+
+    def _touch_service(self, key: str) -> None:
+        previous = self.service_by_key(key)
+        if previous is not None:
+            self._touched.service(previous)
 
     def upsert_policy(self, p: Authorization) -> None:
         with self._op(UpsertPolicy(p)):
@@ -109,14 +221,39 @@ class ReplicatedState(ProxyState):
             return super().remove_policy(key)
 
     def apply_local_config(self, cfg: LocalConfig) -> None:
+        self._rebase = True
         with self.batch():
-            if self._depth == 0:
-                self._journal.append(Clear())  # then the file's upserts, one by one
+            if self.op_depth == 0:
+                self.journal.append(Clear())  # then the file's upserts, one by one
             super().apply_local_config(cfg)
 
 
+class _Op:
+    """One change of the store, recorded once (a service removed by name is one change), in a batch."""
+
+    __slots__ = ("op", "state")
+
+    def __init__(self, state: ReplicatedState, op: StateOp) -> None:
+        self.state, self.op = state, op
+
+    def __enter__(self) -> None:
+        state = self.state
+        if state.op_depth == 0:
+            state.journal.append(self.op)
+        state.op_depth += 1
+        state.batch().__enter__()
+
+    def __exit__(self, *_: object) -> None:
+        state = self.state
+        try:
+            state.batch().__exit__()
+        finally:
+            state.op_depth -= 1
+
+
 def apply_changes(state: ProxyState, changes: StateChanges) -> None:
-    """A worker applies one change of the supervisor's store, with one notification."""
+    """A worker applies one change of the supervisor's store, with one notification (in a worker:
+    the policies; a `ProxyState` of its own takes the workloads and services too)."""
     with state.batch():
         for op in changes.ops:
             if isinstance(op, Clear):

@@ -61,7 +61,7 @@ from ztunnel.workers.messages import (
     Synced,
     ToWorker,
 )
-from ztunnel.workers.replication import ReplicatedState, demand_arrived
+from ztunnel.workers.replication import ReplicatedState, demand_arrived, hold_fds, release_fds
 from ztunnel.workers.spawning import Spawner, exit_code
 from ztunnel.workers.worker import collect_profile
 
@@ -107,7 +107,13 @@ class WorkerSlot:
 
     def send(self, message: ToWorker, fds: Sequence[int] = ()) -> None:
         if self.alive:
-            self.outbox.put_nowait((message, list(fds)))
+            self.outbox.put_nowait((message, hold_fds(message, fds)))
+
+    def new_outbox(self) -> None:
+        """A fresh outbox for a new worker; the fds the old one held are let go."""
+        while not self.outbox.empty():
+            release_fds(*self.outbox.get_nowait())
+        self.outbox = asyncio.Queue()
 
     def worker_gone(self) -> None:
         """Its channel closed: nothing it was asked is answered now."""
@@ -191,10 +197,10 @@ class Supervisor:
 
     # -- what the workers are told and asked (also the pods' `Workers`) ---------------------------------
 
-    def tell_all(self, message: ToWorker) -> None:
+    def tell_all(self, message: ToWorker, fds: Sequence[int] = ()) -> None:
         """Send `message` to every running worker, expecting no answer."""
         for slot in self.slots:
-            slot.send(message)
+            slot.send(message, fds)
 
     def identity_of(self, name: str, namespace: str, service_account: str) -> Identity:
         w = self.state.find_local_workload(name, namespace, service_account, self.config.node_name)
@@ -454,17 +460,16 @@ class Supervisor:
                 log.info("shutting down: draining for up to %ss", self.config.connection_termination_deadline)
             await self._stop_workers()
             await self.control.drain()
+            self.state.close()
         return self.control.exit_code
 
     async def _drop_stale_series(self) -> None:
         """What workers that are gone counted for workloads gone from the state (the live workers
         drop their own series)."""
-        grace = self.config.metrics_stale_series_grace_period
-        if grace <= 0:
-            return
-        await sweep_stale_series(
-            grace, self.sums.retired_workloads, self.state.workloads, self.sums.drop_retired, self.clock
-        )
+        grace, sums = self.config.metrics_stale_series_grace_period, self.sums
+        if grace > 0:
+            present = self.state.series_names_present
+            await sweep_stale_series(grace, sums.retired_workloads, present, sums.drop_retired, self.clock)
 
     async def _claim_listeners(self) -> None:
         try:
@@ -489,7 +494,7 @@ class Supervisor:
     async def _spawn(self, slot: WorkerSlot) -> None:
         proc = self.spawner.spawn(slot.index)
         slot.channel = Channel(proc.sock)
-        slot.outbox = asyncio.Queue()
+        slot.new_outbox()
         slot.gone = asyncio.Event()
         slot.pid = proc.pid
         slot.failure = ""
@@ -497,7 +502,8 @@ class Supervisor:
         # What a new worker is told first: to start, the whole store, the pods, and whether to
         # accept yet.
         slot.send(Spawn(slot.index))
-        slot.send(self.state.snapshot())
+        for message, fds in self.state.snapshot():
+            slot.send(message, fds)
         slot.send(SetLogFilter(logs.current_filter()))
         for message, netns in self.pods.running() if self.pods is not None else ():
             slot.send(message, [netns.fd])
@@ -511,7 +517,10 @@ class Supervisor:
         try:
             while True:
                 message, fds = await slot.outbox.get()
-                await slot.channel.send(message, fds)
+                try:
+                    await slot.channel.send(message, fds)
+                finally:
+                    release_fds(message, fds)
         except OSError:
             pass  # the worker is gone; _watch sees it
 

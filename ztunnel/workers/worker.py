@@ -31,7 +31,7 @@ from ztunnel.metrics.families import Metrics
 from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
 from ztunnel.sockets import SocketFactory, socket_options
-from ztunnel.state.store import ProxyState
+from ztunnel.state.shared import SharedState
 from ztunnel.workers.channel import Channel, close_fds
 from ztunnel.workers.counters import traffic_snapshot
 from ztunnel.workers.loop_metrics import EventLoopMetrics
@@ -55,10 +55,11 @@ from ztunnel.workers.messages import (
     Snapshot,
     Spawn,
     StateChanges,
+    StateImageReady,
     Stop,
     Synced,
 )
-from ztunnel.workers.replication import apply_changes
+from ztunnel.workers.replication import apply_changes, map_image
 
 if TYPE_CHECKING:
     from ztunnel.admin import profiling
@@ -146,7 +147,7 @@ class WorkerRuntime:
         self.channel = channel
         self.demands = ParentDemands(channel)
         on_demand = config.xds_on_demand and bool(config.xds_address)  # asked of the supervisor's xDS
-        self.state = ProxyState(self.demands.demand if on_demand else None)
+        self.state = SharedState(self.demands.demand if on_demand else None)
         # Only the traffic counters are reported to the parent: no /proc reads for process_* here.
         self.metrics = Metrics(config.istio_version, process_metrics=False)
         self.loop_metrics = EventLoopMetrics(index)
@@ -250,7 +251,9 @@ class WorkerRuntime:
                 return
             message, fds = got
             handler = self._now.get(type(message))
-            if handler is None:
+            if isinstance(message, StateImageReady):
+                self._on_image(message, fds)
+            elif handler is None:
                 self.actions.put_nowait((message, fds))
             else:
                 close_fds(fds)
@@ -258,6 +261,25 @@ class WorkerRuntime:
 
     async def _on_changes(self, message: StateChanges) -> None:
         apply_changes(self.state, message)
+
+    def _on_image(self, message: StateImageReady, fds: list[int]) -> None:
+        """Map the parent's new image and read the workloads and services from it from now on."""
+        try:
+            if len(fds) != 1:
+                raise ValueError(f"{len(fds)} fds with the state image")
+            image = map_image(fds[0], message.size)
+        except (OSError, ValueError) as e:
+            log.error("state image %d refused: %s", message.generation, e)
+            return
+        finally:
+            close_fds(fds)
+        if not self.state.install(image, message.generation, message.base):
+            log.error(
+                "state image %d refused: a delta over base %s, this worker holds base %d",
+                message.generation,
+                message.base,
+                self.state.base_generation,
+            )
 
     async def _on_certificate(self, message: CertificateReply) -> None:
         self.ca.answer(message)
@@ -348,7 +370,7 @@ class WorkerRuntime:
         await sweep_stale_series(
             grace,
             self.metrics.series_workloads,
-            self.state.workloads,
+            self.state.series_names_present,
             self.metrics.drop_series,
             asyncio.get_running_loop().time,
         )

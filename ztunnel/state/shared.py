@@ -1,0 +1,111 @@
+"""A worker's store: the workloads and services read in place from the parent's image, the policies
+held as values.
+
+`SharedState` is a `ProxyState` whose tables of workloads and services are the parent's images
+(read-only mappings shared by every worker: `ztunnel.state.image`): a key the delta image touched is
+answered by it, any other by the base image; the rules on top (which workload wins an address, which
+service a client sees, the endpoints in use) are the store's own. Policies stay values applied as changes (they are few and admission reads them per connection).
+A new image replaces the old one as one change: the listeners are notified, and the answers kept
+between changes are forgotten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from xds.model import Endpoint, IPAddress, Service, Workload
+from ztunnel.state.image import StateImage, addr_key, text_key
+from ztunnel.state.store import Demander, ProxyState
+
+_EMPTY = StateImage(b"".join(ProxyState().image()))
+
+
+class SharedState(ProxyState):
+    def __init__(self, demander: Demander | None = None) -> None:
+        super().__init__(demander)
+        self.shared: StateImage = _EMPTY  # the base image
+        self.base_generation = 0
+        self.delta: StateImage | None = None  # what changed since the base, key by key
+
+    def install(self, image: StateImage, generation: int = 0, base: int | None = None) -> bool:
+        """Read the workloads and services from `image` from now on: a base image (the delta is
+        let go with the old base), or a delta over base image `base` (in place of the previous
+        delta). A delta over another base than the one held is refused (False): the store stays as
+        it was, whole, rather than a mix."""
+        if base is not None and base != self.base_generation:
+            return False
+        with self.batch():
+            if base is not None:
+                self.delta = image
+            else:
+                self.shared, self.delta, self.base_generation = image, None, generation
+            self._changed = True
+        return True
+
+    def _image(self, index: str, key: bytes) -> StateImage:
+        """The image that answers `key` of `index`: the delta if it touched it, else the base."""
+        delta = self.delta
+        return delta if delta is not None and delta.touches(index, key) else self.shared
+
+    def _changed_since_base(self, uid: str) -> bool:
+        return self.delta is not None and self.delta.touches("uid", uid.encode())
+
+    # --- the tables, from the images ---
+
+    def workloads(self) -> list[Workload]:
+        """Every workload (those changed since the base last)."""
+        found = [w for w in self.shared.workloads() if not self._changed_since_base(w.uid)]
+        if self.delta is not None:
+            found += [w for w in self.delta.workloads() if self._changed_since_base(w.uid)]
+        return found
+
+    def services(self) -> list[Service]:
+        """Every service (those changed since the base last)."""
+        delta = self.delta
+        if delta is None:
+            return list(self.shared.services())
+        found = [s for s in self.shared.services() if not delta.touches("key", s.key.encode())]
+        return found + [s for s in delta.services() if delta.touches("key", s.key.encode())]
+
+    def workload_by_uid(self, uid: str) -> Workload | None:
+        return self._image("uid", uid.encode()).workload_by_uid(uid)
+
+    def _workloads_at(self, network: str, ip: IPAddress) -> list[Workload]:
+        return self._image("addr", addr_key(network, ip)).workloads_at(network, ip)
+
+    def workload_by_hostname(self, namespace: str, hostname: str) -> Workload | None:
+        found = self._image("host", text_key(namespace, hostname)).workloads_by_hostname(namespace, hostname)
+        return found[0] if found else None
+
+    def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
+        return self._image("vip", addr_key(network, ip)).services_at(network, ip)
+
+    def service_by_key(self, key: str) -> Service | None:
+        return self._image("key", key.encode()).service_by_key(key)
+
+    def _services_named(self, hostname: str) -> list[Service]:
+        return self._image("svchost", hostname.encode()).services_by_hostname(hostname)
+
+    def _cidr_services(self) -> Iterable[Service]:
+        return (self.delta or self.shared).services_with_cidr_vips()
+
+    def _memberships_of(self, service_key: str) -> Iterable[Endpoint]:
+        return self._image("member", service_key.encode()).memberships(service_key)
+
+    def _local_candidates(self, name: str, namespace: str) -> Iterable[Workload]:
+        found = [
+            w for w in self.shared.workloads_named(namespace, name) if not self._changed_since_base(w.uid)
+        ]
+        return found + (self.delta.workloads_named(namespace, name) if self.delta is not None else [])
+
+    def workloads_by_name(self, name: str) -> list[Workload]:
+        found = [w for w in self.shared.workloads_of_pod_name(name) if not self._changed_since_base(w.uid)]
+        return found + (self.delta.workloads_of_pod_name(name) if self.delta is not None else [])
+
+    def series_names_present(self, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
+        return {key for key in keys if self._has_series_name(*key)}
+
+    def _has_series_name(self, namespace: str, name: str) -> bool:
+        if self.delta is not None and self.delta.series_named(namespace, name):
+            return True
+        return any(not self._changed_since_base(w.uid) for w in self.shared.series_named(namespace, name))
