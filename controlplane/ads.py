@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from controlplane.snapshot import TYPE_URLS, Delta, Snapshot, VersionedResource
+from controlplane.snapshot import TYPE_URLS, Delta, Snapshot, VersionedResource, encode_response
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 Request = discovery_pb2.DeltaDiscoveryRequest
-Response = discovery_pb2.DeltaDiscoveryResponse
+SERVICE_NAME = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 
 
 @dataclass(eq=False)
@@ -46,8 +46,8 @@ class _Stream:
     # Type URL -> the resource names a by-name (on-demand) subscription holds; absent: wildcard.
     named: dict[str, set[str]] = field(default_factory=dict)
     unanswered: dict[str, Delta] = field(default_factory=dict)  # nonce -> what that response carried
-    # None ends the stream (the client went away).
-    outbox: asyncio.Queue[Response | None] = field(default_factory=asyncio.Queue)
+    # Encoded responses; None ends the stream (the client went away).
+    outbox: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
 
     @property
     def who(self) -> str:
@@ -222,14 +222,20 @@ class AggregatedDiscoveryService(discovery_pb2_grpc.AggregatedDiscoveryServiceSe
     def _send(self, stream: _Stream, delta: Delta) -> None:
         nonce = str(next(self._nonces))
         stream.unanswered[nonce] = delta
-        stream.outbox.put_nowait(
-            Response(
-                type_url=delta.type_url,
-                nonce=nonce,
-                resources=[r.to_wire(delta.aliases.get(r.name, ())) for r in delta.updated],
-                removed_resources=delta.removed,
-            )
-        )
+        stream.outbox.put_nowait(encode_response(delta, nonce))
+
+
+def add_to_server(service: AggregatedDiscoveryService, server: grpc.aio.Server) -> None:
+    """Register `service`: its responses are written as the bytes `encode_response` made (the
+    generated registration would encode `DeltaDiscoveryResponse` messages)."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        service.DeltaAggregatedResources,
+        request_deserializer=Request.FromString,
+        response_serializer=bytes,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"DeltaAggregatedResources": handler}),)
+    )
 
 
 def _short(type_url: str) -> str:

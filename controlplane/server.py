@@ -19,13 +19,12 @@ import grpc
 import uvloop
 
 from controlplane import DEFAULT_LISTEN
-from controlplane.ads import AggregatedDiscoveryService
+from controlplane.ads import AggregatedDiscoveryService, add_to_server
 from controlplane.auth import CallerCheck
 from controlplane.ca import CaDirectoryError, CertificateAuthority, CertificateService, default_ca_dir
 from controlplane.kube.cluster import Options
 from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
 from xds.client import MAX_MESSAGE_BYTES  # the client's limit: a large file fails on neither side
-from xds.gen.envoy.service.discovery.v3 import discovery_pb2_grpc
 from xds.gen.istio.v1.auth import ca_pb2_grpc
 from xds.localconfig import LocalConfigError
 
@@ -150,7 +149,7 @@ class ControlPlane:
                 ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
-        discovery_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.ads, server)
+        add_to_server(self.ads, server)
         ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(CertificateService(self.ca), server)
         target = _host_port(self.host, self._port)
         try:

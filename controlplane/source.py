@@ -60,7 +60,7 @@ class LocalConfigInput:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
             raise LocalConfigError(f"{source}: not UTF-8 text") from None
-        return parse_local_config(text, source)
+        return parse_local_config(text, source, raw=False)
 
 
 class Input(Protocol):

@@ -197,14 +197,16 @@ class Channel:
 
 
 # A control plane's connection: the reference's HTTP/2 keepalive (a PING every 30 s, 10 s for its
-# ACK), room for a large trailer, and windows large enough that a big push does not wait on them.
+# ACK), room for a large trailer, windows large enough that a big push does not wait on them, and
+# frames up to 1 MiB: a full state of 100,000 workloads (27 MiB) is read in 0.25 s rather than 0.55 s
+# in 16 KiB frames (each one an event through the HTTP/2 core).
 CHANNEL_SETTINGS = H2Settings(
     ping_interval=30.0,
     ping_timeout=10.0,
     client_max_header_list=65536,
     stream_window=4 * 1024 * 1024,
     connection_window=16 * 1024 * 1024,
-    frame_size=16384,
+    frame_size=1024 * 1024,
 )
 
 

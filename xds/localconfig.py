@@ -118,11 +118,18 @@ def load_local_config(path: str | os.PathLike[str]) -> LocalConfig:
     return parse_local_config(text, os.fspath(path))
 
 
-def parse_local_config(text: str, source: str = "<inline>") -> LocalConfig:
+def parse_local_config(text: str, source: str = "<inline>", *, raw: bool = True) -> LocalConfig:
+    """`raw=False`: no `raw` document kept (the control plane's use), and a plain-shaped file read entry
+    by entry (`yamlstream`), each converted as it is read: several times faster and smaller."""
     import yaml
 
-    from xds import localyaml
+    from xds import localyaml, yamlstream
 
+    if not raw:
+        try:
+            return _streamed(text)
+        except (yamlstream.Unsupported, _Invalid):
+            pass  # read again whole below: its errors name the line, the key path and the reason
     try:
         document = localyaml.load(text)
     except yaml.MarkedYAMLError as e:
@@ -534,6 +541,25 @@ def _policy(value: object, path: str) -> Authorization:
     )
     obj.refuse_unknown()
     return policy
+
+
+def _streamed(text: str) -> LocalConfig:
+    from xds import yamlstream
+
+    readers: dict[str, Callable[[object, str], Any]] = {
+        "workloads": _workload,
+        "services": _service,
+        "policies": _policy,
+    }
+    converted: dict[str, list[Any]] = {key: [] for key in TOP_LEVEL_KEYS}
+    for key, entry in yamlstream.items(text, TOP_LEVEL_KEYS):
+        done = converted[key]
+        done.append(readers[key](entry, f"{key}[{len(done)}]"))
+    return LocalConfig(
+        workloads=tuple(converted["workloads"]),
+        services=tuple(converted["services"]),
+        policies=tuple(converted["policies"]),
+    )
 
 
 def _local_config(document: object) -> LocalConfig:

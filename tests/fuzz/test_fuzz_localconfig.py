@@ -124,9 +124,21 @@ def _load(text: str) -> LocalConfig | LocalConfigError:
         config = parse_local_config(text, "fuzz.yaml")
     except LocalConfigError as e:
         assert e.message.startswith("fuzz.yaml: ") and "\n" not in e.message.strip()
+        _same_without_raw(text, e)
         return e
     json.dumps(config.raw)  # `/config_dump` echoes it
+    _same_without_raw(text, config)
     return config
+
+
+def _same_without_raw(text: str, whole: LocalConfig | LocalConfigError) -> None:
+    """The control plane's reading (entry by entry where it can) gives the same config or error."""
+    try:
+        streamed: LocalConfig | LocalConfigError = parse_local_config(text, "fuzz.yaml", raw=False)
+    except LocalConfigError as e:
+        assert isinstance(whole, LocalConfigError) and e.message == whole.message
+        return
+    assert streamed == whole
 
 
 @given(DOCUMENTS)
