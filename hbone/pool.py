@@ -207,9 +207,10 @@ class Pool(Generic[C]):
                     continue
                 dial = slot.dial = self._start_dial(key, slot)
             conn = await asyncio.shield(dial)
-            if not conn.is_usable():
+            if slot.conn is conn and not conn.is_usable():
                 raise ConnectionClosed("HBONE connection closed as it was made")
-            # Taken by the callers before this one up to its stream limit, the next round dials again.
+            # Else taken by the callers before this one up to its stream limit (and maybe closed by
+            # them already, as a connection that left the pool is): the next round dials again.
 
     def _start_dial(self, key: PoolKey, slot: _Slot[C]) -> asyncio.Future[C]:
         """Run the connector for `key` as a task; the future it settles is what the waiters share."""

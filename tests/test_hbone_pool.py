@@ -68,6 +68,7 @@ class Connector:
         self.fail_next = 0
         self.gate: asyncio.Event | None = None  # when set: each dial waits for it
         self.cancelled = 0
+        self.dead_on_arrival = False  # the connections made are unusable at once
 
     async def __call__(self, key: PoolKey) -> FakeConnection:
         self.dials.append(key)
@@ -83,6 +84,7 @@ class Connector:
             self.fail_next -= 1
             raise OSError("connection refused")
         conn = FakeConnection(key, self.max_streams)
+        conn.usable = not self.dead_on_arrival
         self.made.append(conn)
         return conn
 
@@ -390,3 +392,32 @@ async def test_waiters_beyond_the_stream_limit_share_the_next_dial(pool_parts) -
     first, second = dial.made
     assert conns.count(first) == 100 and conns.count(second) == 50
     assert pool.pooled(KEY) is second
+
+
+async def test_waiters_of_a_one_stream_dial_each_get_a_connection(pool_parts) -> None:
+    """With one stream per connection (the bench's handshake proxy), the first waiter of a shared
+    dial takes its connection, which leaves the pool and is closed once its stream is open: the
+    other waiters dial again instead of failing ("closed as it was made" is for a connection that
+    closed before anyone took it)."""
+    dial = Connector(max_streams=1)
+    dial.gate = asyncio.Event()
+    pool = pool_parts(dial, max_streams=1)
+    waiters = [asyncio.ensure_future(pool.connect(KEY, f"10.0.0.2:{8000 + i}")) for i in range(3)]
+    await eventually_async(lambda: pool.dialing(KEY), "the shared dial under way")
+    dial.gate.set()
+    streams = await asyncio.gather(*waiters)
+    assert [s[1] for s in streams] == ["10.0.0.2:8000", "10.0.0.2:8001", "10.0.0.2:8002"]  # type: ignore[index]
+    assert len(dial.made) == 3 and all(c.closed and c.active_streams == 1 for c in dial.made)
+
+
+async def test_a_connection_closed_as_it_was_made_fails_all_its_waiters(pool_parts) -> None:
+    dial = Connector()
+    dial.gate = asyncio.Event()
+    dial.dead_on_arrival = True  # the peer says GOAWAY as the connection is made
+    pool = pool_parts(dial)
+    waiters = [asyncio.ensure_future(pool.checkout(KEY)) for _ in range(3)]
+    await eventually_async(lambda: pool.dialing(KEY), "the shared dial under way")
+    dial.gate.set()
+    results = await asyncio.gather(*waiters, return_exceptions=True)
+    assert [str(r) for r in results] == ["HBONE connection closed as it was made"] * 3
+    assert len(dial.dials) == 1  # one dial, its end seen by all: no dial again in a loop
