@@ -19,6 +19,7 @@ from tests.apps import echo_server, exchange, loopback_net, socks5
 from tests.harness import Fleet, proxy_env
 from tests.waiting import eventually, eventually_async
 from ztunnel.logs import lines as logs
+from ztunnel.logs.writer import LogWriter
 from ztunnel.metrics.families import Metrics
 
 pytestmark = pytest.mark.timeout(120)
@@ -154,6 +155,31 @@ def test_a_forked_child_writes_its_own_lines(pipe: tuple[int, int]) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     text = read_until(r, b"child line").decode()
     assert text.count("parent before fork") == 1, text  # not written twice by the child
+
+
+def test_writers_sharing_a_slow_pipe_never_interleave_within_a_line(pipe: tuple[int, int]) -> None:
+    """A proxy's processes share one stderr: with the reader behind, each writer thread blocks in
+    write(2) at once, and a write larger than the pipe's atomic size would be split between them,
+    lines spliced into each other. Every line read whole, from either writer."""
+    r, w = pipe
+    writers = [LogWriter(w, limit=4 << 20) for _ in range(2)]
+    for i in range(3000):
+        for n, writer in enumerate(writers):
+            writer.write(f"writer{n} line {i:05d} {'y' * 180} end\n")
+    # A slow reader: a page at a time, so that both writers wait for room again and again.
+    got = bytearray()
+    deadline = time.monotonic() + 60
+    while got.count(b"\n") < 6000:
+        assert time.monotonic() < deadline, len(got)
+        got += os.read(r, 4096)
+        time.sleep(0.001)  # the reader's slowness: the stimulus
+    for writer in writers:
+        assert writer.flush()
+        writer.close()
+    lines = got.decode().splitlines()
+    spliced = [line for line in lines if not re.fullmatch(r"writer[01] line \d{5} y{180} end", line)]
+    assert not spliced, spliced[:3]
+    assert len(lines) == 6000 and all(writer.dropped == 0 for writer in writers)
 
 
 # -- a proxy whose stderr nobody reads ---------------------------------------------------------------

@@ -14,6 +14,8 @@ from collections.abc import Callable
 # What may wait for stderr at most: about 2,500 access-log lines. Beyond it lines are dropped.
 BUFFER_BYTES = 1 << 20
 _BATCH_BYTES = 64 * 1024
+# The most one write(2) to a pipe carries atomically (POSIX: at least 512; Linux: 4096).
+_ATOMIC = select.PIPE_BUF
 _CLOSE_TIMEOUT = 2.0
 # While lines keep coming (the last write less than ACTIVE ago), the writer thread looks for more
 # every LINGER, woken by no one (the most a line waits); idle longer, it sleeps until a line wakes it.
@@ -118,7 +120,7 @@ class LogWriter:
                     batch, lines = self._take()
                 else:  # drained, with lines dropped since the last report
                     assert self._report is not None
-                    batch, lines = self._report(self._unreported).encode("utf-8", "backslashreplace"), 0
+                    batch, lines = [self._report(self._unreported).encode("utf-8", "backslashreplace")], 0
                     self._unreported = 0
             self._wrote = time.monotonic()
             if not self._write_all(batch):
@@ -128,26 +130,39 @@ class LogWriter:
                     self._queue.clear()
                     self._queued = 0
 
-    def _take(self) -> tuple[bytes, int]:
-        """Lines from the front of the buffer, up to a batch: their bytes and their number."""
+    def _take(self) -> tuple[list[bytes], int]:
+        """Lines from the front of the buffer, up to a batch, as writes of whole lines of at most
+        `PIPE_BUF` bytes each (a longer line alone), and their number of lines."""
+        writes: list[bytes] = []
         parts: list[bytes] = []
-        size = 0
-        while self._queue and (not parts or size + len(self._queue[0]) <= _BATCH_BYTES):
+        size = total = lines = 0
+        while self._queue and (not lines or total + len(self._queue[0]) <= _BATCH_BYTES):
             data = self._queue.popleft()
+            if parts and size + len(data) > _ATOMIC:
+                writes.append(b"".join(parts))
+                parts, size = [], 0
             parts.append(data)
             size += len(data)
-        self._queued -= size
-        return b"".join(parts), len(parts)
+            total += len(data)
+            lines += 1
+        if parts:
+            writes.append(b"".join(parts))
+        self._queued -= total
+        return writes, lines
 
-    def _write_all(self, data: bytes) -> bool:
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(self.fd, view) :]
-            except BlockingIOError:  # someone made the shared descriptor non-blocking
-                select.select([], [self.fd], [])
-            except OSError:  # closed, or the reader is gone: nothing will be read again
-                return False
+    def _write_all(self, writes: list[bytes]) -> bool:
+        """Each piece in one write(2) where it fits: to a pipe, a write of at most `PIPE_BUF` bytes
+        is atomic, so the lines of the proxy's processes, which share its stderr, never interleave
+        within a line when the reader is slow (a larger write is split where the kernel likes)."""
+        for data in writes:
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[os.write(self.fd, view) :]
+                except BlockingIOError:  # someone made the shared descriptor non-blocking
+                    select.select([], [self.fd], [])
+                except OSError:  # closed, or the reader is gone: nothing will be read again
+                    return False
         return True
 
 
