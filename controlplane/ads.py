@@ -142,7 +142,7 @@ class AggregatedDiscoveryService(discovery_pb2_grpc.AggregatedDiscoveryServiceSe
             return
         known = dict(request.initial_resource_versions)
         delta = self.snapshot.delta_since(type_url, known)
-        current = self.snapshot.versions(type_url)
+        current = self.snapshot.versions(type_url) if known else {}
         log.info(
             "%s subscribed to %s: sending %d resource(s), %d removal(s), %d unchanged",
             stream.who,

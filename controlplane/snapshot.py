@@ -66,6 +66,9 @@ class Delta:
     removed: tuple[str, ...] = ()
     # Resource name -> the names an on-demand client asked for it by (e.g. `network/ip`).
     aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # The `resources` entries encoded (`encode_response`), kept: a snapshot's whole state goes to
+    # every new stream.
+    body: list[bytes] = field(default_factory=list, compare=False, repr=False)
 
     def __bool__(self) -> bool:
         return bool(self.updated or self.removed)
@@ -87,6 +90,8 @@ class Snapshot:
     # Other names an Address is asked for on demand: `network/ip` of a workload or a service VIP,
     # a workload's `namespace/hostname`. Name -> resource names.
     address_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # The delta of each type for a client holding nothing, made once (a node's proxies all start so).
+    full: dict[str, Delta] = field(default_factory=dict, compare=False, repr=False)
 
     def resolve(self, type_url: str, key: str) -> tuple[str, ...]:
         """The resource names an on-demand subscription to `key` is answered with."""
@@ -103,12 +108,17 @@ class Snapshot:
         It serves both a new stream (`known` = the client's `initial_resource_versions`) and a reload
         (`known` = the previous snapshot's versions).
         """
+        if not known and type_url in self.full:
+            return self.full[type_url]
         current = self.resources.get(type_url, {})
-        return Delta(
+        delta = Delta(
             type_url=type_url,
             updated=tuple(r for name, r in sorted(current.items()) if known.get(name) != r.version),
             removed=tuple(sorted(name for name in known if name not in current)),
         )
+        if not known:
+            self.full[type_url] = delta
+        return delta
 
 
 def snapshot_from_config(config: LocalConfig, source: str = "<inline>") -> Snapshot:
@@ -183,11 +193,13 @@ def encode_response(delta: Delta, nonce: str) -> bytes:
     head = discovery_pb2.DeltaDiscoveryResponse(
         type_url=delta.type_url, nonce=nonce, removed_resources=delta.removed
     ).SerializeToString()
-    parts = [head]
-    for r in delta.updated:
-        wire = r.encoded(delta.aliases.get(r.name, ()))
-        parts += (_RESOURCES_KEY, _varint(len(wire)), wire)
-    return b"".join(parts)
+    if not delta.body:
+        parts: list[bytes] = []
+        for r in delta.updated:
+            wire = r.encoded(delta.aliases.get(r.name, ()))
+            parts += (_RESOURCES_KEY, _varint(len(wire)), wire)
+        delta.body.append(b"".join(parts))
+    return head + delta.body[0]
 
 
 def _with_service_endpoints(workloads: Sequence[Workload], services: Iterable[Service]) -> list[Workload]:

@@ -41,14 +41,8 @@ from xds.model import (
     WorkloadStatus,
 )
 from ztunnel.state import image as image_module
-from ztunnel.state.image import (
-    ImageError,
-    StateImage,
-    service_of,
-    service_record,
-    workload_of,
-    workload_record,
-)
+from ztunnel.state.image import ImageError, StateImage
+from ztunnel.state.records import service_of, service_record, workload_of, workload_record
 from ztunnel.state.shared import SharedState
 from ztunnel.state.store import ProxyState
 from ztunnel.workers import replication

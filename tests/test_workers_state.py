@@ -5,6 +5,7 @@ through pickle as on the socket pair, the image's memfd is mapped as a worker ma
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 from collections.abc import Sequence
@@ -159,7 +160,10 @@ def test_the_parent_tells_when_an_on_demand_key_has_arrived() -> None:
 
 
 def _images_held() -> int:
-    """The state images this process holds open (memfds named `ztunnel-state`)."""
+    """The state images this process holds open (memfds named `ztunnel-state`). Collected first:
+    an earlier test's mapping (an mmap holds its own fd) left for the collector would otherwise be
+    let go in the middle of the count."""
+    gc.collect()
     held = 0
     for fd in os.listdir("/proc/self/fd"):
         try:

@@ -9,8 +9,8 @@ with the whole of what the store has for it, and the set of those keys (`StateIm
 An image is a header and sections, each 8-byte aligned:
 
 * records: every workload, service, and each service's memberships (its endpoints from the
-  workloads' `services`), each a tuple of plain values marshalled on its own, with an array of
-  their offsets, so a lookup decodes only the records it finds;
+  workloads' `services`), each a tuple of plain values (`ztunnel.state.records`) marshalled on its
+  own, with an array of their offsets, so a lookup decodes only the records it finds;
 * indexes: one per question the store answers (a workload by uid, by address, by hostname, by
   name, by the name its metric series carry; a service by key, by VIP, by hostname; the
   memberships by service key). An index is two arrays sorted together: `crc32(key) << 32 | order`
@@ -35,30 +35,14 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from xds.model import (
-    ApplicationTunnel,
-    AppTunnelProtocol,
-    CidrVip,
-    Endpoint,
-    GatewayAddress,
-    HealthPolicy,
-    IPAddress,
-    IPFamilies,
-    LoadBalancer,
-    LoadBalancingMode,
-    LoadBalancingScope,
-    Locality,
-    NamespacedHostname,
-    NetworkAddress,
-    NetworkMode,
-    Service,
-    TunnelProtocol,
-    Visibility,
-    WeightedWaypoint,
-    Workload,
-    WorkloadStatus,
-    cidr_from_bytes,
-    ip_from_bytes,
+from xds.model import Endpoint, IPAddress, NamespacedHostname, NetworkAddress, Service, Workload
+from ztunnel.state.records import (
+    members_of,
+    members_record,
+    service_of,
+    service_record,
+    workload_of,
+    workload_record,
 )
 
 MAGIC = b"ZTIMAGE3"
@@ -98,95 +82,6 @@ def text_key(*parts: str) -> bytes:
     return "/".join(parts).encode()
 
 
-# --- the records: each a tuple of plain values (str, int, bytes, None, tuples), marshalled ---------
-# Field by field, in the model's order (tests/test_state_image.py checks that every field is here).
-
-
-def _gateway(g: GatewayAddress | None) -> tuple[Any, ...] | None:
-    if g is None:
-        return None
-    d = g.destination
-    if isinstance(d, NetworkAddress):
-        return (0, d.network, d.address.packed, g.hbone_mtls_port)
-    return (1, d.namespace, d.hostname, g.hbone_mtls_port)
-
-
-def _gateway_of(t: tuple[Any, ...] | None) -> GatewayAddress | None:
-    if t is None:
-        return None
-    kind, a, b, port = t
-    dest = NetworkAddress(a, ip_from_bytes(b)) if kind == 0 else NamespacedHostname(a, b)
-    return GatewayAddress(dest, port)
-
-
-def _endpoint(e: Endpoint) -> tuple[Any, ...]:
-    return (e.workload_uid, e.port, int(e.status))
-
-
-def _endpoint_of(t: tuple[Any, ...]) -> Endpoint:
-    return Endpoint(t[0], t[1], WorkloadStatus(t[2]))
-
-
-def workload_record(w: Workload) -> tuple[Any, ...]:
-    app = w.application_tunnel
-    loc = w.locality
-    return (
-        w.uid, w.name, w.namespace, tuple(ip.packed for ip in w.addresses), w.hostname, w.network,
-        int(w.tunnel_protocol), w.trust_domain, w.service_account, _gateway(w.waypoint),
-        _gateway(w.network_gateway), w.node, w.canonical_name, w.canonical_revision, w.workload_type,
-        w.workload_name, w.native_tunnel, None if app is None else (int(app.protocol), app.port),
-        w.services, w.authorization_policies, int(w.status), w.cluster_id,
-        (loc.region, loc.zone, loc.subzone), int(w.network_mode), w.capacity,
-    )  # fmt: skip
-
-
-def workload_of(t: tuple[Any, ...]) -> Workload:
-    (uid, name, namespace, addresses, hostname, network, tunnel, trust_domain, service_account, waypoint,
-     gateway, node, canonical_name, canonical_revision, workload_type, workload_name, native_tunnel, app,
-     services, policies, status, cluster_id, locality, network_mode, capacity) = t  # fmt: skip
-    return Workload(
-        uid, name, namespace, tuple(ip_from_bytes(a) for a in addresses), hostname, network,
-        TunnelProtocol(tunnel), trust_domain, service_account, _gateway_of(waypoint), _gateway_of(gateway),
-        node, canonical_name, canonical_revision, workload_type, workload_name, native_tunnel,
-        None if app is None else ApplicationTunnel(AppTunnelProtocol(app[0]), app[1]), services, policies,
-        WorkloadStatus(status), cluster_id, Locality(*locality), NetworkMode(network_mode), capacity,
-    )  # fmt: skip
-
-
-def service_record(s: Service) -> tuple[Any, ...]:
-    lb = s.load_balancer
-    return (
-        s.name, s.namespace, s.hostname, tuple((v.network, v.address.packed) for v in s.vips),
-        tuple((c.network, c.cidr.network_address.packed, c.cidr.prefixlen) for c in s.cidr_vips), s.ports,
-        s.subject_alt_names, _gateway(s.waypoint),
-        tuple((_gateway(w.destination), w.weight) for w in s.weighted_waypoints),
-        None if lb is None else (tuple(int(p) for p in lb.routing_preferences), int(lb.mode), int(lb.health_policy)),
-        int(s.ip_families), s.canonical, int(s.visibility), tuple(_endpoint(e) for e in s.endpoints),
-    )  # fmt: skip
-
-
-def service_of(t: tuple[Any, ...]) -> Service:
-    (name, namespace, hostname, vips, cidr_vips, ports, sans, waypoint, weighted, lb, ip_families,
-     canonical, visibility, endpoints) = t  # fmt: skip
-    return Service(
-        name, namespace, hostname, tuple(NetworkAddress(n, ip_from_bytes(a)) for n, a in vips),
-        tuple(CidrVip(n, cidr_from_bytes(a, length)) for n, a, length in cidr_vips), ports, sans,
-        _gateway_of(waypoint), tuple(WeightedWaypoint(_gateway_of(g), w) for g, w in weighted),  # type: ignore[arg-type]
-        None if lb is None else LoadBalancer(
-            tuple(LoadBalancingScope(p) for p in lb[0]), LoadBalancingMode(lb[1]), HealthPolicy(lb[2])
-        ),
-        IPFamilies(ip_families), canonical, Visibility(visibility), tuple(_endpoint_of(e) for e in endpoints),
-    )  # fmt: skip
-
-
-def _members_record(key: str, endpoints: Iterable[Endpoint]) -> tuple[Any, ...]:
-    return (key, tuple(_endpoint(e) for e in endpoints))
-
-
-def _members_of(t: tuple[Any, ...]) -> tuple[str, tuple[Endpoint, ...]]:
-    return t[0], tuple(_endpoint_of(e) for e in t[1])
-
-
 class _Records:
     """Marshalled records and their offsets, as they are added."""
 
@@ -219,6 +114,22 @@ class _Index:
     def add(self, key: bytes, record: int) -> None:
         self.keys.append(key)
         self.ids.append(record)
+
+    def extend(self, keys: Iterable[bytes], records: Iterable[int]) -> None:
+        self.keys += keys
+        self.ids += records
+
+    def extend_lists(
+        self, lists: Mapping[Any, Sequence[str]], key_of: Callable[[Any], bytes], ids: Mapping[str, int]
+    ) -> None:
+        """Every key of `lists` (a store's index: key -> uids or service keys), each with the record
+        numbers of its list in order."""
+        keys, records = self.keys, self.ids
+        for where, names in lists.items():
+            key = key_of(where)
+            for name in names:
+                keys.append(key)
+                records.append(ids[name])
 
     def sections(self) -> tuple[list[bytes], list[bytes]]:
         order = [h << 32 | i for i, h in enumerate(map(zlib.crc32, self.keys))]
@@ -319,6 +230,19 @@ class _Encoder:
         self.srec.extend(map(service_record, t.services.values()))
         self._sid = {key: n for n, key in enumerate(t.services)}
 
+    def every_workload(self) -> None:
+        """`workloads` of a base image (every record made already by `all_records`), the same entries
+        made a list at a time."""
+        t, idx = self.t, self.idx
+        ws = list(t.workloads.values())
+        every = range(len(ws))
+        idx["uid"].extend([w.uid.encode() for w in ws], every)
+        idx["name"].extend([text_key(w.namespace, w.name) for w in ws], every)
+        idx["pod"].extend([w.name.encode() for w in ws], every)
+        idx["series"].extend([text_key(w.namespace, w.workload_name or w.name) for w in ws], every)
+        idx["addr"].extend_lists(t.by_addr, lambda a: addr_key(a.network, a.address), self._wid)
+        idx["host"].extend_lists(t.by_hostname, lambda h: text_key(h.namespace, h.hostname), self._wid)
+
     def wid(self, uid: str) -> int:
         n = self._wid.get(uid)
         if n is None:
@@ -376,7 +300,7 @@ class _Encoder:
             touched["member"].add(raw := key.encode())
             endpoints = t.memberships.get(key)
             if endpoints and key in t.services:
-                idx["member"].add(raw, self.mrec.add(_members_record(key, endpoints.values())))
+                idx["member"].add(raw, self.mrec.add(members_record(key, endpoints.values())))
 
     def chunks(self) -> list[bytes]:
         cidr = array("I", [self.sid(key) for key in self.t.cidr_services])
@@ -403,7 +327,7 @@ def encode_image(t: Tables, touched: Touched | None = None) -> list[bytes]:
     enc = _Encoder(t, delta=touched is not None)
     if touched is None:
         enc.all_records()
-        enc.workloads(t.workloads, t.by_addr, t.by_hostname)
+        enc.every_workload()
         enc.services(t.services, t.services_by_vip, t.services_by_hostname, t.memberships)
     else:
         enc.workloads(touched.uids, touched.addrs, touched.hosts)
@@ -471,7 +395,7 @@ class StateImage:
         self._view = view
         self._workloads = _Table(parts["workloads"], parts["workload_offsets"].cast("Q"), workload_of)
         self._services = _Table(parts["services"], parts["service_offsets"].cast("Q"), service_of)
-        self._members = _Table(parts["members"], parts["member_offsets"].cast("Q"), _members_of)
+        self._members = _Table(parts["members"], parts["member_offsets"].cast("Q"), members_of)
         self._cidr = parts["cidr_services"].cast("I")
         self._index = {
             name: (parts[f"{name}_hashes"].cast("Q"), parts[f"{name}_ids"].cast("I")) for name in _INDEXES

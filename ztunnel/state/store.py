@@ -157,8 +157,11 @@ class ProxyState:
         self._notify()
 
     def _forget_lookups(self) -> None:
-        self._by_addr.clear()
-        self._policies_of.clear()
+        # Called twice per change (a first push makes some 200,000): clearing only what holds answers.
+        if self._by_addr:
+            self._by_addr.clear()
+        if self._policies_of:
+            self._policies_of.clear()
 
     def _notify(self) -> None:
         changed, policies_changed = self._changed, self._policies_changed

@@ -104,8 +104,10 @@ class ReplicatedState(ProxyState):
     def __init__(self, publish: Publish, demander: Demander | None = None) -> None:
         super().__init__(demander)
         self._publish = publish
-        self.journal: list[StateOp] = []  # the changes of the batch under way
-        self.op_depth = 0  # ops inside ops (a service removed by name) are recorded once
+        # The batch under way: its policy changes (and a Clear), in order, and whether it changed a
+        # workload or a service (then a new image goes out).
+        self._policy_ops: list[StateOp] = []
+        self._addresses_changed = False
         # (memfd, size, generation) of the workers' current base image and delta image; what the
         # delta holds.
         self._base: tuple[int, int, int] | None = None
@@ -114,18 +116,14 @@ class ReplicatedState(ProxyState):
         self._rebase = True  # the next image is a base (the store was replaced)
         self.generation = 0
 
-    def _op(self, op: StateOp) -> _Op:
-        return _Op(self, op)
-
     def _committed(self) -> None:
         super()._committed()
-        if self.journal:
-            ops, self.journal = self.journal, []
-            policies = tuple(op for op in ops if isinstance(op, Clear | UpsertPolicy | RemovePolicy))
-            if policies:
-                self._publish(StateChanges(policies), ())
-            if len(policies) < len(ops) or any(isinstance(op, Clear) for op in ops):
-                self._publish_image()
+        policies, self._policy_ops = self._policy_ops, []
+        addresses, self._addresses_changed = self._addresses_changed, False
+        if policies:
+            self._publish(StateChanges(tuple(policies)), ())
+        if addresses or any(isinstance(op, Clear) for op in policies):
+            self._publish_image()
 
     def _delta_limit(self) -> int:
         return max(DELTA_MIN, (len(self._workloads) + len(self._services)) // 16)
@@ -171,8 +169,12 @@ class ReplicatedState(ProxyState):
                 os.close(image[0])
         self._base = self._delta = None
 
+    # Each change is made in a batch of its own, so that what it touched is noted before the image
+    # of the outermost batch is made.
+
     def upsert_workload(self, w: Workload) -> None:
-        with self._op(UpsertWorkload(w)):
+        with self.batch():
+            self._addresses_changed = True
             tracking = self._tracking()
             if tracking:
                 self._touch_workload(w.uid)
@@ -181,13 +183,15 @@ class ReplicatedState(ProxyState):
                 self._touched.workload(w)
 
     def remove(self, name: str) -> bool:
-        with self._op(RemoveWorkload(name)):
+        with self.batch():
+            self._addresses_changed = True
             if self._tracking():
                 self._touch_workload(name)
             return super().remove(name)
 
     def upsert_service(self, s: Service) -> None:
-        with self._op(UpsertService(s)):
+        with self.batch():
+            self._addresses_changed = True
             tracking = self._tracking()
             if tracking:
                 self._touch_service(s.key)
@@ -196,7 +200,8 @@ class ReplicatedState(ProxyState):
                 self._touched.service(s)
 
     def remove_service(self, key: str) -> bool:
-        with self._op(RemoveService(key)):
+        with self.batch():
+            self._addresses_changed = True
             if self._tracking():
                 self._touch_service(key)
             return super().remove_service(key)
@@ -213,42 +218,20 @@ class ReplicatedState(ProxyState):
             self._touched.service(previous)
 
     def upsert_policy(self, p: Authorization) -> None:
-        with self._op(UpsertPolicy(p)):
+        with self.batch():
+            self._policy_ops.append(UpsertPolicy(p))
             super().upsert_policy(p)
 
     def remove_policy(self, key: str) -> bool:
-        with self._op(RemovePolicy(key)):
+        with self.batch():
+            self._policy_ops.append(RemovePolicy(key))
             return super().remove_policy(key)
 
     def apply_local_config(self, cfg: LocalConfig) -> None:
         self._rebase = True
         with self.batch():
-            if self.op_depth == 0:
-                self.journal.append(Clear())  # then the file's upserts, one by one
+            self._policy_ops.append(Clear())  # then the file's policies, one by one
             super().apply_local_config(cfg)
-
-
-class _Op:
-    """One change of the store, recorded once (a service removed by name is one change), in a batch."""
-
-    __slots__ = ("op", "state")
-
-    def __init__(self, state: ReplicatedState, op: StateOp) -> None:
-        self.state, self.op = state, op
-
-    def __enter__(self) -> None:
-        state = self.state
-        if state.op_depth == 0:
-            state.journal.append(self.op)
-        state.op_depth += 1
-        state.batch().__enter__()
-
-    def __exit__(self, *_: object) -> None:
-        state = self.state
-        try:
-            state.batch().__exit__()
-        finally:
-            state.op_depth -= 1
 
 
 def apply_changes(state: ProxyState, changes: StateChanges) -> None:
