@@ -54,6 +54,10 @@ def default_ca_dir() -> Path:
     return Path(state) / "ztunnel-py" / "control-plane-ca"
 
 
+# How far before its issue a workload leaf's validity starts.
+LEAF_BACKDATE = datetime.timedelta(seconds=60)
+
+
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
@@ -158,9 +162,11 @@ class CertificateAuthority:
         public_key = csr.public_key()
         if not isinstance(public_key, ec.EllipticCurvePublicKey | rsa.RSAPublicKey):
             raise CsrRejected("the request's key is neither EC nor RSA")
-        now = _now()
+        # Valid from a little before now, for the same length: a verifier whose clock is a second
+        # behind ours (another node's, or this one's stepped back) must not find it not yet valid.
+        start = _now() - LEAF_BACKDATE
         # The one workload leaf profile of the project (empty subject, critical SPIFFE SAN).
-        leaf = build_leaf([uris[0]], public_key, self.root, self.key, now, now + validity)
+        leaf = build_leaf([uris[0]], public_key, self.root, self.key, start, start + validity)
         return SignedCertificate(
             leaf, (leaf.public_bytes(serialization.Encoding.PEM).decode(), self.root_pem)
         )

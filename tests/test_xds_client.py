@@ -4,6 +4,7 @@ malformed resources NACKed, removals, unknown types, on-demand subscriptions."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import itertools
 import time
@@ -165,6 +166,7 @@ async def test_a_huge_policy_is_converted_while_the_loop_keeps_running(
     finally:
         ticker.cancel()
     assert is_ack(reply, AUTHORIZATION_TYPE_URL, "big")
+    assert gc.isenabled()  # paused while the big response was converted and applied, on again
     policy = running.state.policy("ns/huge")
     assert policy is not None and len(policy.rules[0][0][0].source_ips) == 100_000
     during = [t for t in ticks if start <= t <= start + took]
