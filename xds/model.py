@@ -117,7 +117,12 @@ class Locality:
     subzone: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+# Not `frozen`: a frozen dataclass's generated `__init__` sets each of its 25 fields through
+# `object.__setattr__`, four times the cost of plain slot stores, and a cluster's first push makes
+# 100,000 of them (a worker makes one per decoded image record). Nothing assigns to a Workload once
+# it is made (`dataclasses.replace` makes a new one); `unsafe_hash` hashes it by its fields, as
+# frozen would.
+@dataclass(slots=True, unsafe_hash=True)
 class Workload:
     uid: str
     name: str = ""
