@@ -99,6 +99,13 @@ class Snapshot:
             return (key,)
         return self.address_keys.get(key, ()) if type_url == ADDRESS_TYPE_URL else ()
 
+    def prepare(self) -> Snapshot:
+        """This snapshot with what a new stream is sent made now (each type's whole state, encoded),
+        not when the first client asks: at 100,000 workloads that is 0.3 s of its first answer."""
+        for type_url in TYPE_URLS:
+            _body(self.delta_since(type_url, {}))
+        return self
+
     def versions(self, type_url: str) -> dict[str, str]:
         return {name: r.version for name, r in self.resources.get(type_url, {}).items()}
 
@@ -193,13 +200,18 @@ def encode_response(delta: Delta, nonce: str) -> bytes:
     head = discovery_pb2.DeltaDiscoveryResponse(
         type_url=delta.type_url, nonce=nonce, removed_resources=delta.removed
     ).SerializeToString()
+    return head + _body(delta)
+
+
+def _body(delta: Delta) -> bytes:
+    """The `resources` entries of `delta`'s response, encoded once."""
     if not delta.body:
         parts: list[bytes] = []
         for r in delta.updated:
             wire = r.encoded(delta.aliases.get(r.name, ()))
             parts += (_RESOURCES_KEY, _varint(len(wire)), wire)
         delta.body.append(b"".join(parts))
-    return head + delta.body[0]
+    return delta.body[0]
 
 
 def _with_service_endpoints(workloads: Sequence[Workload], services: Iterable[Service]) -> list[Workload]:

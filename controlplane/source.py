@@ -108,13 +108,13 @@ class ConfigSource:
 
     def _snapshot(self) -> Snapshot:
         if len(self._configs) == 1:
-            return snapshot_from_config(self._configs[0], self.path)
+            return snapshot_from_config(self._configs[0], self.path).prepare()
         merged = LocalConfig(
             workloads=tuple(w for c in self._configs for w in c.workloads),
             services=tuple(s for c in self._configs for s in c.services),
             policies=tuple(p for c in self._configs for p in c.policies),
         )
-        return snapshot_from_config(merged, self.path)
+        return snapshot_from_config(merged, self.path).prepare()
 
     async def watch(self, publish: Callable[[Snapshot], None]) -> None:
         """Poll the inputs forever; hand every good new snapshot to `publish`."""

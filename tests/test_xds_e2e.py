@@ -239,5 +239,20 @@ async def test_a_wrong_root_or_address_is_one_clear_line_and_readiness_held(
             assert all(why in line for line in lines), lines
             assert "Traceback" not in proxy.log()
             assert not ready(proxy.ip)
+        # A dedicated proxy's own certificate is fetched beside xDS, not once it has synced.
+        for proxy in cases.values():
+            sa = proxy.env["PROXY_WORKLOAD_INFO"].rsplit("/", 1)[-1]
+            mine = [(f"spiffe://cluster.local/ns/demo/sa/{sa}", "Available")]
+
+            def certificates(p: Proxy = proxy) -> list[tuple[str, str]]:
+                return [(c["identity"], c["state"]) for c in p.config_dump()["certificates"]]
+
+            await eventually_async(
+                lambda c=certificates, m=mine: c() == m,  # type: ignore[misc]
+                lambda c=certificates: f"the proxy's own certificate before xDS synced: {c()}",  # type: ignore[misc]
+                10.0,
+                blocking=True,
+            )
+            assert not ready(proxy.ip)
     finally:
         cp.stop()
