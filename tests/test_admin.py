@@ -17,6 +17,7 @@ from ztunnel.admin.server import (
     Readiness,
     Response,
     admin_server,
+    dump_json,
     readiness_server,
     stats_server,
 )
@@ -301,3 +302,25 @@ async def test_close_stops_accepting() -> None:
     await server.close()
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)
+
+
+def test_the_dump_is_the_document_with_each_list_entry_on_a_line_of_its_own() -> None:
+    """`/config_dump` as an operator reads it (`less`, `grep`, `jq`): a key per line, a workload per
+    line; the same JSON as the document, its deferred sections rendered."""
+    workloads = [
+        {"uid": f"w{i}", "workloadIps": ["10.0.0.1"], "services": {"ns/s": {"80": 8080}}} for i in range(3)
+    ]
+    doc = {
+        "workloads": lambda: workloads,
+        "services": [],
+        "certificates": [{"identity": "spiffe://td/ns/a/sa/b", "state": "Available"}],
+        "config": {"proxyMode": "dedicated", "nested": {"a": [1, 2]}},
+        "version": "1.0 \u00e9",
+    }
+    text = dump_json(doc).decode()
+    assert json.loads(text) == {**doc, "workloads": workloads}
+    lines = text.splitlines()
+    assert lines[0] == "{" and lines[-1] == "}"
+    for w in workloads:
+        assert f"    {json.dumps(w)}," in lines or f"    {json.dumps(w)}" in lines
+    assert '  "config": {"proxyMode": "dedicated", "nested": {"a": [1, 2]}},' in lines

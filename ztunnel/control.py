@@ -136,7 +136,7 @@ class ControlRuntime:
             raise StartupError(str(e)) from None
 
     def config_dump(self) -> dict[str, Any]:
-        dump: dict[str, Any] = dict(self.state.dump())
+        dump: dict[str, Any] = dict(self.state.dump_deferred())  # rendered off the loop
         dump["staticConfig"] = self.static.raw if self.static is not None else {}
         dump["version"] = build_info()
         dump["config"] = self.config.to_dump()

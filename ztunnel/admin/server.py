@@ -306,6 +306,26 @@ def pprof_routes(
     }
 
 
+def dump_json(doc: Mapping[str, Any]) -> bytes:
+    """`/config_dump`'s document as JSON: a key per line, and each entry of a list on a line of its
+    own (the C encoder's compact form: 100,000 workloads in a second, where `json`'s indenting
+    encoder, pure Python, takes four). A value that is a function is called for what it renders
+    (`ProxyState.dump_deferred`)."""
+    encode = json.JSONEncoder(separators=(", ", ": ")).encode
+    items = [(key, value() if callable(value) else value) for key, value in doc.items()]
+    lines = ["{"]
+    for i, (key, value) in enumerate(items):
+        comma = "," if i < len(items) - 1 else ""
+        if isinstance(value, list) and value:
+            lines.append(f"  {encode(key)}: [")
+            lines.append(",\n".join(["    " + encode(v) for v in value]))
+            lines.append(f"  ]{comma}")
+        else:
+            lines.append(f"  {encode(key)}: {encode(value)}{comma}")
+    lines.append("}\n")
+    return "\n".join(lines).encode()
+
+
 def admin_server(
     config_dump: Callable[[], Mapping[str, Any]],
     shutdown: Callable[[], object],
@@ -323,7 +343,8 @@ def admin_server(
     async def dump(_: Request) -> Response:
         if before_dump is not None:
             await before_dump()
-        return Response(200, json.dumps(config_dump(), indent=2).encode() + b"\n", "application/json")
+        doc = config_dump()  # taken here, on the loop; the big sections rendered beside it
+        return Response(200, await asyncio.to_thread(dump_json, doc), "application/json")
 
     def quit_(_: Request) -> Response:
         return Response(200, b"shutdown now\n", after=shutdown)

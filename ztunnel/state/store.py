@@ -514,14 +514,22 @@ class ProxyState:
 
     def dump(self) -> dict[str, Any]:
         """JSON-serialisable, in the local config's format; services show the endpoints in use."""
+        return {key: render() for key, render in self.dump_deferred().items()}
+
+    def dump_deferred(self) -> dict[str, Callable[[], Any]]:
+        """`dump`, each section a function that renders it: what it renders is taken now (the
+        workloads, services, their endpoints and policies, immutable), so the rendering may run
+        anywhere, later (off the loop: 100,000 workloads take a second)."""
+        workloads = self.workloads()
+        services = [(s, tuple(self.endpoints(s.key))) for s in self.services()]
+        policies = list(self._policies.values())
+        staged = {key: list(eps.values()) for key, eps in self._memberships.items() if key not in self._services}
         return {
-            "workloads": [workload_to_dict(w) for w in self.workloads()],
-            "services": [service_to_dict(s, self.endpoints(s.key)) for s in self.services()],
-            "policies": [policy_to_dict(p) for p in self._policies.values()],
-            "stagedServices": {
-                key: {uid: endpoint_to_dict(ep) for uid, ep in endpoints.items()}
-                for key, endpoints in self._memberships.items()
-                if key not in self._services
+            "workloads": lambda: [workload_to_dict(w) for w in workloads],
+            "services": lambda: [service_to_dict(s, eps) for s, eps in services],
+            "policies": lambda: [policy_to_dict(p) for p in policies],
+            "stagedServices": lambda: {
+                key: {ep.workload_uid: endpoint_to_dict(ep) for ep in eps} for key, eps in staged.items()
             },
         }
 
