@@ -147,13 +147,15 @@ THREADED_CONVERSION_BYTES = 64 * 1024
 
 
 @contextlib.contextmanager
-def _collector_paused(paused: bool) -> Iterator[None]:
+def _collector_paused(paused: bool, *, freeze: bool) -> Iterator[None]:
     """The cyclic garbage collector off while a big response is converted and applied. The first
     push of a cluster makes millions of objects, none of them in a cycle, and each collection of the
     oldest generation on the way walks all of them: a third of the time applying 100,000 workloads
-    took. What it made is the store, long-lived: frozen at the end (out of the collector's sight;
-    still freed as usual when nothing refers to it), so that the next full collection does not walk
-    it either, a 0.3 to 0.5 s stall of this loop just as the workers are told the state is there."""
+    took. With `freeze` (the initial state), what it made is the store, long-lived: frozen at the
+    end, out of the collector's sight (still freed as usual when nothing refers to it), so that the
+    next full collection does not walk it either, a 0.3 to 0.5 s stall of this loop just as the
+    workers are told the state is there. Only then: a cycle that is garbage when it is frozen is
+    never collected, and this is once per process."""
     if not paused or not gc.isenabled():
         yield
         return
@@ -161,7 +163,8 @@ def _collector_paused(paused: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        gc.freeze()
+        if freeze:
+            gc.freeze()
         gc.enable()
 
 
@@ -396,7 +399,7 @@ class XdsClient:
                 raise RpcError(Status(StatusCode.INTERNAL, f"undecodable response: {e}")) from None
             converted = None
             big = len(message) >= THREADED_CONVERSION_BYTES
-            with _collector_paused(big):
+            with _collector_paused(big, freeze=not self._synced.is_set()):
                 if big:
                     # Decoding and converting are pure: a big push (a policy of 100k CIDRs) is
                     # converted on a thread, so that the loop keeps running beside it; the store is
