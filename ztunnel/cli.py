@@ -13,7 +13,6 @@ import sys
 from cni import add_arguments as add_agent_arguments
 from controlplane import add_arguments as add_control_plane_arguments
 from ztunnel import __version__
-from ztunnel.admin.configview import add_arguments as add_config_view_arguments
 
 
 def _version() -> int:
@@ -27,7 +26,9 @@ def _version() -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config_view: bool = True) -> argparse.ArgumentParser:
+    """The parser of every command; `config_view` False leaves the `config` command's arguments out
+    (and their module unloaded: a proxy's processes never hold it)."""
     parser = argparse.ArgumentParser(prog="ztunnel", description="Istio ambient-mesh node proxy, in Python")
     sub = parser.add_subparsers(dest="command", metavar="{proxy,version,demo,control-plane,cni-agent,config}")
     proxy = sub.add_parser("proxy", help="run the node proxy, configured by environment variables (default)")
@@ -44,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser(
         "config", help="a running proxy's configuration, as istioctl ztunnel-config shows it"
     )
-    add_config_view_arguments(config)
+    if config_view:
+        from ztunnel.admin.configview import add_arguments as add_config_view_arguments
+
+        add_config_view_arguments(config)
     return parser
 
 
@@ -101,7 +105,7 @@ def _cni_agent(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    parser = build_parser(config_view=argv[:1] == ["config"])
     if not argv or argv[0] == "help":
         if argv and argv[0] == "help":
             parser.print_help()
