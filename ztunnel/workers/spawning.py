@@ -3,8 +3,8 @@ it, each replacement started afresh.
 
 The first `worker_threads` workers are forked from the parent at start-up (`fork_workers`), before
 any event loop or gRPC thread exists, once the worker body and what its workers load are imported
-and the heap is frozen, and before the control side is imported: they share that memory
-copy-on-write with the parent and each other, and never hold the control side's. A fork once the
+and the control side's too, and the heap is frozen: they share that memory copy-on-write with the
+parent and each other (the control side's pages stay shared: no worker runs it). A fork once the
 parent runs (its loop, gRPC's threads) would not be safe, so a worker that dies is replaced by a new
 interpreter (`exec_worker`: `python -m ztunnel.workers.replacement`, the parent's environment, the
 worker's end of its channel inherited), which imports what it needs itself. A worker waits for
