@@ -9,6 +9,7 @@ import re
 import pytest
 
 from tests.harness import ControlPlane, Fleet
+from tests.procs import cmdline
 from tests.waiting import eventually
 from tests.xds_mesh import (
     CLIENT,
@@ -172,6 +173,25 @@ def test_a_proxy_without_a_control_plane_never_loads_grpc(fleet: Fleet, echo: No
         assert exchange(CLIENT, b"no control plane") == b"no control plane"
         for pid in (proxy.pid, *proxy.workers()):
             assert not {"gRPC", "protobuf"} & set(control_side_in(pid)), pid
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("optimize", [None, "0"], ids=["default", "PYTHONOPTIMIZE=0"])
+def test_every_process_runs_without_docstrings_unless_told(
+    fleet: Fleet, echo: None, optimize: str | None
+) -> None:
+    """`ztunnel proxy` re-executes itself as `python -OO` (its docstrings are memory it never uses),
+    and its workers are forked from it; `PYTHONOPTIMIZE` set leaves the interpreter as started."""
+    proxy = fleet.proxy(client_alone() if optimize is None else client_alone(PYTHONOPTIMIZE=optimize))
+    try:
+        proxy.start()
+        assert exchange(CLIENT, b"served") == b"served"
+        processes = [proxy.pid, *proxy.workers()]
+        assert len(processes) == 3
+        assert {pid: "-OO" in cmdline(pid) for pid in processes} == {
+            pid: optimize is None for pid in processes
+        }
     finally:
         proxy.stop()
 

@@ -6,6 +6,7 @@ Bad input ends with a single line naming what is wrong and a non-zero exit, neve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -103,7 +104,21 @@ def _cni_agent(args: argparse.Namespace) -> int:
         return _fatal(f"ztunnel: cni-agent: {e}")
 
 
+def _run_without_docstrings() -> None:
+    """`ztunnel proxy` runs as `python -OO`: without the docstrings every process of the proxy would
+    otherwise hold (about 1.7 MiB of a proxy's memory at rest; the asserts go too, checks of what
+    cannot happen). This process is replaced by the same command under -OO (the same pid), unless
+    it runs so already or `PYTHONOPTIMIZE` is set (`PYTHONOPTIMIZE=0`: keep them)."""
+    if sys.flags.optimize >= 2 or "PYTHONOPTIMIZE" in os.environ:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # then it runs as it was started
+        os.execv(sys.executable, [sys.executable, "-OO", *sys.orig_argv[1:]])
+
+
 def main(argv: list[str] | None = None) -> int:
+    own_argv = argv is None  # this process's command line: `proxy` may re-execute it
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(config_view=argv[:1] == ["config"])
     if not argv or argv[0] == "help":
@@ -129,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             return _control_plane(args)
         if args.command == "cni-agent":
             return _cni_agent(args)
+        if own_argv:
+            _run_without_docstrings()
         from ztunnel.app import run_proxy
 
         return run_proxy(dict(os.environ))

@@ -76,7 +76,7 @@ class Spawner:
 
     first: list[WorkerProcess]
     environ: Mapping[str, str]
-    argv: list[str] = field(default_factory=lambda: [sys.executable, "-m", "ztunnel.workers.replacement"])
+    argv: list[str] = field(default_factory=lambda: [*interpreter(), "-m", "ztunnel.workers.replacement"])
 
     def spawn(self, index: int) -> WorkerProcess:
         for i, proc in enumerate(self.first):
@@ -91,6 +91,11 @@ class Spawner:
             proc.sock.close()
             reap(proc.pid)
         self.first.clear()
+
+
+def interpreter() -> list[str]:
+    """This interpreter's command with this process's -O or -OO: a replacement runs as its parent."""
+    return [sys.executable, *(["-" + "O" * sys.flags.optimize] if sys.flags.optimize else [])]
 
 
 def exec_worker(index: int, environ: Mapping[str, str], argv: list[str]) -> WorkerProcess:
