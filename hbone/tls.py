@@ -36,11 +36,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import shutil
 import ssl
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -48,6 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from hbone.errors import CertificateRevoked, IdentityMismatch, TlsHandshakeError
 from hbone.identity import Identity
+from hbone.keyfile import load_pem_pair
 
 if TYPE_CHECKING:
     from cryptography import x509
@@ -124,23 +122,6 @@ def _joined(pems: Sequence[bytes]) -> bytes:
 
 def _load_key_pair(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:
     load_pem_pair(ctx, cert.key_pem, _joined(cert.chain_pem))
-
-
-def load_pem_pair(ctx: ssl.SSLContext, key_pem: bytes, chain_pem: bytes) -> None:
-    """Load a PEM key and its chain into `ctx`."""
-    # The ssl module only loads a key pair from a file: write it to a private file (0600 in a
-    # 0700 directory, in memory when /dev/shm exists) and delete it right after loading.
-    parent = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    directory = tempfile.mkdtemp(prefix="hbone-", dir=parent)
-    try:
-        path = os.path.join(directory, "pair.pem")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key_pem if key_pem.endswith(b"\n") else key_pem + b"\n")
-            f.write(chain_pem)
-        ctx.load_cert_chain(path)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _server_context(cert: WorkloadCertificate, policy: TlsPolicy) -> ssl.SSLContext:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ssl
 
-from hbone.tls import ALPN_H2, load_pem_pair
+from hbone.keyfile import load_pem_pair
+from hbone.tls import ALPN_H2
 
 # A key pair for `warm_up` only: published here, so worthless; no context built from it is kept.
 _WARM_UP_KEY = b"""-----BEGIN PRIVATE KEY-----

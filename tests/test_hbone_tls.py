@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import ssl
@@ -329,17 +330,31 @@ def test_credentials_from_pem_round_trip(ca: CA) -> None:
         TlsCredentials.from_pem(*TlsCredentials.build(issue(ca, "https://example.com/x")).pem())
 
 
-def test_contexts_pin_tls13_h2_and_leave_no_key_file(ca: CA, monkeypatch: pytest.MonkeyPatch) -> None:
-    loaded: list[tuple[str, int, int]] = []
+def _open_key_files() -> list[str]:
+    """The anonymous in-memory files of key pairs this process has open."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own fd, closed since
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [link for link in links if link.startswith("/memfd:hbone-pair")]
+
+
+@pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "no-memfd"])
+def test_contexts_pin_tls13_h2_and_leave_no_key_file(
+    ca: CA, monkeypatch: pytest.MonkeyPatch, memfd: bool
+) -> None:
+    loaded: list[tuple[str, str, int, int]] = []
     real_load = ssl.SSLContext.load_cert_chain
 
     def spy(self: ssl.SSLContext, certfile: str, *args: object, **kwargs: object) -> None:
-        loaded.append(
-            (certfile, os.stat(certfile).st_mode & 0o777, os.stat(os.path.dirname(certfile)).st_mode & 0o777)
-        )
+        target = os.readlink(certfile) if certfile.startswith("/proc/self/fd/") else certfile
+        modes = os.stat(certfile).st_mode & 0o777, os.stat(os.path.dirname(certfile)).st_mode & 0o777
+        loaded.append((certfile, target, *modes))
         real_load(self, certfile, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ssl.SSLContext, "load_cert_chain", spy)
+    if not memfd:
+        monkeypatch.delattr(os, "memfd_create")  # a platform without it
     cert = issue(ca, SERVER_ID)
     for ctx in (TlsCredentials.build(cert).server, TlsCredentials.build(cert).client):
         assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3
@@ -348,11 +363,16 @@ def test_contexts_pin_tls13_h2_and_leave_no_key_file(ca: CA, monkeypatch: pytest
         assert ctx.options & ssl.OP_NO_TICKET
     assert TlsCredentials.build(cert).server.num_tickets == 0
     assert not TlsCredentials.build(cert).client.check_hostname
-    # The key pair went through a private file (0600 in a 0700 directory), deleted right after.
     assert loaded
-    for path, file_mode, dir_mode in loaded:
-        assert (file_mode, dir_mode) == (0o600, 0o700)
-        assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+    for path, target, file_mode, dir_mode in loaded:
+        if memfd:
+            # An anonymous file in memory, in no directory, closed right after.
+            assert path.startswith("/proc/self/fd/") and target.startswith("/memfd:hbone-pair")
+        else:
+            # A private file (0600 in a 0700 directory), deleted right after.
+            assert (file_mode, dir_mode) == (0o600, 0o700)
+            assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+    assert _open_key_files() == []
 
 
 async def test_peer_identities_ignore_non_spiffe_uris(ca: CA, serve) -> None:

@@ -516,8 +516,8 @@ def test_the_chart_s_container_becomes_ready_and_carries_a_connection(
     proxy = next(
         pid
         for pid in descendants(ztunnel.pid)
-        if cmdline(pid).split(b"\0")[:4]
-        == [b"/opt/ztunnel/bin/python3", b"/opt/ztunnel/bin/ztunnel", b"proxy", b"ztunnel"]
+        if cmdline(pid).split(b"\0")[:5]
+        == [b"/opt/ztunnel/bin/python3", b"-OO", b"/opt/ztunnel/bin/ztunnel", b"proxy", b"ztunnel"]
     )
     os.kill(proxy, signal.SIGTERM)
     assert ztunnel.wait(timeout=30) == 0, log.read_text()

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from tests.procs import alive
+from tests.procs import alive, cmdline
 from tests.waiting import eventually
 from tests.xds_mesh import (
     CLIENT,
@@ -127,6 +127,7 @@ def test_a_killed_worker_is_replaced_while_the_other_keeps_echoing(mesh: Mesh) -
     assert all(echoes(s, b"and after") for s in survivors)
     restarted = proxy.worker_entries()[0]
     assert restarted["restarts"] == 1 and alive(restarted["pid"])
+    assert "-OO" in cmdline(restarted["pid"])  # a new interpreter, run as its parent is
     assert proxy.ready()
     # The replacement serves too.
     before = opened_per_worker(proxy)[0]

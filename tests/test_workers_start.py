@@ -9,6 +9,7 @@ import re
 import pytest
 
 from tests.harness import ControlPlane, Fleet
+from tests.procs import cmdline
 from tests.waiting import eventually
 from tests.xds_mesh import (
     CLIENT,
@@ -115,10 +116,30 @@ def control_side_in(pid: int) -> list[str]:
     )
 
 
-def test_workers_never_load_the_control_sides_libraries(fleet: Fleet, control_plane: ControlPlane) -> None:
+def code_resident_kib(pid: int) -> dict[str, int]:
+    """KiB of each shared object's code (its executable mappings) that `pid` has in memory, by the
+    object's name up to its first dot: only what that process ran or read of it since it began."""
+    resident: dict[str, int] = {}
+    name = None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if not fields[0].endswith(":"):  # a mapping's first line: range, permissions, ..., path
+                path = fields[5] if len(fields) > 5 else ""
+                name = os.path.basename(path).split(".")[0] if ".so" in path and "x" in fields[1] else None
+                if name is not None:
+                    resident.setdefault(name, 0)
+            elif name is not None and fields[0] == "Rss:":
+                resident[name] += int(fields[1])
+    return resident
+
+
+def test_workers_share_the_control_side_and_never_run_it(fleet: Fleet, control_plane: ControlPlane) -> None:
     """With xDS and the CA over gRPC, the parent holds protobuf and PyYAML, but neither grpcio (its
-    gRPC client is our own, on the HTTP/2 core) nor cryptography (its certificate helper has it);
-    the workers, forked before the parent imported them, map none."""
+    gRPC client is our own, on the HTTP/2 core) nor cryptography (its certificate helper has it).
+    It imports them before it forks the workers, which so map them too, shared, but never run them:
+    none of their code is in a worker's memory. And the parent loads no native module after the
+    fork (importing after it made the parent copy pages of the shared image)."""
     proxy = fleet.proxy({**control_plane.wire(client_alone()), "LOCAL_XDS": CLIENT_ONLY})
     try:
         proxy.start()
@@ -130,7 +151,13 @@ def test_workers_never_load_the_control_sides_libraries(fleet: Fleet, control_pl
         assert control_side_in(proxy.pid) == ["PyYAML", "protobuf"]
         helpers = proxy.workers()
         assert len(helpers) == 2  # the two workers
-        assert {pid: control_side_in(pid) for pid in helpers} == {pid: [] for pid in helpers}
+        assert {pid: control_side_in(pid) for pid in helpers} == {
+            pid: ["PyYAML", "protobuf"] for pid in helpers
+        }
+        for pid in helpers:
+            code = code_resident_kib(pid)
+            assert (code["_message"], code["_yaml"]) == (0, 0), pid
+            assert mapped_libraries(proxy.pid) <= mapped_libraries(pid), pid
         # Nor grpcio's Python side: nothing of the proxy imports it.
         for pid in (proxy.pid, *helpers):
             with open(f"/proc/{pid}/maps") as f:
@@ -146,6 +173,25 @@ def test_a_proxy_without_a_control_plane_never_loads_grpc(fleet: Fleet, echo: No
         assert exchange(CLIENT, b"no control plane") == b"no control plane"
         for pid in (proxy.pid, *proxy.workers()):
             assert not {"gRPC", "protobuf"} & set(control_side_in(pid)), pid
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("optimize", [None, "0"], ids=["default", "PYTHONOPTIMIZE=0"])
+def test_every_process_runs_without_docstrings_unless_told(
+    fleet: Fleet, echo: None, optimize: str | None
+) -> None:
+    """`ztunnel proxy` re-executes itself as `python -OO` (its docstrings are memory it never uses),
+    and its workers are forked from it; `PYTHONOPTIMIZE` set leaves the interpreter as started."""
+    proxy = fleet.proxy(client_alone() if optimize is None else client_alone(PYTHONOPTIMIZE=optimize))
+    try:
+        proxy.start()
+        assert exchange(CLIENT, b"served") == b"served"
+        processes = [proxy.pid, *proxy.workers()]
+        assert len(processes) == 3
+        assert {pid: "-OO" in cmdline(pid) for pid in processes} == {
+            pid: optimize is None for pid in processes
+        }
     finally:
         proxy.stop()
 

@@ -1,18 +1,22 @@
 """`ztunnel proxy`'s start: configuration in, the process tuned, then the supervisor and its workers.
 
 The configuration is read from the environment, logging set up, the fd limit raised and glibc's
-allocator tuned. Then the order is what the processes' memory is made of: the worker body and what
-it imports are loaded, OpenSSL's tables filled (`hbone.tlswarm`), the workers are forked (before
-any event loop or thread), and only then does this process import the control side (the
-supervisor, the control runtime, the admin and metrics servers, the local file's YAML, protobuf
-and our gRPC client when a control plane is used), which so never exists in a worker's memory. The
-supervisor runs until it is stopped.
+allocator tuned. Then the order is what the processes' memory is made of: everything this process
+and its workers will run is imported first (the worker body and what its workers load, then the
+control side: the supervisor, the control runtime, the admin and metrics servers, the local file's
+YAML, protobuf and our gRPC client when a control plane is used), OpenSSL's tables are filled
+(`hbone.tlswarm`), and the workers are forked (before any event loop or thread). Every process
+shares that image copy-on-write; the workers never run the control side, so its pages stay shared,
+and this process does not copy the image's pages by importing after the fork (an import writes to
+the reference counts of much of what is already loaded: the control side imported after the fork
+cost the proxy about 1 MiB more at rest). The supervisor runs until it is stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import resource
 from collections.abc import Mapping
 
@@ -44,22 +48,29 @@ def run_proxy(environ: dict[str, str]) -> int:
 
 
 def start_data_plane(config: Config, environ: Mapping[str, str]) -> Spawner:
-    """The workers, forked with the worker body and its imports loaded and nothing of the control
-    side; replacements are new interpreters given `environ`."""
+    """The workers, forked with the worker body, its imports and the control side's loaded;
+    replacements are new interpreters given `environ`."""
     from hbone.tlswarm import warm_up
+    from ztunnel.control import control_imports
     from ztunnel.workers.worker import preload, run_worker
 
-    warm_up()  # OpenSSL's tables, built once here and shared by every worker forked below
+    # In this order (the workers' modules, the control side's, then OpenSSL's tables) the image is
+    # laid out so that the processes write into fewest of its pages: 0.7 MiB less for the proxy at
+    # rest than the control side first and OpenSSL's tables before the DNS server's modules.
     preload(config)
+    for name in control_imports(config):
+        importlib.import_module(name)
+    warm_up()  # OpenSSL's tables, built once here and shared by every worker forked below
     first = fork_workers(functools.partial(run_worker, config), max(1, config.worker_threads))
     return Spawner(first, environ)
 
 
 def run_supervisor(config: Config, environ: Mapping[str, str]) -> int:
     """One supervisor and `worker_threads` data-plane worker processes, in both modes."""
+    from ztunnel.workers.supervisor import Supervisor
+
     spawner = start_data_plane(config, environ)
     try:
-        from ztunnel.workers.supervisor import Supervisor  # the control side, after the fork
 
         async def main() -> int:
             return await Supervisor(config, spawner).run()

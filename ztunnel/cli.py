@@ -5,15 +5,20 @@ Bad input ends with a single line naming what is wrong and a non-zero exit, neve
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from cni import add_arguments as add_agent_arguments
-from controlplane import add_arguments as add_control_plane_arguments
 from ztunnel import __version__
-from ztunnel.admin.configview import add_arguments as add_config_view_arguments
+
+if TYPE_CHECKING:
+    import argparse
+
+# The proxy's own command lines (the image's, Istio's chart's): run without argparse, which so is
+# not in the proxy's memory.
+PROXY_COMMANDS: tuple[list[str], ...] = ([], ["proxy"], ["proxy", "ztunnel"])
 
 
 def _version() -> int:
@@ -27,7 +32,14 @@ def _version() -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config_view: bool = True) -> argparse.ArgumentParser:
+    """The parser of every command; `config_view` False leaves the `config` command's arguments out
+    (and their module unloaded: a proxy's processes never hold it)."""
+    import argparse
+
+    from cni import add_arguments as add_agent_arguments
+    from controlplane import add_arguments as add_control_plane_arguments
+
     parser = argparse.ArgumentParser(prog="ztunnel", description="Istio ambient-mesh node proxy, in Python")
     sub = parser.add_subparsers(dest="command", metavar="{proxy,version,demo,control-plane,cni-agent,config}")
     proxy = sub.add_parser("proxy", help="run the node proxy, configured by environment variables (default)")
@@ -44,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser(
         "config", help="a running proxy's configuration, as istioctl ztunnel-config shows it"
     )
-    add_config_view_arguments(config)
+    if config_view:
+        from ztunnel.admin.configview import add_arguments as add_config_view_arguments
+
+        add_config_view_arguments(config)
     return parser
 
 
@@ -99,19 +114,35 @@ def _cni_agent(args: argparse.Namespace) -> int:
         return _fatal(f"ztunnel: cni-agent: {e}")
 
 
+def _run_without_docstrings() -> None:
+    """`ztunnel proxy` runs as `python -OO`: without the docstrings every process of the proxy would
+    otherwise hold (about 1.7 MiB of a proxy's memory at rest; the asserts go too, checks of what
+    cannot happen). This process is replaced by the same command under -OO (the same pid), unless
+    it runs so already or `PYTHONOPTIMIZE` is set (`PYTHONOPTIMIZE=0`: keep them)."""
+    if sys.flags.optimize >= 2 or "PYTHONOPTIMIZE" in os.environ:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # then it runs as it was started
+        os.execv(sys.executable, [sys.executable, "-OO", *sys.orig_argv[1:]])
+
+
 def main(argv: list[str] | None = None) -> int:
+    own_argv = argv is None  # this process's command line: `proxy` may re-execute it
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    if not argv or argv[0] == "help":
-        if argv and argv[0] == "help":
-            parser.print_help()
-            return 0
-        argv = ["proxy"]
+    if argv in PROXY_COMMANDS:
+        return _run_proxy(own_argv)
+    parser = build_parser(config_view=argv[:1] == ["config"])
+    if argv[0] == "help":
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
     if args.command == "config":
         from ztunnel.admin.configview import run as run_config_view
 
         return run_config_view(args)
+    if args.command == "proxy":
+        return _run_proxy(own_argv)
     from ztunnel.startup import StartupError
 
     try:
@@ -123,10 +154,20 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(keep=args.keep, kube=args.kube)
         if args.command == "control-plane":
             return _control_plane(args)
-        if args.command == "cni-agent":
-            return _cni_agent(args)
-        from ztunnel.app import run_proxy
+        return _cni_agent(args)
+    except StartupError as e:
+        return _fatal(f"ztunnel: {e}")
+    except KeyboardInterrupt:
+        return 130
 
+
+def _run_proxy(own_argv: bool) -> int:
+    if own_argv:
+        _run_without_docstrings()
+    from ztunnel.app import run_proxy
+    from ztunnel.startup import StartupError
+
+    try:
         return run_proxy(dict(os.environ))
     except StartupError as e:
         return _fatal(f"ztunnel: {e}")

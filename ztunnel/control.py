@@ -71,6 +71,24 @@ def build_info() -> dict[str, str]:
     }
 
 
+def control_imports(config: Config) -> list[str]:
+    """The modules `ControlRuntime` imports when it starts with `config`, beyond this module's own:
+    the local file's YAML, our gRPC client with the protocol modules (protobuf) for xDS and the CA,
+    in-pod mode's manager. `ztunnel proxy` loads them before it forks its workers."""
+    names = []
+    if config.local_xds_path or config.local_xds:
+        names += ["yaml", "xds.localyaml", "xds.yamlstream"]
+    if config.xds_address or not config.fake_ca:
+        names.append("xds.channel")
+    if config.xds_address:
+        names.append("xds.client")
+    if not config.fake_ca:
+        names.append("ztunnel.identity.caclient")
+    if config.proxy_mode == "shared":
+        names.append("ztunnel.inpod.manager")
+    return names
+
+
 def load_static_config(config: Config) -> LocalConfig | None:
     try:
         if config.local_xds_path:

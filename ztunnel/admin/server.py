@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
-import html
 import inspect
 import json
 import logging
@@ -326,6 +325,15 @@ def dump_json(doc: Mapping[str, Any]) -> bytes:
     return "\n".join(lines).encode()
 
 
+# What `html.escape` replaces, without the html package (its entity tables are ~0.4 MiB of a
+# proxy's memory, for a page listing a dozen routes).
+_HTML_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#x27;"})
+
+
+def _escape(text: str) -> str:
+    return text.translate(_HTML_ESCAPES)
+
+
 def admin_server(
     config_dump: Callable[[], Mapping[str, Any]],
     shutdown: Callable[[], object],
@@ -359,8 +367,8 @@ def admin_server(
 
     def dashboard(_: Request) -> Response:
         rows = "\n".join(
-            f'<tr><td><a href="{html.escape(path)}">{html.escape(path)}</a></td>'
-            f"<td>{html.escape(route.description)}</td></tr>"
+            f'<tr><td><a href="{_escape(path)}">{_escape(path)}</a></td>'
+            f"<td>{_escape(route.description)}</td></tr>"
             for path, route in routes.items()
         )
         page = (

@@ -523,7 +523,9 @@ class ProxyState:
         workloads = self.workloads()
         services = [(s, tuple(self.endpoints(s.key))) for s in self.services()]
         policies = list(self._policies.values())
-        staged = {key: list(eps.values()) for key, eps in self._memberships.items() if key not in self._services}
+        staged = {
+            key: list(eps.values()) for key, eps in self._memberships.items() if key not in self._services
+        }
         return {
             "workloads": lambda: [workload_to_dict(w) for w in workloads],
             "services": lambda: [service_to_dict(s, eps) for s, eps in services],

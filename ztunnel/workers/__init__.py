@@ -13,10 +13,10 @@ processes. `ztunnel proxy` is always:
   namespace (`pod_proxies.py`) and ztunnel's own HBONE listener, all bound with `SO_REUSEPORT`, so
   the kernel spreads new connections over the workers. A worker never imports the supervisor.
 
-The first workers are forked from the parent before its event loop starts (so before gRPC can have
-started a thread), after the worker body's imports and before the control side's (`spawning.py`),
-so they share that memory copy-on-write and never hold gRPC, protobuf or YAML; no process exists
-only to fork them. A replacement is a new interpreter (`replacement.py`): a fork from the running
+The first workers are forked from the parent before its event loop starts (so before any thread
+exists), after the worker body's imports and the control side's (`spawning.py`, `ztunnel/app.py`),
+so they share that memory copy-on-write (the control side's pages, which no worker runs, stay
+shared); no process exists only to fork them. A replacement is a new interpreter (`replacement.py`): a fork from the running
 parent would not be safe.
 
 Parent and worker talk over one `SOCK_SEQPACKET` socket pair (`channel.py`) in small typed

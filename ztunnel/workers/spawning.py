@@ -3,8 +3,8 @@ it, each replacement started afresh.
 
 The first `worker_threads` workers are forked from the parent at start-up (`fork_workers`), before
 any event loop or gRPC thread exists, once the worker body and what its workers load are imported
-and the heap is frozen, and before the control side is imported: they share that memory
-copy-on-write with the parent and each other, and never hold the control side's. A fork once the
+and the control side's too, and the heap is frozen: they share that memory copy-on-write with the
+parent and each other (the control side's pages stay shared: no worker runs it). A fork once the
 parent runs (its loop, gRPC's threads) would not be safe, so a worker that dies is replaced by a new
 interpreter (`exec_worker`: `python -m ztunnel.workers.replacement`, the parent's environment, the
 worker's end of its channel inherited), which imports what it needs itself. A worker waits for
@@ -76,7 +76,7 @@ class Spawner:
 
     first: list[WorkerProcess]
     environ: Mapping[str, str]
-    argv: list[str] = field(default_factory=lambda: [sys.executable, "-m", "ztunnel.workers.replacement"])
+    argv: list[str] = field(default_factory=lambda: [*interpreter(), "-m", "ztunnel.workers.replacement"])
 
     def spawn(self, index: int) -> WorkerProcess:
         for i, proc in enumerate(self.first):
@@ -91,6 +91,11 @@ class Spawner:
             proc.sock.close()
             reap(proc.pid)
         self.first.clear()
+
+
+def interpreter() -> list[str]:
+    """This interpreter's command with this process's -O or -OO: a replacement runs as its parent."""
+    return [sys.executable, *(["-" + "O" * sys.flags.optimize] if sys.flags.optimize else [])]
 
 
 def exec_worker(index: int, environ: Mapping[str, str], argv: list[str]) -> WorkerProcess:
