@@ -173,6 +173,8 @@ class ControlPlane:
             self._watch.cancel()
             self._watch = None
         if self._server is not None:
+            if self.ads is not None:
+                self.ads.close()
             await self._server.stop(grace)
             self._server = None
 

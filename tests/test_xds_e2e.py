@@ -154,6 +154,11 @@ async def test_control_plane_restart_while_proxies_serve(mesh: Mesh) -> None:
 
     await held_echoes(b"before the outage")
     mesh.cp.stop()
+    # It ended the proxies' streams as it stopped (not gRPC cancelling them after its grace).
+    for proxy in (mesh.client, mesh.server):
+        await eventually_async(lambda p=proxy: '"XDS client complete"' in p.log(), "the stream ended", 10.0)  # type: ignore[misc]
+        assert "Cancelling all calls" not in proxy.log()
+    assert "Traceback" not in mesh.cp.log(), mesh.cp.tail()
     # Meanwhile: state and certificates are kept, traffic keeps flowing (new connections included).
     for _ in range(3):
         ex = await echo_roundtrip((CLIENT, 15080), SERVER, 8080, b"while the control plane is down")
