@@ -18,7 +18,8 @@
  *                                            time and its latency counts from that time (as wrk2
  *                                            does), so a slow answer cannot hide the requests it
  *                                            delayed (requests due in the window that are late
- *                                            still go, up to 1 s after it); JSON on stdout.
+ *                                            still go, up to 1 s after it); JSON on stdout,
+ *                                            and "running" on stderr once connected and warmed.
  *
  * IPv4 or IPv6 literals only (getaddrinfo with AI_NUMERICHOST).
  */
@@ -473,6 +474,8 @@ static int run_paced(double rate, double seconds, int conns, long size) {
             }
         }
     }
+    /* Connected and warmed up: from here a failure is a request's, counted, not the run's. */
+    fprintf(stderr, "running\n");
     /* The connections' schedules interleave: together they send one request every 1/RATE s. */
     int64_t start = now_ns() + 20 * 1000000, end = start + (int64_t)(seconds * 1e9);
     pthread_t th[256];
