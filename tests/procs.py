@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 
 
 def _stat(pid: int) -> list[str]:
@@ -82,3 +83,15 @@ def proportional_memory(pids: list[int]) -> float:
         except (OSError, StopIteration):
             pass
     return total
+
+
+def end_all(procs: list[subprocess.Popen[bytes]] | list[subprocess.Popen[str]]) -> None:
+    """Helper processes a test started (apps, servers): SIGTERM to each, then SIGKILL to any still
+    running 10 s later."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()

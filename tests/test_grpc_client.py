@@ -13,10 +13,11 @@ import grpc
 import grpc.aio
 import pytest
 
+from hbone.settings import H2Settings
 from tests.certs import issue, make_ca
 from tests.grpc_peers import GrpcioPeer, RawPeer, method, start_grpcio_peer, start_raw_peer
 from xds.channel import CHANNEL_SETTINGS, ControlPlaneAddress, ControlPlaneError, open_channel, tls_context
-from xds.grpc.connection import connect
+from xds.grpc.connection import GrpcConnection, connect
 from xds.grpc.wire import RpcError, StatusCode
 
 LIMIT = 1024 * 1024  # the receive limit of both clients here
@@ -45,19 +46,26 @@ async def raw_fixture() -> AsyncIterator[RawPeer]:
 # --- the two clients, run the same way ------------------------------------------------------------
 
 
-async def ours(address: str, path: str, requests: list[bytes], timeout: float | None = None) -> Outcome:
-    """A call with our client: the requests written, then every response read to the status."""
+async def plain_connection(
+    address: str, settings: H2Settings = CHANNEL_SETTINGS, max_message: int = LIMIT
+) -> GrpcConnection:
+    """Our client's connection to `address`, without TLS."""
     target = ControlPlaneAddress.parse(address)
-    connection = await connect(
+    return await connect(
         target.host,
         target.port,
         authority=target.target,
         ssl_context=None,
         server_hostname=None,
-        settings=CHANNEL_SETTINGS,
-        max_message=LIMIT,
+        settings=settings,
+        max_message=max_message,
         timeout=5.0,
     )
+
+
+async def ours(address: str, path: str, requests: list[bytes], timeout: float | None = None) -> Outcome:
+    """A call with our client: the requests written, then every response read to the status."""
+    connection = await plain_connection(address)
     received: list[bytes] = []
     try:
         call = connection.call(path, [], timeout)
@@ -180,18 +188,8 @@ async def test_request_headers_reach_a_grpcio_server(raw: RawPeer, peer: GrpcioP
 
 
 async def test_messages_larger_than_the_windows_go_both_ways(peer: GrpcioPeer) -> None:
-    address = ControlPlaneAddress.parse(peer.address)
     small = replace(CHANNEL_SETTINGS, stream_window=65535, connection_window=65535)
-    connection = await connect(
-        address.host,
-        address.port,
-        authority=address.target,
-        ssl_context=None,
-        server_hostname=None,
-        settings=small,
-        max_message=64 * 1024 * 1024,
-        timeout=5.0,
-    )
+    connection = await plain_connection(peer.address, small, max_message=64 * 1024 * 1024)
     try:
         size = 3 * 1024 * 1024  # grpcio's server takes up to 4 MiB
         call = connection.call(method("Chat"), [])
@@ -209,18 +207,8 @@ async def test_messages_larger_than_the_windows_go_both_ways(peer: GrpcioPeer) -
 
 
 async def test_a_peer_that_stops_answering_pings_is_cut_by_the_keepalive(raw: RawPeer) -> None:
-    address = ControlPlaneAddress.parse(raw.address)
     quick = replace(CHANNEL_SETTINGS, ping_interval=0.1, ping_timeout=0.2)
-    connection = await connect(
-        address.host,
-        address.port,
-        authority=address.target,
-        ssl_context=None,
-        server_hostname=None,
-        settings=quick,
-        max_message=LIMIT,
-        timeout=5.0,
-    )
+    connection = await plain_connection(raw.address, quick)
     call = connection.call("/raw/Deaf", [])
     call.done_writing()  # the server stops reading here
     with pytest.raises(RpcError) as caught:

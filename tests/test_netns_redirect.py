@@ -21,6 +21,7 @@ import pytest
 
 from tests.harness import Proxy
 from tests.netns import Netns, link, require_root
+from tests.procs import end_all
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.root
@@ -202,13 +203,7 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Netns, Netns, Path]]:
     finally:
         for proxy in proxies:
             proxy.stop()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        end_all(procs)
         a.delete()
         b.delete()
 

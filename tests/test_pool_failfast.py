@@ -22,6 +22,7 @@ import pytest
 from tests.apps import workload_yaml
 from tests.harness import Proxy, clean_env, proxy_env
 from tests.netns import Netns, require_root
+from tests.procs import end_all
 from ztunnel.proxy.context import CONNECT_TIMEOUT
 
 pytestmark = pytest.mark.timeout(120)
@@ -152,13 +153,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     finally:
         for proxy in proxies:
             proxy.stop()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        end_all(procs)
         ns.delete()
 
 

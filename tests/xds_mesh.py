@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import apps
 from tests.apps import echo_server, loopback_net
 from tests.harness import ControlPlane, Fleet, Proxy, proxy_env
 from tests.waiting import eventually
@@ -94,16 +95,7 @@ def mesh_fixture(echo: None, control_plane: ControlPlane, fleet: Fleet) -> Itera
 
 def socks5_reply(proxy_ip: str, timeout: float = 10) -> tuple[socket.socket, int]:
     """A connection through the proxy's SOCKS5 listener to the echo app, and the CONNECT reply code."""
-    s = socket.create_connection((proxy_ip, 15080), timeout=timeout)
-    s.sendall(b"\x05\x01\x00" + b"\x05\x01\x00\x01" + socket.inet_aton(APP_IP) + APP_PORT.to_bytes(2, "big"))
-    reply = b""
-    while len(reply) < 12:
-        chunk = s.recv(12 - len(reply))
-        if not chunk:
-            raise ConnectionError(f"closed during the SOCKS5 handshake: {reply!r}")
-        reply += chunk
-    assert reply[:2] == b"\x05\x00", reply
-    return s, reply[3]
+    return apps.socks5_reply(proxy_ip, APP_IP, APP_PORT, timeout)
 
 
 def socks5(proxy_ip: str, timeout: float = 10) -> socket.socket:

@@ -186,7 +186,7 @@ class ControlRuntime:
         # The local file is applied first; xDS (if any) then builds on it.
         if self.static is not None:
             self.state.apply_local_config(self.static)
-        own = self._configured_identity()
+        own = self._own_identity()
         if own is not None:
             # A dedicated proxy's own certificate is fetched beside the first xDS push, not after
             # it: its listeners accept once they hold it (at 100,000 workloads, 0.2 s of start-up).
@@ -206,23 +206,24 @@ class ControlRuntime:
         if cfg.proxy_mode == "shared" and self.hooks.pod_runtime is not None:
             self._start_inpod(self.hooks.pod_runtime)
 
-    def _configured_identity(self) -> Identity | None:
-        """A dedicated proxy's identity as configured (its workload may name another trust domain)."""
+    def identity_of(self, name: str, namespace: str, service_account: str) -> Identity:
+        """A local workload's identity: the trust domain its workload in the store names, else the
+        configured one."""
+        w = self.state.find_local_workload(name, namespace, service_account, self.config.node_name)
+        td = (w.trust_domain if w else "") or self.config.trust_domain
+        return Identity(td, namespace, service_account)
+
+    def _own_identity(self) -> Identity | None:
+        """A dedicated proxy's identity as the store says now (None in shared mode)."""
         info = self.config.workload_info
         if self.config.proxy_mode != "dedicated" or info is None:
             return None
-        return Identity(self.config.trust_domain, info.namespace, info.service_account)
+        return self.identity_of(info.name, info.namespace, info.service_account)
 
     def _settle_prefetch(self, prefetched: Identity | None) -> None:
-        """The state is in: if the proxy's workload names another trust domain than the configured
-        one, the certificate fetched at start is nobody's."""
-        info = self.config.workload_info
-        if prefetched is None or info is None or self.secrets is None:
-            return
-        w = self.state.find_local_workload(
-            info.name, info.namespace, info.service_account, self.config.node_name
-        )
-        if w is not None and (w.trust_domain or prefetched.trust_domain) != prefetched.trust_domain:
+        """The state is in: if the proxy's workload names another trust domain than the one its
+        certificate was fetched for at start, that certificate is nobody's."""
+        if prefetched is not None and self.secrets is not None and self._own_identity() != prefetched:
             self.secrets.forget(prefetched)
 
     def _auth_token(self) -> AuthToken | None:

@@ -34,30 +34,6 @@ def encode(message: object) -> list[bytes]:
     return [(LAST if i == len(chunks) - 1 else MORE) + c for i, c in enumerate(chunks)]
 
 
-class _Recent:
-    """The packets of the last few messages sent, by the message itself: the parent tells every
-    worker the same message (a push's 1,000 policies pickle in some 80 ms), encoded once. Each entry
-    holds its message, so the identity it is found by is never another's."""
-
-    KEPT = 8
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[object, list[bytes]]] = {}
-
-    def packets(self, message: object) -> list[bytes]:
-        entry = self._entries.get(id(message))
-        if entry is not None and entry[0] is message:
-            return entry[1]
-        packets = encode(message)
-        if len(self._entries) >= self.KEPT:
-            del self._entries[next(iter(self._entries))]
-        self._entries[id(message)] = (message, packets)
-        return packets
-
-
-_recent = _Recent()
-
-
 class Reassembler:
     """Packets in, whole messages out."""
 
@@ -106,8 +82,12 @@ class Channel:
         self._reassembler = Reassembler()
         self.closed = False
 
-    async def send(self, message: object, fds: Sequence[int] = ()) -> None:
-        packets = _recent.packets(message)
+    async def send(
+        self, message: object, fds: Sequence[int] = (), packets: list[bytes] | None = None
+    ) -> None:
+        """Send `message` (`packets`: its `encode`, made once for several channels)."""
+        if packets is None:
+            packets = encode(message)
         async with self._lock:  # one message's packets are never interleaved with another's
             for i, packet in enumerate(packets):
                 last = list(fds) if i == len(packets) - 1 else []

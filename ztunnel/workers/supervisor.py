@@ -33,7 +33,7 @@ from ztunnel.logs import lines as logs
 from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.startup import StartupError
 from ztunnel.workers import fleet as policy
-from ztunnel.workers.channel import Channel, close_fds
+from ztunnel.workers.channel import Channel, close_fds, encode
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
 from ztunnel.workers.fleet import Fleet, Phase
 from ztunnel.workers.fleet_pods import WorkerPods
@@ -91,7 +91,9 @@ class WorkerSlot:
     index: int
     pid: int | None = None
     channel: Channel | None = None
-    outbox: asyncio.Queue[tuple[ToWorker, list[int]]] = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue[tuple[ToWorker, list[int], list[bytes] | None]] = field(
+        default_factory=asyncio.Queue
+    )
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     failure: str = ""  # its start-up error, as it said before exiting
     pod_waiters: dict[int, asyncio.Future[str]] = field(default_factory=dict)  # by request seq
@@ -105,14 +107,14 @@ class WorkerSlot:
     def alive(self) -> bool:
         return self.channel is not None and not self.channel.closed
 
-    def send(self, message: ToWorker, fds: Sequence[int] = ()) -> None:
+    def send(self, message: ToWorker, fds: Sequence[int] = (), packets: list[bytes] | None = None) -> None:
         if self.alive:
-            self.outbox.put_nowait((message, hold_fds(message, fds)))
+            self.outbox.put_nowait((message, hold_fds(message, fds), packets))
 
     def new_outbox(self) -> None:
         """A fresh outbox for a new worker; the fds the old one held are let go."""
         while not self.outbox.empty():
-            release_fds(*self.outbox.get_nowait())
+            release_fds(*self.outbox.get_nowait()[:2])
         self.outbox = asyncio.Queue()
 
     def worker_gone(self) -> None:
@@ -198,14 +200,13 @@ class Supervisor:
     # -- what the workers are told and asked (also the pods' `Workers`) ---------------------------------
 
     def tell_all(self, message: ToWorker, fds: Sequence[int] = ()) -> None:
-        """Send `message` to every running worker, expecting no answer."""
+        """Send `message` to every running worker, expecting no answer; pickled once for all."""
+        packets = encode(message)
         for slot in self.slots:
-            slot.send(message, fds)
+            slot.send(message, fds, packets)
 
     def identity_of(self, name: str, namespace: str, service_account: str) -> Identity:
-        w = self.state.find_local_workload(name, namespace, service_account, self.config.node_name)
-        td = (w.trust_domain if w else "") or self.config.trust_domain
-        return Identity(td, namespace, service_account)
+        return self.control.identity_of(name, namespace, service_account)
 
     def forget_identity(self, identity: Identity) -> None:
         if self.control.secrets is not None:
@@ -516,9 +517,9 @@ class Supervisor:
         assert slot.channel is not None
         try:
             while True:
-                message, fds = await slot.outbox.get()
+                message, fds, packets = await slot.outbox.get()
                 try:
-                    await slot.channel.send(message, fds)
+                    await slot.channel.send(message, fds, packets)
                 finally:
                     release_fds(message, fds)
         except OSError:
