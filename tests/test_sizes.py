@@ -1,4 +1,5 @@
-"""The size rule of the tree: no module over 600 lines and no function over 80 (generated code aside).
+"""A smell detector, not a cap: a module over 1,000 lines or a function over 150 (generated code aside)
+holds more than one concern. Modules are sized by what they hold; this only catches the outliers.
 
 A module is counted in lines as written; a function (or method) from its `def` to its last line,
 decorators aside, nested functions counted in their own right and in the function holding them.
@@ -12,8 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ztunnel", "hbone", "xds", "policy", "benches", "controlplane", "cni", "tests")
 GENERATED = ("xds/gen/",)
-MAX_MODULE_LINES = 600
-MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 1000
+MAX_FUNCTION_LINES = 150
 
 # Known exceptions, each naming why (none today). Nothing else may pass.
 KNOWN_LONG_MODULES: dict[str, str] = {}
@@ -47,13 +48,13 @@ def long_functions(sources: list[tuple[str, str]]) -> dict[str, int]:
     return found
 
 
-def test_no_module_over_600_lines() -> None:
+def test_no_module_over_1000_lines() -> None:
     long = long_modules(_sources())
     unexpected = {rel: n for rel, n in long.items() if rel not in KNOWN_LONG_MODULES}
     assert not unexpected, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {unexpected}"
 
 
-def test_no_function_over_80_lines() -> None:
+def test_no_function_over_150_lines() -> None:
     long = long_functions(_sources())
     unexpected = {name: n for name, n in long.items() if name not in KNOWN_LONG_FUNCTIONS}
     assert not unexpected, (
