@@ -106,6 +106,7 @@ class Config:
     localhost_app_tunnel: bool = True
     enable_response_baggage: bool = True
     tls12_enabled: bool = False
+    compliance_policy: str = ""  # taken, not enforced (`pqc`, the one the reference enforces, is refused)
     crl_path: str | None = None
     authz_policy_info_logging: bool = False
     prefered_service_namespace: str | None = None
@@ -319,7 +320,6 @@ def _stats_default(pc: ProxyConfig) -> Address:
 
 def _checked(env: Env, cfg: Config) -> Config:
     """The checks across settings, once each is valid on its own."""
-    env.parse("COMPLIANCE_POLICY", parse_compliance_policy, None)
     if cfg.dns_capture and cfg.xds_on_demand:
         raise ConfigError("invalid configuration: the DNS proxy does not support XDS_ON_DEMAND=true")
     if not cfg.enable_proxy and not cfg.dns_capture:
@@ -373,6 +373,7 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
         localhost_app_tunnel=env.parse("LOCALHOST_APP_TUNNEL", parse_bool, d.localhost_app_tunnel),
         enable_response_baggage=env.parse("ENABLE_RESPONSE_BAGGAGE", parse_bool, d.enable_response_baggage),
         tls12_enabled=env.parse("TLS12_ENABLED", parse_bool, d.tls12_enabled),
+        compliance_policy=env.parse("COMPLIANCE_POLICY", parse_compliance_policy, d.compliance_policy),
         crl_path=env.text("CRL_PATH"),
         authz_policy_info_logging=env.parse(
             "AUTHZ_POLICY_INFO_LOGGING", parse_bool, d.authz_policy_info_logging
