@@ -5,6 +5,7 @@ core, grpcio is the oracle here)."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -265,3 +266,24 @@ async def test_tls_with_the_configured_root_and_alt_host_name(tmp_path: Any) -> 
         await peer.server.stop(None)
     with pytest.raises(ControlPlaneError, match="invalid root certificate"):
         tls_context(b"-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+
+
+def test_a_root_without_a_certificate_is_refused_never_the_system_store(tmp_path: Any) -> None:
+    """Only the literal SYSTEM means the system's roots: an empty root file, one of blank lines or
+    a key alone, and an inline value without a certificate are each refused, naming the root."""
+    address = ControlPlaneAddress.parse("https://127.0.0.1:15012")
+    key_only = "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"
+    for name, content in (("empty.pem", ""), ("blank.pem", "\n \n"), ("key.pem", key_only)):
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(
+            ControlPlaneError, match=rf"^root certificate {re.escape(str(path))} holds no certificate$"
+        ):
+            open_channel(address, str(path))
+    with pytest.raises(ControlPlaneError, match=r"^inline root certificate holds no certificate$"):
+        open_channel(address, key_only)
+    with pytest.raises(ControlPlaneError, match="invalid root certificate"):
+        tls_context(b"")  # given roots, none of them loaded: never the system's
+    root = make_ca("a root").root_pem.decode()
+    assert open_channel(address, root) is not None
+    assert open_channel(address, "SYSTEM") is not None

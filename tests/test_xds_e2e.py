@@ -214,6 +214,47 @@ async def test_proxy_over_tls_to_the_control_plane(tmp_path: Path, fleet: Fleet)
         cp.stop()
 
 
+async def test_a_root_file_without_a_certificate_is_refused_not_the_system_store(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    """An empty XDS_ROOT_CA / CA_ROOT_CA file is refused with a line naming it: the proxy never
+    falls back to the default trust store (here SSL_CERT_FILE, which holds the control plane's own
+    root), so it never connects, never sends its token, takes neither xDS nor a certificate."""
+    cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, MESH, "--tls")
+    try:
+        empty = tmp_path / "empty-root.pem"
+        empty.write_bytes(b"")
+        token = tmp_path / "token"
+        token.write_text("a secret of the proxy's")
+        env = proxy_env(
+            CLIENT,
+            "demo/client/client",
+            XDS_ADDRESS=f"https://{cp.address}",
+            XDS_ROOT_CA=str(empty),
+            CA_ADDRESS=f"https://{cp.address}",
+            CA_ROOT_CA=str(empty),
+            AUTH_TOKEN=str(token),
+            SSL_CERT_FILE=str(cp.root),
+        )
+        del env["FAKE_CA"], env["LOCAL_XDS"]
+        proxy = fleet.proxy(env)
+        proxy.spawn()
+        why = f"root certificate {empty} holds no certificate"
+        xds_refused = f"XDS client connection error: {why}"
+        ca_refused = f"failed to fetch certificate for spiffe://cluster.local/ns/demo/sa/client: CA {cp.address}: {why}"
+        await eventually_async(
+            lambda: proxy.log().count(xds_refused) >= 2 and ca_refused in proxy.log(),
+            lambda: f"the refusals, for xDS and the CA: {proxy.log()[-2000:]}",
+            15.0,
+        )
+        assert "Traceback" not in proxy.log()
+        assert not ready(proxy.ip)
+        assert cp.streams_opened() == 0, cp.tail()
+        assert cp.certificates_issued("spiffe://cluster.local/ns/demo/sa/client") == 0, cp.tail()
+    finally:
+        cp.stop()
+
+
 async def test_a_wrong_root_or_address_is_one_clear_line_and_readiness_held(
     tmp_path: Path, fleet: Fleet
 ) -> None:
