@@ -159,7 +159,32 @@ async def test_transport_failures_end_the_same_through_grpcio_and_ours(
         assert mine[2]  # ours names what happened
 
 
+@pytest.mark.parametrize(
+    ("status", "code"), [(503, "UNAVAILABLE"), (404, "UNIMPLEMENTED"), (403, "PERMISSION_DENIED")]
+)
+async def test_an_http_error_status_ends_the_call_at_once_as_grpcio_does(
+    raw: RawPeer, status: int, code: str
+) -> None:
+    """HEADERS with an HTTP status other than 200 and the stream left open: the call ends on them,
+    with the status gRPC maps it to, not whenever (if ever) the server ends the stream."""
+    async with asyncio.timeout(5):
+        mine = await ours(raw.address, f"/raw/Status/{status}", [b"x"])
+        reference = await theirs(raw.address, f"/raw/Status/{status}", [b"x"])
+    assert (mine[:2], reference[:2]) == (([], code), ([], code))
+    assert mine[2] == f"the server answered HTTP status {status}"
+
+
 # --- what only ours is asked --------------------------------------------------------------------
+
+
+async def test_ok_trailers_after_half_a_message_end_the_call_as_an_error(raw: RawPeer) -> None:
+    """A message cut short by the trailers is no message, and the call did not end well, whatever
+    the trailers say (grpcio drops the half message and reports OK)."""
+    assert await ours(raw.address, "/raw/Half", [b"x"]) == (
+        [],
+        "INTERNAL",
+        "the trailers arrived inside a message: it is cut short",
+    )
 
 
 async def test_request_headers_reach_a_grpcio_server(raw: RawPeer, peer: GrpcioPeer) -> None:
