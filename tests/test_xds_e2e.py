@@ -214,6 +214,45 @@ async def test_proxy_over_tls_to_the_control_plane(tmp_path: Path, fleet: Fleet)
         cp.stop()
 
 
+async def test_a_token_file_found_is_never_sent_in_clear_one_set_explicitly_is_with_a_warning(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    """Over plaintext `http://`, the token file found at its default path (the pod's own credential)
+    stays home: the control plane, which wants it, refuses the proxy. Named in AUTH_TOKEN, it is
+    sent, and the proxy says once that it goes in clear."""
+    pod = tmp_path / "pod"  # the proxy's working directory: ./var/run/secrets/tokens/istio-token
+    token = pod / "var/run/secrets/tokens/istio-token"
+    token.parent.mkdir(parents=True)
+    token.write_text("the pod's own token")
+    cp = await asyncio.to_thread(
+        fleet.control_plane, tmp_path / "cp", CP_HOST, MESH, "--auth-token", str(token)
+    )
+    try:
+        found = fleet.proxy(xds_env(cp, "client", CLIENT), wrap=["env", "-C", str(pod)])
+        found.spawn()
+        await eventually_async(
+            lambda: "no authorization header" in found.log() and cp.log().count("refused") >= 2,
+            lambda: f"the calls refused for want of a token: {found.log()[-2000:]}\n{cp.tail()}",
+            15.0,
+        )
+        assert "the token file ./var/run/secrets/tokens/istio-token is not sent over plaintext" in found.log()
+        assert "the pod's own token" not in found.log() and not ready(found.ip)
+        explicit = fleet.proxy(
+            {**xds_env(cp, "server", SERVER), "AUTH_TOKEN": "var/run/secrets/tokens/istio-token"},
+            wrap=["env", "-C", str(pod)],
+        )
+        await asyncio.to_thread(explicit.start)  # ready: synced with the token
+        await eventually_async(
+            lambda: [c["state"] for c in explicit.config_dump()["certificates"]] == ["Available"],
+            lambda: f"the server's certificate: {explicit.config_dump()['certificates']}",
+            10.0,
+            blocking=True,
+        )
+        assert explicit.log().count("AUTH_TOKEN is sent over plaintext to") == 1
+    finally:
+        cp.stop()
+
+
 async def test_resources_that_could_never_route_are_nacked_by_name_and_the_rest_applies(
     tmp_path: Path, fleet: Fleet
 ) -> None:
