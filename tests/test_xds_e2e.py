@@ -233,7 +233,7 @@ async def test_a_token_file_found_is_never_sent_in_clear_one_set_explicitly_is_w
         await eventually_async(
             lambda: "no authorization header" in found.log() and cp.log().count("refused") >= 2,
             lambda: f"the calls refused for want of a token: {found.log()[-2000:]}\n{cp.tail()}",
-            15.0,
+            30.0,
         )
         assert "the token file ./var/run/secrets/tokens/istio-token is not sent over plaintext" in found.log()
         assert "the pod's own token" not in found.log() and not ready(found.ip)
@@ -326,7 +326,7 @@ async def test_a_root_file_without_a_certificate_is_refused_not_the_system_store
         await eventually_async(
             lambda: proxy.log().count(xds_refused) >= 2 and ca_refused in proxy.log(),
             lambda: f"the refusals, for xDS and the CA: {proxy.log()[-2000:]}",
-            15.0,
+            30.0,
         )
         assert "Traceback" not in proxy.log()
         assert not ready(proxy.ip)
