@@ -130,13 +130,12 @@ class ControlPlaneAddress:
 
 def tls_context(roots: bytes | None) -> ssl.SSLContext:
     """The client context: the given roots (PEM), else (None) the system's; host name checked, ALPN
-    `h2`. Given roots are the only ones trusted: none loaded is an error, never the system's."""
+    `h2`. Given roots are the only ones trusted: none loaded is an error, never the system's (Python
+    loads the system's for empty `cadata`)."""
+    if roots is not None and not roots:
+        raise ControlPlaneError("invalid root certificate: empty")
     try:
-        if roots is None:
-            context = ssl.create_default_context()
-        else:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-            context.load_verify_locations(cadata=roots.decode("ascii"))
+        context = ssl.create_default_context(cadata=roots.decode("ascii") if roots is not None else None)
     except (ssl.SSLError, UnicodeDecodeError, ValueError) as e:
         raise ControlPlaneError(f"invalid root certificate: {e}") from None
     context.minimum_version = ssl.TLSVersion.TLSv1_2
