@@ -115,19 +115,20 @@ class StreamStatus(Exception):
 def reconnect_delay(end: BaseException | None, backoff: float) -> tuple[str, float]:
     """How a stream ended -> (termination reason, delay before the next attempt).
 
-    `end` is None for a clean end; the next backoff is `max(delay, INITIAL_BACKOFF)`.
+    `end` is None for a clean end; the next backoff is `max(delay, INITIAL_BACKOFF)`. Any failure
+    but the server's own hints to reconnect backs off, an unexpected exception included: never a
+    loop of full pushes against the control plane.
     """
     if end is None:
         return COMPLETE, 0.0
     if isinstance(end, ConnectionFailed):
         return CONNECTION_ERROR, min(MAX_BACKOFF, backoff * 2)
-    if isinstance(end, StreamStatus):
-        if end.code in _RECONNECT_CODES or (
-            end.code is StatusCode.UNAVAILABLE and any(m in end.details for m in _RECONNECT_MESSAGES)
-        ):
-            return RECONNECT, INITIAL_BACKOFF
-        return ERROR, min(MAX_BACKOFF, backoff * 2)
-    return ERROR, 0.0
+    if isinstance(end, StreamStatus) and (
+        end.code in _RECONNECT_CODES
+        or (end.code is StatusCode.UNAVAILABLE and any(m in end.details for m in _RECONNECT_MESSAGES))
+    ):
+        return RECONNECT, INITIAL_BACKOFF
+    return ERROR, min(MAX_BACKOFF, backoff * 2)
 
 
 @dataclass(frozen=True)
