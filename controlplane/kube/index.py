@@ -1,7 +1,8 @@
 """The ambient index: a cluster's objects to the workloads, services and policies istiod would send.
 
 `build` converts every object it reads in the order istiod's collections depend on each other:
-waypoints (Gateways), services (Services and ServiceEntries, then one per hostname), policies
+the mesh config, waypoints (Gateways), services (Services and ServiceEntries, the latter scoped by
+the mesh config's visibility, then one per hostname), policies
 (AuthorizationPolicies, PeerAuthentications), then workloads (Pods, WorkloadEntries, ServiceEntry
 and EndpointSlice endpoints), which name the services that select them and the policies that apply
 to them. An object that cannot be converted is refused, with its kind, namespace, name and reason,
@@ -17,6 +18,7 @@ from typing import TypeVar
 from controlplane.kube.cluster import Cluster, Options, SelectorIndex
 from controlplane.kube.endpointslices import slice_workloads
 from controlplane.kube.manifests import Obj, Refusal, Refused
+from controlplane.kube.meshconfig import MESH_CONFIG_MAP, MeshConfig, SEVisibility, mesh_config
 from controlplane.kube.policies import (
     authorization_policy,
     oldest,
@@ -37,7 +39,7 @@ from controlplane.kube.workloads import (
 from policy.model import Authorization
 from xds.convert import address_to_wire, authorization_to_wire
 from xds.localconfig import LocalConfig
-from xds.model import Service, Workload
+from xds.model import Service, Visibility, Workload
 
 T = TypeVar("T")
 
@@ -149,7 +151,15 @@ def _pa_selects(pa: Obj, labels: Mapping[str, str]) -> bool:
     return isinstance(match, dict) and all(labels.get(k) == v for k, v in match.items())
 
 
-def _services(build: _Build, waypoints: Waypoints) -> list[ServiceInfo]:
+def _mesh_config(build: _Build) -> MeshConfig:
+    """The `istio` ConfigMap of the system namespace's mesh config; the defaults without one."""
+    cluster = build.cluster
+    config_map = cluster.get("ConfigMap", f"{cluster.options.system_namespace}/{MESH_CONFIG_MAP}")
+    found = build.attempt(config_map, mesh_config) if config_map is not None else None
+    return found or MeshConfig()
+
+
+def _services(build: _Build, waypoints: Waypoints, mesh: MeshConfig) -> list[ServiceInfo]:
     infos: list[ServiceInfo] = []
     for obj in build.cluster.of("Service"):
         waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
@@ -159,8 +169,24 @@ def _services(build: _Build, waypoints: Waypoints) -> list[ServiceInfo]:
         elif obj.spec.get("type") == "ExternalName":
             build.warn(obj, "type ExternalName is not sent to ztunnel (as by istiod)")
     for obj in build.cluster.of("ServiceEntry"):
-        waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
-        entries = build.attempt(obj, service_entries_of, build.cluster, waypoint) or []
+        visibility = mesh.service_entry_visibility(build.cluster.namespace_labels(obj.namespace))
+        if visibility is SEVisibility.NONE:
+            build.warn(obj, "the mesh config's serviceEntryVisibility is NONE for its namespace: not sent")
+            continue
+        local = visibility is SEVisibility.NAMESPACE
+        waypoint = waypoints.for_service(
+            f"{obj.kind} {obj.key}", obj.namespace, obj.labels, namespace_only=local
+        )
+        entries = (
+            build.attempt(
+                obj,
+                service_entries_of,
+                build.cluster,
+                waypoint,
+                Visibility.NAMESPACE if local else Visibility.PUBLIC,
+            )
+            or []
+        )
         if all(build.sendable(obj, e.service) for e in entries):
             infos.extend(entries)
     return select_services(infos)
@@ -206,7 +232,7 @@ def build(objects: Iterable[Obj], options: Options | None = None) -> Index:
             if waypoint is not None:
                 gateways.append(waypoint)
     waypoints = Waypoints(cluster, gateways)
-    services = _services(b, waypoints)
+    services = _services(b, waypoints, _mesh_config(b))
     policies, selecting = _policies(b)
     ctx = Context(cluster, services, waypoints, service_index(services), _policy_lookup(cluster, selecting))
     workloads = _workloads(b, ctx)

@@ -199,17 +199,28 @@ class Waypoints:
             return self._lookup(ns, namespace)
         return None
 
-    def for_service(self, who: str, namespace: str, labels: Mapping[str, str]) -> Waypoint | None:
+    def for_service(
+        self, who: str, namespace: str, labels: Mapping[str, str], *, namespace_only: bool = False
+    ) -> Waypoint | None:
+        """`namespace_only`: a ServiceEntry of NAMESPACE visibility, which no waypoint of another
+        namespace may serve (that would show it to the waypoint's namespace)."""
         if labels.get(GATEWAY_MANAGED_LABEL) in (MANAGED_BY_MESH, MANAGED_BY_EAST_WEST):
             return None  # the waypoint's (or an east-west gateway's) own Service
 
         def find() -> Waypoint | None:
             waypoint = self.for_target(namespace, labels)
-            if waypoint is None or waypoint.traffic_type in ("service", "all"):
-                return waypoint
-            raise WaypointError(
-                f"waypoint {waypoint.key} is for {waypoint.traffic_type} traffic, not service"
-            )
+            if waypoint is None:
+                return None
+            if waypoint.traffic_type not in ("service", "all"):
+                raise WaypointError(
+                    f"waypoint {waypoint.key} is for {waypoint.traffic_type} traffic, not service"
+                )
+            if namespace_only and waypoint.namespace != namespace:
+                raise WaypointError(
+                    f"cannot bind to waypoint {waypoint.key} in another namespace: not permitted for a "
+                    "ServiceEntry with NAMESPACE visibility"
+                )
+            return waypoint
 
         return self._warned(who, find)
 

@@ -1,0 +1,253 @@
+"""What istiod 1.31 adds to a ztunnel's services, from manifests, seen through real proxies.
+
+`ztunnel control-plane --kube DIR` serves the manifests; dedicated `ztunnel proxy` processes play pods
+of two namespaces (their DNS proxies answer, their SOCKS5 listeners carry connections). What is
+checked is what a client sees: a DNS answer, a connection carried or refused. The rules themselves,
+field by field, are checked on the wire (`serve`).
+
+* The mesh config's `serviceEntryVisibility` (the `istio` ConfigMap of `istio-system`): a
+  ServiceEntry of a namespace it makes `NAMESPACE` resolves and routes only for clients of that
+  namespace; `NONE` is not sent; `exportTo` is not read (istiod's ambient index ignores it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import dns.message
+import dns.rdatatype
+import pytest
+
+from tests.apps import Echo, socks5_connect, start_echo
+from tests.harness import ControlPlane, Fleet, proxy_env
+from tests.kube_wire import serve
+
+pytestmark = pytest.mark.timeout(180)
+
+NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
+CLIENT, OUTSIDER, ENDPOINT, CP_HOST = f"{NET}.2", f"{NET}.4", f"{NET}.5", f"{NET}.10"
+# The ServiceEntry's address: a loopback address nothing listens on, so that a proxy that does not
+# know the service passes the connection through and is refused at once.
+PARTNER_VIP = f"{NET}.50"
+
+
+def mesh_config(body: str) -> str:
+    indented = "".join(f"    {line}\n" for line in body.strip("\n").splitlines())
+    return f"""
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {{name: istio, namespace: istio-system}}
+data:
+  mesh: |
+{indented}"""
+
+
+PRIVATE_EGRESS = mesh_config(
+    """
+serviceEntryVisibility:
+  policies:
+    - visibility: NAMESPACE
+      matchingRules: [{namespaceSelector: {matchLabels: {egress: private}}}]
+"""
+)
+
+NAMESPACES = """
+apiVersion: v1
+kind: Namespace
+metadata: {name: demo, labels: {istio.io/dataplane-mode: ambient, egress: private}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: other, labels: {istio.io/dataplane-mode: ambient}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: istio-system}
+"""
+
+
+def pod(name: str, ns: str, ip: str) -> str:
+    return f"""
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}, labels: {{app: {name}, version: v1}}}}
+spec: {{serviceAccountName: {name}}}
+status:
+  podIP: {ip}
+  conditions: [{{type: Ready, status: "True"}}]
+"""
+
+
+def service_entry(name: str, ns: str, host: str, vip: str, endpoint: str, port: int, extra: str = "") -> str:
+    return f"""
+---
+apiVersion: networking.istio.io/v1
+kind: ServiceEntry
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  hosts: [{host}]
+  addresses: ["{vip}"]
+  ports: [{{number: 80, targetPort: {port}, name: tcp, protocol: TCP}}]
+  resolution: STATIC
+  endpoints: [{{address: "{endpoint}"}}]{extra}
+"""
+
+
+# --- on the wire ---------------------------------------------------------------------------------
+
+
+def test_service_entry_visibility_from_the_mesh_config() -> None:
+    entries = (
+        service_entry("partner", "demo", "partner.example", "10.9.0.1", "10.9.1.1", 80)
+        + service_entry("open", "other", "open.example", "10.9.0.2", "10.9.1.2", 80, "\n  exportTo: ['.']")
+        + service_entry("gone", "hidden", "gone.example", "10.9.0.3", "10.9.1.3", 80)
+    )
+    hidden = """
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: hidden, labels: {egress: none}}
+"""
+    config = mesh_config(
+        """
+serviceEntryVisibility:
+  defaultVisibility: PUBLIC
+  policies:
+    - visibility: NONE
+      matchingRules:
+        - namespaceSelector: {matchExpressions: [{key: egress, operator: In, values: [none]}]}
+    - visibility: NAMESPACE
+      matchingRules: [{namespaceSelector: {matchLabels: {egress: private}}}]
+"""
+    )
+    served = serve(NAMESPACES + hidden + config + entries)
+    assert served.services["demo/partner.example"]["visibility"] == "NAMESPACE"
+    # A namespace-only entry is never the canonical one of its hostname.
+    assert "canonical" not in served.services["demo/partner.example"]
+    # exportTo is not read: only the mesh config scopes a ServiceEntry for ztunnel.
+    assert "visibility" not in served.services["other/open.example"]
+    assert served.services["other/open.example"]["canonical"] is True
+    # NONE: neither the services nor the endpoints are sent.
+    assert "hidden/gone.example" not in served.services
+    assert not [uid for uid in served.workloads if "/hidden/" in uid]
+    assert served.warned("ServiceEntry hidden/gone", "serviceEntryVisibility is NONE")
+    # Without the mesh config every ServiceEntry is public.
+    assert "visibility" not in serve(NAMESPACES + hidden + entries).services["demo/partner.example"]
+
+
+def test_a_namespace_only_entry_takes_no_waypoint_of_another_namespace() -> None:
+    waypoint = """
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {name: egress, namespace: other}
+spec:
+  gatewayClassName: istio-waypoint
+  listeners: [{name: mesh, port: 15008, protocol: HBONE, allowedRoutes: {namespaces: {from: All}}}]
+"""
+    entry = service_entry("partner", "demo", "partner.example", "10.9.0.1", "10.9.1.1", 80).replace(
+        "namespace: demo}",
+        "namespace: demo, labels: {istio.io/use-waypoint: egress, istio.io/use-waypoint-namespace: other}}",
+    )
+    public = serve(NAMESPACES + waypoint + entry)
+    assert public.services["demo/partner.example"]["waypoint"]["hostname"]["namespace"] == "other"
+    private = serve(NAMESPACES + PRIVATE_EGRESS + waypoint + entry)
+    assert "waypoint" not in private.services["demo/partner.example"]
+    assert private.warned("ServiceEntry demo/partner", "waypoint other/egress in another namespace")
+
+
+def test_a_mesh_config_that_cannot_be_read_is_refused_and_everything_is_public() -> None:
+    broken = mesh_config("serviceEntryVisibility: {defaultVisibility: PRIVATE}")
+    served = serve(
+        NAMESPACES + broken + service_entry("partner", "demo", "partner.example", "10.9.0.1", "10.9.1.1", 80)
+    )
+    assert any(
+        "ConfigMap istio-system/istio refused: data.mesh: serviceEntryVisibility.defaultVisibility: "
+        "unknown visibility 'PRIVATE'" in r
+        for r in served.refusals
+    ), served.refusals
+    assert "visibility" not in served.services["demo/partner.example"]
+
+
+# --- through proxies -----------------------------------------------------------------------------
+
+
+@dataclass
+class Mesh:
+    cp: ControlPlane
+    echo: Echo
+
+
+def env_of(ip: str, workload: str, cp: ControlPlane) -> dict[str, str]:
+    """A dedicated proxy of `workload` fed by the control plane; certificates from the fake CA."""
+    env = proxy_env(ip, workload, INSTANCE_IP=ip, ZTUNNEL_WORKER_THREADS="1")
+    del env["LOCAL_XDS"]
+    env["XDS_ADDRESS"] = cp.url
+    return env
+
+
+@pytest.fixture
+async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
+    echo = await start_echo(ENDPOINT, 0)
+    port = echo.server.sockets[0].getsockname()[1]
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    (manifests / "00-namespaces.yaml").write_text(NAMESPACES + PRIVATE_EGRESS)
+    (manifests / "10-pods.yaml").write_text(
+        pod("client", "demo", CLIENT)
+        + pod("outsider", "other", OUTSIDER)
+        + service_entry("partner", "demo", "partner.example", PARTNER_VIP, ENDPOINT, port)
+    )
+    try:
+        cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, None, "--kube", str(manifests))
+        await fleet.start(
+            env_of(CLIENT, "demo/client/client", cp), env_of(OUTSIDER, "other/outsider/outsider", cp)
+        )
+        yield Mesh(cp, echo)
+    finally:
+        echo.server.close()
+
+
+async def resolve(proxy_ip: str, name: str) -> list[str]:
+    """The A records a proxy's DNS server answers for `name` (none when it only forwards the query)."""
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.setblocking(False)
+        s.connect((proxy_ip, 15053))
+        await loop.sock_sendall(s, dns.message.make_query(name, "A").to_wire())
+        try:
+            async with asyncio.timeout(5):
+                reply = dns.message.from_wire(await loop.sock_recv(s, 65535))
+        except TimeoutError:
+            return []  # forwarded, and the upstream did not answer
+    return [r.address for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A for r in rrset]
+
+
+async def carried(proxy_ip: str, host: str, payload: bytes) -> bool:
+    code, reader, writer = await socks5_connect((proxy_ip, 15080), host, 80)
+    try:
+        if code != 0:
+            return False
+        writer.write(payload)
+        return await asyncio.wait_for(reader.readexactly(len(payload)), 10) == payload
+    except (OSError, asyncio.IncompleteReadError):
+        return False
+    finally:
+        writer.close()
+
+
+async def test_a_namespace_only_service_entry_is_for_its_namespace_alone(mesh: Mesh) -> None:
+    # Its namespace's pods resolve it and reach its endpoint through its address.
+    assert await resolve(CLIENT, "partner.example") == [PARTNER_VIP]
+    assert await carried(CLIENT, PARTNER_VIP, b"to the partner")
+    # Another namespace's pods neither resolve it (the query is forwarded) nor route to it: the
+    # connection passes through to the bare address, where nothing listens.
+    assert PARTNER_VIP not in await resolve(OUTSIDER, "partner.example")
+    assert not await carried(OUTSIDER, PARTNER_VIP, b"to the partner")
