@@ -8,6 +8,8 @@ field by field, are checked on the wire (`serve`).
 * The mesh config's `serviceEntryVisibility` (the `istio` ConfigMap of `istio-system`): a
   ServiceEntry of a namespace it makes `NAMESPACE` resolves and routes only for clients of that
   namespace; `NONE` is not sent; `exportTo` is not read (istiod's ambient index ignores it).
+* Istio's waypoint canary (`istio.io/use-waypoint-canary` and its weight annotation): the share of a
+  service's connections its canary waypoint takes (all of them at weight 100).
 """
 
 from __future__ import annotations
@@ -23,14 +25,19 @@ import dns.message
 import dns.rdatatype
 import pytest
 
+from hbone.identity import Identity
 from tests.apps import Echo, socks5_connect, start_echo
 from tests.harness import ControlPlane, Fleet, proxy_env
-from tests.kube_wire import serve
+from tests.kube_wire import serve, subset
+from tests.relays import Relay, start_waypoint
 
 pytestmark = pytest.mark.timeout(180)
 
 NET = f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
 CLIENT, OUTSIDER, ENDPOINT, CP_HOST = f"{NET}.2", f"{NET}.4", f"{NET}.5", f"{NET}.10"
+# The waypoints' pods (test relays that record the CONNECTs they get), and the services' VIPs.
+PRIMARY, CANARY = f"{NET}.6", f"{NET}.7"
+ECHO_VIP, PRIMARY_VIP, CANARY_VIP = f"{NET}.60", f"{NET}.61", f"{NET}.62"
 # The ServiceEntry's address: a loopback address nothing listens on, so that a proxy that does not
 # know the service passes the connection through and is refused at once.
 PARTNER_VIP = f"{NET}.50"
@@ -100,7 +107,154 @@ spec:
 """
 
 
+def waypoint(name: str, ip: str, vip: str, traffic: str = "service") -> str:
+    """A waypoint as the manifests of a cluster give it: its Gateway, its Service, its pod."""
+    return f"""
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {{name: {name}, namespace: demo, labels: {{istio.io/waypoint-for: {traffic}}}}}
+spec: {{gatewayClassName: istio-waypoint, listeners: [{{name: mesh, port: 15008, protocol: HBONE}}]}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: demo, labels: {{gateway.istio.io/managed: istio.io-mesh-controller}}}}
+spec:
+  clusterIP: {vip}
+  selector: {{gateway.networking.k8s.io/gateway-name: {name}}}
+  ports: [{{name: mesh, port: 15008}}]
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}-0
+  namespace: demo
+  labels: {{gateway.networking.k8s.io/gateway-name: {name}, networking.istio.io/tunnel: http}}
+spec: {{serviceAccountName: {name}}}
+status:
+  podIP: {ip}
+  conditions: [{{type: Ready, status: "True"}}]
+"""
+
+
+def echo_service(labels: str, annotations: str = "{}") -> str:
+    return f"""
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: echo, namespace: demo, labels: {labels}, annotations: {annotations}}}
+spec: {{clusterIP: {ECHO_VIP}, selector: {{app: echo}}, ports: [{{name: tcp, port: 80}}]}}
+"""
+
+
+CANARY_100 = echo_service(
+    "{istio.io/use-waypoint: primary, istio.io/use-waypoint-canary: canary}",
+    "{istio.io/use-waypoint-canary-weight: '100'}",
+)
+WAYPOINTS = waypoint("primary", PRIMARY, PRIMARY_VIP) + waypoint("canary", CANARY, CANARY_VIP)
+
+
+def weighted(primary: int, canary: int) -> list[dict[str, object]]:
+    def entry(name: str, weight: int) -> dict[str, object]:
+        destination = {
+            "hostname": {"namespace": "demo", "hostname": f"{name}.demo.svc.cluster.local"},
+            "hbone_mtls_port": 15008,
+        }
+        return {"destination": destination, "weight": weight} if weight else {"destination": destination}
+
+    return [entry("primary", primary), entry("canary", canary)]
+
+
 # --- on the wire ---------------------------------------------------------------------------------
+
+
+def test_canary_waypoint_labels_become_weighted_waypoints() -> None:
+    served = serve(
+        NAMESPACES
+        + WAYPOINTS
+        + echo_service(
+            "{istio.io/use-waypoint: primary, istio.io/use-waypoint-canary: canary}",
+            "{istio.io/use-waypoint-canary-weight: '30'}",
+        )
+    )
+    subset(
+        {
+            "waypoint": weighted(1, 0)[0]["destination"],
+            "weighted_waypoints": weighted(70, 30),
+        },
+        served.services["demo/echo.demo.svc.cluster.local"],
+    )
+    # No weight: the canary is resolved and takes nothing.
+    no_weight = serve(
+        NAMESPACES
+        + WAYPOINTS
+        + echo_service("{istio.io/use-waypoint: primary, istio.io/use-waypoint-canary: canary}")
+    )
+    assert no_weight.services["demo/echo.demo.svc.cluster.local"]["weighted_waypoints"] == weighted(100, 0)
+
+
+def test_canary_from_the_namespace_only_with_the_namespaces_primary() -> None:
+    namespace = """
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: demo
+  labels: {istio.io/use-waypoint: primary, istio.io/use-waypoint-canary: canary}
+  annotations: {istio.io/use-waypoint-canary-weight: "25"}
+"""
+    inherited = serve(namespace + WAYPOINTS + echo_service("{}"))
+    assert inherited.services["demo/echo.demo.svc.cluster.local"]["weighted_waypoints"] == weighted(75, 25)
+    # A primary of its own: the namespace's canary is not the service's.
+    own = serve(namespace + WAYPOINTS + echo_service("{istio.io/use-waypoint: primary}"))
+    assert "weighted_waypoints" not in own.services["demo/echo.demo.svc.cluster.local"]
+
+
+@pytest.mark.parametrize(
+    ("labels", "annotations", "warning"),
+    [
+        (
+            "istio.io/use-waypoint-canary: primary",
+            "{}",
+            "canary waypoint demo/primary must differ from the primary",
+        ),
+        (
+            "istio.io/use-waypoint-canary: canary",
+            "{istio.io/use-waypoint-canary-weight: '101'}",
+            "invalid weight '101'",
+        ),
+        (
+            "istio.io/use-waypoint-canary: canary",
+            "{istio.io/use-waypoint-canary-weight: half}",
+            "invalid weight 'half'",
+        ),
+        ("istio.io/use-waypoint-canary: nope", "{}", "waypoint demo/nope is not found"),
+        (
+            "istio.io/use-waypoint-canary: workloads",
+            "{}",
+            "canary waypoint demo/workloads is for workload traffic",
+        ),
+        (
+            "istio.io/use-waypoint-canary: canary, istio.io/use-waypoint-canary-namespace: other",
+            "{}",
+            "waypoint other/canary is not found",
+        ),
+    ],
+)
+def test_a_canary_that_cannot_be_honoured_leaves_the_primary_alone(
+    labels: str, annotations: str, warning: str
+) -> None:
+    served = serve(
+        NAMESPACES
+        + WAYPOINTS
+        + waypoint("workloads", f"{NET}.8", f"{NET}.63", "workload")
+        + echo_service(f"{{istio.io/use-waypoint: primary, {labels}}}", annotations)
+    )
+    service = served.services["demo/echo.demo.svc.cluster.local"]
+    assert "weighted_waypoints" not in service
+    assert service["waypoint"] == weighted(1, 0)[0]["destination"]
+    assert served.warned("Service demo/echo", warning, "the primary waypoint takes all its traffic"), (
+        served.index.warnings
+    )
 
 
 def test_service_entry_visibility_from_the_mesh_config() -> None:
@@ -183,6 +337,8 @@ def test_a_mesh_config_that_cannot_be_read_is_refused_and_everything_is_public()
 class Mesh:
     cp: ControlPlane
     echo: Echo
+    primary: Relay
+    canary: Relay
 
 
 def env_of(ip: str, workload: str, cp: ControlPlane) -> dict[str, str]:
@@ -197,6 +353,8 @@ def env_of(ip: str, workload: str, cp: ControlPlane) -> dict[str, str]:
 async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
     echo = await start_echo(ENDPOINT, 0)
     port = echo.server.sockets[0].getsockname()[1]
+    primary = await start_waypoint(PRIMARY, Identity("cluster.local", "demo", "primary"), {})
+    canary = await start_waypoint(CANARY, Identity("cluster.local", "demo", "canary"), {})
     manifests = tmp_path / "manifests"
     manifests.mkdir()
     (manifests / "00-namespaces.yaml").write_text(NAMESPACES + PRIVATE_EGRESS)
@@ -205,14 +363,17 @@ async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
         + pod("outsider", "other", OUTSIDER)
         + service_entry("partner", "demo", "partner.example", PARTNER_VIP, ENDPOINT, port)
     )
+    (manifests / "20-waypoints.yaml").write_text(WAYPOINTS + CANARY_100)
     try:
         cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, None, "--kube", str(manifests))
         await fleet.start(
             env_of(CLIENT, "demo/client/client", cp), env_of(OUTSIDER, "other/outsider/outsider", cp)
         )
-        yield Mesh(cp, echo)
+        yield Mesh(cp, echo, primary, canary)
     finally:
         echo.server.close()
+        await primary.close()
+        await canary.close()
 
 
 async def resolve(proxy_ip: str, name: str) -> list[str]:
@@ -251,3 +412,13 @@ async def test_a_namespace_only_service_entry_is_for_its_namespace_alone(mesh: M
     # connection passes through to the bare address, where nothing listens.
     assert PARTNER_VIP not in await resolve(OUTSIDER, "partner.example")
     assert not await carried(OUTSIDER, PARTNER_VIP, b"to the partner")
+
+
+async def test_the_canary_waypoint_takes_the_share_its_weight_gives(mesh: Mesh) -> None:
+    # At weight 100 every connection to the service goes to the canary waypoint, none to the primary.
+    for _ in range(3):
+        _code, _reader, writer = await socks5_connect((CLIENT, 15080), ECHO_VIP, 80)
+        writer.close()  # the relay has no onward route: what counts is which waypoint was asked
+    assert [s.authority for s in mesh.canary.seen] == [f"{ECHO_VIP}:80"] * 3
+    assert [s.peer_identity for s in mesh.canary.seen] == ["spiffe://cluster.local/ns/demo/sa/client"] * 3
+    assert mesh.primary.seen == []

@@ -162,8 +162,11 @@ def _mesh_config(build: _Build) -> MeshConfig:
 def _services(build: _Build, waypoints: Waypoints, mesh: MeshConfig) -> list[ServiceInfo]:
     infos: list[ServiceInfo] = []
     for obj in build.cluster.of("Service"):
-        waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
-        info = build.attempt(obj, service_of, build.cluster, waypoint)
+        who = f"{obj.kind} {obj.key}"
+        waypoint = waypoints.for_service(who, obj.namespace, obj.labels)
+        info = build.attempt(
+            obj, service_of, build.cluster, waypoint, waypoints.canary_of(who, obj, waypoint)
+        )
         if info is not None and build.sendable(obj, info.service):
             infos.append(info)
         elif obj.spec.get("type") == "ExternalName":
@@ -174,9 +177,8 @@ def _services(build: _Build, waypoints: Waypoints, mesh: MeshConfig) -> list[Ser
             build.warn(obj, "the mesh config's serviceEntryVisibility is NONE for its namespace: not sent")
             continue
         local = visibility is SEVisibility.NAMESPACE
-        waypoint = waypoints.for_service(
-            f"{obj.kind} {obj.key}", obj.namespace, obj.labels, namespace_only=local
-        )
+        who = f"{obj.kind} {obj.key}"
+        waypoint = waypoints.for_service(who, obj.namespace, obj.labels, namespace_only=local)
         entries = (
             build.attempt(
                 obj,
@@ -184,6 +186,7 @@ def _services(build: _Build, waypoints: Waypoints, mesh: MeshConfig) -> list[Ser
                 build.cluster,
                 waypoint,
                 Visibility.NAMESPACE if local else Visibility.PUBLIC,
+                waypoints.canary_of(who, obj, waypoint),
             )
             or []
         )

@@ -46,6 +46,7 @@ from xds.model import (
     NetworkAddress,
     Service,
     Visibility,
+    WeightedWaypoint,
 )
 
 PREFER_SAME_ZONE = LoadBalancer(
@@ -124,7 +125,9 @@ def _service_ports(spec: Mapping[str, object]) -> tuple[tuple[tuple[int, int], .
     return tuple(ports), names
 
 
-def service_of(obj: Obj, cluster: Cluster, waypoint: Waypoint | None) -> ServiceInfo | None:
+def service_of(
+    obj: Obj, cluster: Cluster, waypoint: Waypoint | None, weighted: tuple[WeightedWaypoint, ...] = ()
+) -> ServiceInfo | None:
     """A Service's service; None for an ExternalName Service (not sent, as by istiod)."""
     spec = obj.spec
     if spec.get("type") == "ExternalName":
@@ -158,6 +161,7 @@ def service_of(obj: Obj, cluster: Cluster, waypoint: Waypoint | None) -> Service
         vips=vips,
         ports=ports,
         waypoint=waypoint.address if waypoint is not None else None,
+        weighted_waypoints=weighted,
         load_balancer=balancer,
         ip_families=ip_families,
         canonical=True,
@@ -175,7 +179,11 @@ def _auto_allocated(obj: Obj) -> dict[str, list[str]]:
 
 
 def service_entries_of(
-    obj: Obj, cluster: Cluster, waypoint: Waypoint | None, visibility: Visibility = Visibility.PUBLIC
+    obj: Obj,
+    cluster: Cluster,
+    waypoint: Waypoint | None,
+    visibility: Visibility = Visibility.PUBLIC,
+    weighted: tuple[WeightedWaypoint, ...] = (),
 ) -> list[ServiceInfo]:
     spec = obj.spec
     hosts = strings(spec.get("hosts"), "spec.hosts")
@@ -223,6 +231,7 @@ def service_entries_of(
             ports=tuple(ports),
             subject_alt_names=tuple(strings(spec.get("subjectAltNames"), "spec.subjectAltNames")),
             waypoint=waypoint.address if waypoint is not None else None,
+            weighted_waypoints=weighted,
             load_balancer=balancer,
             visibility=visibility,
         )
