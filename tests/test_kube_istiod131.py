@@ -10,6 +10,8 @@ field by field, are checked on the wire (`serve`).
   namespace; `NONE` is not sent; `exportTo` is not read (istiod's ambient index ignores it).
 * Istio's waypoint canary (`istio.io/use-waypoint-canary` and its weight annotation): the share of a
   service's connections its canary waypoint takes (all of them at weight 100).
+* `istio.io/ingress-use-waypoint`: for ingress gateways, which an xDS client of the control plane
+  receives; ztunnel ignores it (the proxies route as before).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import dns.message
 import dns.rdatatype
+import grpc.aio
 import pytest
 
 from hbone.identity import Identity
@@ -30,6 +33,8 @@ from tests.apps import Echo, socks5_connect, start_echo
 from tests.harness import ControlPlane, Fleet, proxy_env
 from tests.kube_wire import serve, subset
 from tests.relays import Relay, start_waypoint
+from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
+from xds.gen.istio.workload import workload_pb2
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -148,7 +153,7 @@ spec: {{clusterIP: {ECHO_VIP}, selector: {{app: echo}}, ports: [{{name: tcp, por
 
 
 CANARY_100 = echo_service(
-    "{istio.io/use-waypoint: primary, istio.io/use-waypoint-canary: canary}",
+    "{istio.io/use-waypoint: primary, istio.io/use-waypoint-canary: canary, istio.io/ingress-use-waypoint: 'true'}",
     "{istio.io/use-waypoint-canary-weight: '100'}",
 )
 WAYPOINTS = waypoint("primary", PRIMARY, PRIMARY_VIP) + waypoint("canary", CANARY, CANARY_VIP)
@@ -330,6 +335,49 @@ def test_a_mesh_config_that_cannot_be_read_is_refused_and_everything_is_public()
     assert "visibility" not in served.services["demo/partner.example"]
 
 
+def test_ingress_use_waypoint_from_the_label_of_a_service_with_a_waypoint() -> None:
+    def echo(labels: str, namespace_label: str = "") -> dict[str, object]:
+        namespaces = NAMESPACES.replace("egress: private}", f"egress: private{namespace_label}}}")
+        return serve(namespaces + WAYPOINTS + echo_service(labels)).services[
+            "demo/echo.demo.svc.cluster.local"
+        ]
+
+    assert (
+        echo("{istio.io/use-waypoint: primary, istio.io/ingress-use-waypoint: 'true'}")[
+            "ingress_use_waypoint"
+        ]
+        is True
+    )
+    assert (
+        echo("{istio.io/use-waypoint: primary, istio.io/ingress-use-waypoint: 'T'}")["ingress_use_waypoint"]
+        is True
+    )
+    # The namespace's label, unless the service has its own.
+    assert echo("{istio.io/use-waypoint: primary}", ", istio.io/ingress-use-waypoint: '1'")[
+        "ingress_use_waypoint"
+    ]
+    assert "ingress_use_waypoint" not in echo(
+        "{istio.io/use-waypoint: primary, istio.io/ingress-use-waypoint: 'false'}",
+        ", istio.io/ingress-use-waypoint: 'true'",
+    )
+    # Without a waypoint it means nothing and is not sent.
+    assert "ingress_use_waypoint" not in echo("{istio.io/ingress-use-waypoint: 'true'}")
+    entry = service_entry("partner", "demo", "partner.example", "10.9.0.1", "10.9.1.1", 80).replace(
+        "namespace: demo}",
+        "namespace: demo, labels: {istio.io/use-waypoint: primary, istio.io/ingress-use-waypoint: 'true'}}",
+    )
+    assert (
+        serve(NAMESPACES + WAYPOINTS + entry).services["demo/partner.example"]["ingress_use_waypoint"] is True
+    )
+    invalid = serve(
+        NAMESPACES
+        + WAYPOINTS
+        + echo_service("{istio.io/use-waypoint: primary, istio.io/ingress-use-waypoint: 'yes'}")
+    )
+    assert "ingress_use_waypoint" not in invalid.services["demo/echo.demo.svc.cluster.local"]
+    assert invalid.warned("Service demo/echo", "invalid value for label istio.io/ingress-use-waypoint: 'yes'")
+
+
 # --- through proxies -----------------------------------------------------------------------------
 
 
@@ -422,3 +470,23 @@ async def test_the_canary_waypoint_takes_the_share_its_weight_gives(mesh: Mesh) 
     assert [s.authority for s in mesh.canary.seen] == [f"{ECHO_VIP}:80"] * 3
     assert [s.peer_identity for s in mesh.canary.seen] == ["spiffe://cluster.local/ns/demo/sa/client"] * 3
     assert mesh.primary.seen == []
+
+
+async def test_an_ingress_gateway_is_told_to_use_the_waypoint(mesh: Mesh) -> None:
+    """What an xDS client of the control plane (an ingress gateway) receives for the service."""
+    async with grpc.aio.insecure_channel(mesh.cp.address) as channel:
+        call = discovery_pb2_grpc.AggregatedDiscoveryServiceStub(channel).DeltaAggregatedResources()
+        request = discovery_pb2.DeltaDiscoveryRequest(type_url="type.googleapis.com/istio.workload.Address")
+        request.node.id = "router~10.0.0.9~ingress.istio-system~istio-system.svc.cluster.local"
+        await call.write(request)
+        async with asyncio.timeout(10):
+            response = await call.read()
+        call.cancel()
+    assert isinstance(response, discovery_pb2.DeltaDiscoveryResponse)
+    services = {}
+    for resource in response.resources:
+        address = workload_pb2.Address.FromString(resource.resource.value)
+        if address.HasField("service"):
+            services[address.service.hostname] = address.service
+    assert services["echo.demo.svc.cluster.local"].ingress_use_waypoint
+    assert not services["canary.demo.svc.cluster.local"].ingress_use_waypoint

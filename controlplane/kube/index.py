@@ -165,7 +165,12 @@ def _services(build: _Build, waypoints: Waypoints, mesh: MeshConfig) -> list[Ser
         who = f"{obj.kind} {obj.key}"
         waypoint = waypoints.for_service(who, obj.namespace, obj.labels)
         info = build.attempt(
-            obj, service_of, build.cluster, waypoint, waypoints.canary_of(who, obj, waypoint)
+            obj,
+            service_of,
+            build.cluster,
+            waypoint,
+            waypoints.canary_of(who, obj, waypoint),
+            waypoints.ingress_use(who, obj, waypoint),
         )
         if info is not None and build.sendable(obj, info.service):
             infos.append(info)
@@ -187,6 +192,7 @@ def _services(build: _Build, waypoints: Waypoints, mesh: MeshConfig) -> list[Ser
                 waypoint,
                 Visibility.NAMESPACE if local else Visibility.PUBLIC,
                 waypoints.canary_of(who, obj, waypoint),
+                waypoints.ingress_use(who, obj, waypoint),
             )
             or []
         )

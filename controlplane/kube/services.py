@@ -126,7 +126,11 @@ def _service_ports(spec: Mapping[str, object]) -> tuple[tuple[tuple[int, int], .
 
 
 def service_of(
-    obj: Obj, cluster: Cluster, waypoint: Waypoint | None, weighted: tuple[WeightedWaypoint, ...] = ()
+    obj: Obj,
+    cluster: Cluster,
+    waypoint: Waypoint | None,
+    weighted: tuple[WeightedWaypoint, ...] = (),
+    ingress_use_waypoint: bool = False,
 ) -> ServiceInfo | None:
     """A Service's service; None for an ExternalName Service (not sent, as by istiod)."""
     spec = obj.spec
@@ -165,6 +169,7 @@ def service_of(
         load_balancer=balancer,
         ip_families=ip_families,
         canonical=True,
+        ingress_use_waypoint=ingress_use_waypoint,
     )
     return ServiceInfo(service, obj, string_map(spec.get("selector"), "spec.selector"), names)
 
@@ -184,6 +189,7 @@ def service_entries_of(
     waypoint: Waypoint | None,
     visibility: Visibility = Visibility.PUBLIC,
     weighted: tuple[WeightedWaypoint, ...] = (),
+    ingress_use_waypoint: bool = False,
 ) -> list[ServiceInfo]:
     spec = obj.spec
     hosts = strings(spec.get("hosts"), "spec.hosts")
@@ -234,6 +240,7 @@ def service_entries_of(
             weighted_waypoints=weighted,
             load_balancer=balancer,
             visibility=visibility,
+            ingress_use_waypoint=ingress_use_waypoint,
         )
         out.append(ServiceInfo(service, obj, selector, names))
     return out

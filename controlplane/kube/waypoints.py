@@ -20,6 +20,10 @@ the level the primary waypoint came from: the object's own labels, or its namesp
 object names no waypoint of its own. It becomes `weighted_waypoints`: the primary at 100 - weight,
 the canary at weight. A canary that is the primary, has an invalid weight, or cannot serve the
 service as a primary could not is a warning, and the primary takes everything.
+
+A Service or ServiceEntry with a waypoint carries `ingress_use_waypoint` (for ingress gateways; ztunnel
+ignores it) from its `istio.io/ingress-use-waypoint` label, else its namespace's, read as Go's
+`strconv.ParseBool` reads it; another value is a warning and false.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from controlplane.kube.cluster import (
     GATEWAY_MANAGED_LABEL,
     GATEWAY_NAME_LABEL,
     INBOUND_BINDING_ANNOTATION,
+    INGRESS_USE_WAYPOINT,
     USE_WAYPOINT,
     USE_WAYPOINT_CANARY,
     USE_WAYPOINT_CANARY_NAMESPACE,
@@ -60,6 +65,9 @@ MANAGED_BY_MESH = "istio.io-mesh-controller"
 MANAGED_BY_EAST_WEST = "istio.io-eastwest-controller"
 HBONE_PORT = 15008
 _WEIGHT = re.compile(r"[+-]?[0-9]+")  # what Go's strconv.Atoi reads
+# What Go's strconv.ParseBool reads.
+_TRUE = ("1", "t", "T", "TRUE", "true", "True")
+_FALSE = ("0", "f", "F", "FALSE", "false", "False")
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +287,21 @@ class Waypoints:
             return ()
         weight = int(annotations.get(CANARY_WEIGHT_ANNOTATION, "0"))
         return (WeightedWaypoint(primary.address, 100 - weight), WeightedWaypoint(canary.address, weight))
+
+    def ingress_use(self, who: str, obj: Obj, waypoint: Waypoint | None) -> bool:
+        """A Service's or ServiceEntry's `ingress_use_waypoint`: only with a waypoint."""
+        if waypoint is None:
+            return False
+        value = obj.labels.get(INGRESS_USE_WAYPOINT)
+        if value is None:
+            value = self.cluster.namespace_labels(obj.namespace).get(INGRESS_USE_WAYPOINT)
+        if value is None:
+            return False
+        if value not in _TRUE + _FALSE:
+            self.warnings.append(
+                f"{who}: invalid value for label {INGRESS_USE_WAYPOINT}: {value!r}, defaulting to false"
+            )
+        return value in _TRUE
 
     def for_workload(self, who: str, namespace: str, labels: Mapping[str, str]) -> Waypoint | None:
         def find() -> Waypoint | None:
