@@ -12,6 +12,9 @@ field by field, are checked on the wire (`serve`).
   service's connections its canary waypoint takes (all of them at weight 100).
 * `istio.io/ingress-use-waypoint`: for ingress gateways, which an xDS client of the control plane
   receives; ztunnel ignores it (the proxies route as before).
+* An AuthorizationPolicy's source `trustDomains`: istiod 1.31 translates none for ztunnel (its
+  sidecars and waypoints enforce them); a rule allowing by trust domain alone allows no one, with a
+  warning.
 """
 
 from __future__ import annotations
@@ -378,6 +381,40 @@ def test_ingress_use_waypoint_from_the_label_of_a_service_with_a_waypoint() -> N
     assert invalid.warned("Service demo/echo", "invalid value for label istio.io/ingress-use-waypoint: 'yes'")
 
 
+TRUST_DOMAIN_POLICY = """
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {{name: by-trust-domain, namespace: other}}
+spec:
+  action: ALLOW
+  rules:
+    - from: [{{source: {{trustDomains: [cluster.local]}}}}]
+      to: [{{operation: {{ports: ["{by_trust_domain}"]}}}}]
+    - from: [{{source: {{principals: [cluster.local/ns/demo/sa/partner], notTrustDomains: [other.example]}}}}]
+    - to: [{{operation: {{ports: ["{open}"]}}}}]
+"""
+
+
+def test_source_trust_domains_are_not_sent_and_a_warning_says_what_that_does() -> None:
+    served = serve(
+        NAMESPACES
+        + pod("outsider", "other", "10.0.0.4")
+        + TRUST_DOMAIN_POLICY.format(by_trust_domain=8080, open=9090)
+    )
+    groups = served.policies["other/by-trust-domain"]["rules"]
+    # As istiod sends it: the trust-domain source is an empty match (which matches nothing), the
+    # principal is as written, without its trust-domain condition.
+    assert groups[0]["clauses"] == [{"matches": [{"destination_ports": [8080]}]}, {"matches": [{}]}]
+    assert groups[1]["clauses"] == [
+        {"matches": [{"principals": [{"exact": "cluster.local/ns/demo/sa/partner"}]}]}
+    ]
+    assert served.warned(
+        "AuthorizationPolicy other/by-trust-domain",
+        "ztunnel does not enforce notTrustDomains and trustDomains (istiod leaves them out of the policy it sends)",
+    ), served.index.warnings
+
+
 # --- through proxies -----------------------------------------------------------------------------
 
 
@@ -387,6 +424,7 @@ class Mesh:
     echo: Echo
     primary: Relay
     canary: Relay
+    outsider_ports: tuple[int, int]  # its app's port allowed by trust domain, and its open one
 
 
 def env_of(ip: str, workload: str, cp: ControlPlane) -> dict[str, str]:
@@ -401,6 +439,9 @@ def env_of(ip: str, workload: str, cp: ControlPlane) -> dict[str, str]:
 async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
     echo = await start_echo(ENDPOINT, 0)
     port = echo.server.sockets[0].getsockname()[1]
+    # The outsider's apps: one port its policy opens by trust domain, one it opens to all.
+    apps = [await start_echo(OUTSIDER, 0) for _ in range(2)]
+    by_trust_domain, open_port = (app.server.sockets[0].getsockname()[1] for app in apps)
     primary = await start_waypoint(PRIMARY, Identity("cluster.local", "demo", "primary"), {})
     canary = await start_waypoint(CANARY, Identity("cluster.local", "demo", "canary"), {})
     manifests = tmp_path / "manifests"
@@ -412,14 +453,19 @@ async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
         + service_entry("partner", "demo", "partner.example", PARTNER_VIP, ENDPOINT, port)
     )
     (manifests / "20-waypoints.yaml").write_text(WAYPOINTS + CANARY_100)
+    (manifests / "30-policy.yaml").write_text(
+        TRUST_DOMAIN_POLICY.format(by_trust_domain=by_trust_domain, open=open_port)
+    )
     try:
         cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, None, "--kube", str(manifests))
         await fleet.start(
             env_of(CLIENT, "demo/client/client", cp), env_of(OUTSIDER, "other/outsider/outsider", cp)
         )
-        yield Mesh(cp, echo, primary, canary)
+        yield Mesh(cp, echo, primary, canary, (by_trust_domain, open_port))
     finally:
         echo.server.close()
+        for app in apps:
+            app.server.close()
         await primary.close()
         await canary.close()
 
@@ -439,8 +485,8 @@ async def resolve(proxy_ip: str, name: str) -> list[str]:
     return [r.address for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A for r in rrset]
 
 
-async def carried(proxy_ip: str, host: str, payload: bytes) -> bool:
-    code, reader, writer = await socks5_connect((proxy_ip, 15080), host, 80)
+async def carried(proxy_ip: str, host: str, payload: bytes, port: int = 80) -> bool:
+    code, reader, writer = await socks5_connect((proxy_ip, 15080), host, port)
     try:
         if code != 0:
             return False
@@ -490,3 +536,13 @@ async def test_an_ingress_gateway_is_told_to_use_the_waypoint(mesh: Mesh) -> Non
             services[address.service.hostname] = address.service
     assert services["echo.demo.svc.cluster.local"].ingress_use_waypoint
     assert not services["canary.demo.svc.cluster.local"].ingress_use_waypoint
+
+
+async def test_a_rule_by_trust_domain_alone_allows_no_one(mesh: Mesh) -> None:
+    by_trust_domain, open_port = mesh.outsider_ports
+    assert await carried(CLIENT, OUTSIDER, b"to the open port", open_port)
+    # The client's trust domain is cluster.local, the one the rule names; ztunnel never sees it.
+    code, _reader, writer = await socks5_connect((CLIENT, 15080), OUTSIDER, by_trust_domain)
+    writer.close()
+    assert code == 2  # connection not allowed by ruleset: the destination's proxy denied it
+    assert "ztunnel does not enforce notTrustDomains and trustDomains" in mesh.cp.log()
