@@ -15,6 +15,8 @@ field by field, are checked on the wire (`serve`).
 * An AuthorizationPolicy's source `trustDomains`: istiod 1.31 translates none for ztunnel (its
   sidecars and waypoints enforce them); a rule allowing by trust domain alone allows no one, with a
   warning.
+* The mesh config's `trustDomain` is the workloads' (their certificates name it): a policy's
+  principals match as written, `cluster.local` standing for no other trust domain.
 """
 
 from __future__ import annotations
@@ -415,6 +417,17 @@ def test_source_trust_domains_are_not_sent_and_a_warning_says_what_that_does() -
     ), served.index.warnings
 
 
+def test_the_mesh_config_trust_domain_is_the_workloads() -> None:
+    workload = "Kubernetes//Pod/demo/client"
+    corp = serve(NAMESPACES + mesh_config("trustDomain: corp.example") + pod("client", "demo", "10.0.0.2"))
+    assert corp.workloads[workload]["trust_domain"] == "corp.example"
+    # istiod leaves the default out, as without a mesh config.
+    default = serve(
+        NAMESPACES + mesh_config("trustDomain: cluster.local") + pod("client", "demo", "10.0.0.2")
+    )
+    assert "trust_domain" not in default.workloads[workload]
+
+
 # --- through proxies -----------------------------------------------------------------------------
 
 
@@ -546,3 +559,48 @@ async def test_a_rule_by_trust_domain_alone_allows_no_one(mesh: Mesh) -> None:
     writer.close()
     assert code == 2  # connection not allowed by ruleset: the destination's proxy denied it
     assert "ztunnel does not enforce notTrustDomains and trustDomains" in mesh.cp.log()
+
+
+def principals_policy(as_default: int, as_configured: int) -> str:
+    return f"""
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {{name: by-principal, namespace: other}}
+spec:
+  action: ALLOW
+  rules:
+    - from: [{{source: {{principals: [cluster.local/ns/demo/sa/client]}}}}]
+      to: [{{operation: {{ports: ["{as_default}"]}}}}]
+    - from: [{{source: {{principals: [corp.example/ns/demo/sa/client]}}}}]
+      to: [{{operation: {{ports: ["{as_configured}"]}}}}]
+"""
+
+
+async def test_principals_name_the_mesh_trust_domain_as_written(tmp_path: Path, fleet: Fleet) -> None:
+    apps = [await start_echo(OUTSIDER, 0) for _ in range(2)]
+    as_default, as_configured = (app.server.sockets[0].getsockname()[1] for app in apps)
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    (manifests / "mesh.yaml").write_text(
+        NAMESPACES
+        + mesh_config("trustDomain: corp.example")
+        + pod("client", "demo", CLIENT)
+        + pod("outsider", "other", OUTSIDER)
+        + principals_policy(as_default, as_configured)
+    )
+    try:
+        cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, None, "--kube", str(manifests))
+        # Certificates from the control plane's CA, for the identities the workloads say.
+        await fleet.start(
+            cp.wire(env_of(CLIENT, "demo/client/client", cp)),
+            cp.wire(env_of(OUTSIDER, "other/outsider/outsider", cp)),
+        )
+        assert await carried(CLIENT, OUTSIDER, b"as configured", as_configured)
+        assert cp.certificates_issued("spiffe://corp.example/ns/demo/sa/client") >= 1
+        code, _reader, writer = await socks5_connect((CLIENT, 15080), OUTSIDER, as_default)
+        writer.close()
+        assert code == 2  # cluster.local/... is not the client: denied by the outsider's proxy
+    finally:
+        for app in apps:
+            app.server.close()

@@ -12,7 +12,7 @@ and left out; everything else is served.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from controlplane.kube.cluster import Cluster, Options, SelectorIndex
@@ -234,6 +234,9 @@ def _workloads(build: _Build, ctx: Context) -> list[Workload]:
 def build(objects: Iterable[Obj], options: Options | None = None) -> Index:
     cluster = Cluster(objects, options or Options())
     b = _Build(cluster)
+    mesh = _mesh_config(b)
+    if mesh.trust_domain:
+        cluster.options = replace(cluster.options, trust_domain=mesh.trust_domain)
     gateways = []
     for gateway in cluster.of("Gateway"):
         if is_waypoint_gateway(gateway, cluster):
@@ -241,7 +244,7 @@ def build(objects: Iterable[Obj], options: Options | None = None) -> Index:
             if waypoint is not None:
                 gateways.append(waypoint)
     waypoints = Waypoints(cluster, gateways)
-    services = _services(b, waypoints, _mesh_config(b))
+    services = _services(b, waypoints, mesh)
     policies, selecting = _policies(b)
     ctx = Context(cluster, services, waypoints, service_index(services), _policy_lookup(cluster, selecting))
     workloads = _workloads(b, ctx)

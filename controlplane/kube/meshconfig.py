@@ -1,6 +1,7 @@
 """The mesh config, as istiod reads it from the `istio` ConfigMap of its namespace (`data.mesh`, YAML).
 
-Only what the ambient index takes from it is read: `serviceEntryVisibility`, which sets the visibility
+Only what the ambient index takes from it is read: `trustDomain`, the workloads' trust domain (and so
+what the principals of policies must name), and `serviceEntryVisibility`, which sets the visibility
 of every ServiceEntry from the labels of its namespace. Its policies are tried in order, the first
 whose `matchingRules` all match (each a `namespaceSelector`, a label selector) wins, else
 `defaultVisibility`; `VISIBILITY_UNSPECIFIED` and an absent `serviceEntryVisibility` are `PUBLIC`.
@@ -76,6 +77,7 @@ class VisibilityPolicy:
 
 @dataclass(frozen=True, slots=True)
 class MeshConfig:
+    trust_domain: str = ""  # "": not set (istiod's default, cluster.local)
     default_visibility: SEVisibility = SEVisibility.PUBLIC
     visibility_policies: tuple[VisibilityPolicy, ...] = ()
 
@@ -115,7 +117,7 @@ def _selector(value: object, where: str) -> Rule:
     return Rule(tuple(requirements))
 
 
-def _service_entry_visibility(value: Mapping[str, Any]) -> MeshConfig:
+def _service_entry_visibility(value: Mapping[str, Any]) -> tuple[SEVisibility, tuple[VisibilityPolicy, ...]]:
     where = "data.mesh: serviceEntryVisibility"
     policies = []
     for i, raw in enumerate(items(value.get("policies"), f"{where}.policies")):
@@ -130,9 +132,7 @@ def _service_entry_visibility(value: Mapping[str, Any]) -> MeshConfig:
             for j, rule in enumerate(items(policy.get("matchingRules"), f"{at}.matchingRules"))
         )
         policies.append(VisibilityPolicy(_visibility(policy.get("visibility"), f"{at}.visibility"), rules))
-    return MeshConfig(
-        _visibility(value.get("defaultVisibility"), f"{where}.defaultVisibility"), tuple(policies)
-    )
+    return _visibility(value.get("defaultVisibility"), f"{where}.defaultVisibility"), tuple(policies)
 
 
 def mesh_config(config_map: Obj) -> MeshConfig:
@@ -144,7 +144,9 @@ def mesh_config(config_map: Obj) -> MeshConfig:
     except yaml.YAMLError as e:
         refuse(f"data.{MESH_KEY}: not YAML: {str(e).splitlines()[0]}")
     mesh = mapping(mesh, f"data.{MESH_KEY}")
+    trust_domain = text(mesh.get("trustDomain"), "data.mesh: trustDomain")
     visibility = mesh.get("serviceEntryVisibility")
     if visibility is None:
-        return MeshConfig()
-    return _service_entry_visibility(mapping(visibility, "data.mesh: serviceEntryVisibility"))
+        return MeshConfig(trust_domain)
+    default, policies = _service_entry_visibility(mapping(visibility, "data.mesh: serviceEntryVisibility"))
+    return MeshConfig(trust_domain, default, policies)
