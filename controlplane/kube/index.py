@@ -152,7 +152,7 @@ def _pa_selects(pa: Obj, labels: Mapping[str, str]) -> bool:
 
 
 def _mesh_config(build: _Build) -> MeshConfig:
-    """The `istio` ConfigMap of the system namespace's mesh config; the defaults without one."""
+    """The mesh config of the system namespace's `istio` ConfigMap; the defaults without one."""
     cluster = build.cluster
     config_map = cluster.get("ConfigMap", f"{cluster.options.system_namespace}/{MESH_CONFIG_MAP}")
     found = build.attempt(config_map, mesh_config) if config_map is not None else None
