@@ -50,7 +50,7 @@ PRIMARY, CANARY = f"{NET}.6", f"{NET}.7"
 ECHO_VIP, PRIMARY_VIP, CANARY_VIP = f"{NET}.60", f"{NET}.61", f"{NET}.62"
 # The ServiceEntry's address: a loopback address nothing listens on, so that a proxy that does not
 # know the service passes the connection through and is refused at once.
-PARTNER_VIP = f"{NET}.50"
+PARTNER_VIP, OPEN_VIP = f"{NET}.50", f"{NET}.51"
 
 
 def mesh_config(body: str) -> str:
@@ -298,6 +298,7 @@ serviceEntryVisibility:
     # exportTo is not read: only the mesh config scopes a ServiceEntry for ztunnel.
     assert "visibility" not in served.services["other/open.example"]
     assert served.services["other/open.example"]["canonical"] is True
+    assert served.warned("ServiceEntry other/open", "spec.exportTo is not read for ztunnel")
     # NONE: neither the services nor the endpoints are sent.
     assert "hidden/gone.example" not in served.services
     assert not [uid for uid in served.workloads if "/hidden/" in uid]
@@ -428,6 +429,16 @@ def test_the_mesh_config_trust_domain_is_the_workloads() -> None:
     assert "trust_domain" not in default.workloads[workload]
 
 
+def test_a_services_export_to_annotation_is_not_read_with_a_warning() -> None:
+    service = echo_service("{}", "{networking.istio.io/exportTo: '.'}")
+    served = serve(NAMESPACES + service)
+    assert "visibility" not in served.services["demo/echo.demo.svc.cluster.local"]
+    assert served.warned(
+        "Service demo/echo", "the networking.istio.io/exportTo annotation is not read for ztunnel"
+    )
+    assert not serve(NAMESPACES + echo_service("{}", "{networking.istio.io/exportTo: '*'}")).index.warnings
+
+
 # --- through proxies -----------------------------------------------------------------------------
 
 
@@ -464,6 +475,7 @@ async def mesh(tmp_path: Path, fleet: Fleet) -> AsyncIterator[Mesh]:
         pod("client", "demo", CLIENT)
         + pod("outsider", "other", OUTSIDER)
         + service_entry("partner", "demo", "partner.example", PARTNER_VIP, ENDPOINT, port)
+        + service_entry("open", "other", "open.example", OPEN_VIP, ENDPOINT, port, "\n  exportTo: ['.']")
     )
     (manifests / "20-waypoints.yaml").write_text(WAYPOINTS + CANARY_100)
     (manifests / "30-policy.yaml").write_text(
@@ -519,6 +531,11 @@ async def test_a_namespace_only_service_entry_is_for_its_namespace_alone(mesh: M
     # connection passes through to the bare address, where nothing listens.
     assert PARTNER_VIP not in await resolve(OUTSIDER, "partner.example")
     assert not await carried(OUTSIDER, PARTNER_VIP, b"to the partner")
+    # exportTo scopes nothing for ztunnel, as with istiod: another namespace resolves and reaches
+    # the entry exported to its own namespace only; the control plane says so.
+    assert await resolve(CLIENT, "open.example") == [OPEN_VIP]
+    assert await carried(CLIENT, OPEN_VIP, b"exported to other only")
+    assert "ServiceEntry other/open: spec.exportTo is not read for ztunnel" in mesh.cp.log()
 
 
 async def test_the_canary_waypoint_takes_the_share_its_weight_gives(mesh: Mesh) -> None:

@@ -159,8 +159,30 @@ def _mesh_config(build: _Build) -> MeshConfig:
     return found or MeshConfig()
 
 
+EXPORT_TO_ANNOTATION = "networking.istio.io/exportTo"
+EXPORT_TO_IGNORED = (
+    "{} is not read for ztunnel (istiod's ambient index ignores it): every namespace sees it; "
+    "scope a ServiceEntry with the mesh config's serviceEntryVisibility"
+)
+
+
+def _export_to(obj: Obj) -> str | None:
+    """The `exportTo` that narrows an object's audience, which ztunnel's mesh does not honour."""
+    if obj.kind == "ServiceEntry":
+        value = obj.spec.get("exportTo")
+        if isinstance(value, list) and value and value != ["*"]:
+            return "spec.exportTo"
+    elif obj.annotations.get(EXPORT_TO_ANNOTATION, "*").replace(" ", "") not in ("", "*"):
+        return f"the {EXPORT_TO_ANNOTATION} annotation"
+    return None
+
+
 def _services(build: _Build, waypoints: Waypoints, mesh: MeshConfig) -> list[ServiceInfo]:
     infos: list[ServiceInfo] = []
+    for obj in build.cluster.of("Service") + build.cluster.of("ServiceEntry"):
+        export_to = _export_to(obj)
+        if export_to is not None:
+            build.warn(obj, EXPORT_TO_IGNORED.format(export_to))
     for obj in build.cluster.of("Service"):
         who = f"{obj.kind} {obj.key}"
         waypoint = waypoints.for_service(who, obj.namespace, obj.labels)
