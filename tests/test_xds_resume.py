@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+from pathlib import Path
 
 import grpc
 import pytest
 
+from controlplane.server import ControlPlane
 from tests.ads import (
     TIMEOUT,
     AdsServer,
@@ -24,14 +27,18 @@ from tests.ads import (
     run_client,
     workload,
 )
+from tests.waiting import eventually_async
 from xds.channel import node_from
 from xds.client import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
-from xds.resume import MAX_REQUEST_BYTES, initial_request, stale, version_entry_bytes
+from xds.grpc.wire import StatusCode
+from xds.resume import MAX_REQUEST_BYTES, initial_request, refused_limit, stale, version_entry_bytes
 
 NODE = node_from(pod_name="ztunnel", pod_namespace="istio-system")
 UIDS = [f"c//v1/Pod/ns/w{i}" for i in range(6)]
 HELD = {uid: f"v{i}" for i, uid in enumerate(UIDS)}
 CUT_LINE = "initial request cut to the message limit"
+# The control plane's line for a reconnect it took that listed what the proxy held.
+KEPT = re.compile(r"subscribed to Address: sending \d+ resource\(s\), 0 removal\(s\), [1-9]\d* unchanged")
 
 
 def limit_for(count: int, *, on_demand: bool = False) -> int:
@@ -185,3 +192,55 @@ def test_the_cut_request_is_one_a_4_mib_server_accepts() -> None:
     opening = initial_request(NODE, ADDRESS_TYPE_URL, versions)
     assert opening.cut
     assert len(opening.request.SerializeToString()) <= 4 * 1024 * 1024
+
+
+def test_a_refusal_names_the_control_planes_limit() -> None:
+    exhausted = StatusCode.RESOURCE_EXHAUSTED
+    assert refused_limit(exhausted, "grpc: received message larger than max (5564923 vs. 4194304)") == 4194304
+    assert refused_limit(exhausted, "SERVER: Received message larger than max (9000 vs. 4096)") == 4096
+    assert refused_limit(exhausted, "too many requests") is None
+    assert refused_limit(StatusCode.INTERNAL, "received message larger than max (2 vs. 1)") is None
+
+
+async def test_a_control_plane_that_takes_less_is_asked_within_its_limit(
+    tmp_path: Path, clients: list[Running], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The development control plane taking 4 KiB: the proxy's reconnect listing 200 workloads is
+    refused, and the next one, cut to what it said, is taken; nothing is lost on the way."""
+    caplog.set_level(logging.INFO)
+    mesh = tmp_path / "mesh.yaml"
+    mesh.write_text(
+        "workloads:\n"
+        + "".join(
+            f"  - {{uid: 'c//v1/Pod/ns/w{i}', name: w{i}, namespace: ns, workloadIps: ['10.0.{i // 200}.{i % 200 + 1}']}}\n"
+            for i in range(200)
+        )
+    )
+    cp = ControlPlane(mesh, listen="127.0.0.1:0", ca_dir=tmp_path / "ca", max_recv_msg_size=4096)
+    await cp.start()
+    try:
+        running = await run_client(cp.address, node=NODE)
+        clients.append(running)
+        async with asyncio.timeout(TIMEOUT):
+            await running.client.wait_synced()
+        uids = [f"c//v1/Pod/ns/w{i}" for i in range(200)]
+        assert len(running.client.initial_requests()[0].SerializeToString()) > 4096
+
+        assert cp.ads is not None
+        cp.ads.close()  # ends the stream: the proxy reconnects, listing its 200 workloads
+        await eventually_async(
+            lambda: any(r.getMessage().startswith("the control plane refused") for r in caplog.records),
+            "the refusal heeded",
+        )
+        await eventually_async(
+            lambda: any(KEPT.search(r.getMessage()) for r in caplog.records), "a cut reconnect taken"
+        )
+        assert len(running.client.initial_requests()[0].SerializeToString()) <= 4096
+        assert any(r.getMessage().startswith(CUT_LINE) for r in caplog.records)
+        await eventually_async(
+            lambda: any("no longer has" in r.getMessage() for r in caplog.records), "the answer applied"
+        )
+        assert set(running.client.resource_versions(ADDRESS_TYPE_URL)) == set(uids)
+        assert all(running.state.workload_by_uid(u) is not None for u in uids)
+    finally:
+        await cp.stop(grace=0)

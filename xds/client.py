@@ -4,8 +4,9 @@ and node identity, shared with the CA client, are `xds.channel`'s).
 `XdsClient.run()` keeps one `DeltaAggregatedResources` stream open, reconnecting with the reference's
 backoff (from 10 ms, doubling up to 15 s on errors, reset when the stream ended cleanly), until `close()`. On every (re)connect it subscribes, wildcard, to Address then
 Authorization, listing the resources it holds in `initial_resource_versions` as far as the request
-stays within the control plane's message limit (`xds.resume`: what it leaves out comes again, and is
-removed if the first answer does not carry it). Each response is decoded
+stays within the control plane's message limit (`xds.resume`: 4 MiB, or less when the control plane
+said so refusing one; what it leaves out comes again, and is removed if the first answer does not
+carry it). Each response is decoded
 and converted (`xds.convert`; from 64 KiB of payload on a thread, so that a huge push does not stall
 the loop), applied to the store, on the loop, as one batch (the resources that fail are left out
 and named in the NACK, the rest are applied), and answered with an ACK or a NACK carrying only the type
@@ -55,7 +56,7 @@ from xds.gen.istio.workload import workload_pb2
 from xds.grpc.connection import Call
 from xds.grpc.wire import RpcError, Status, StatusCode
 from xds.model import Service, Workload
-from xds.resume import MAX_REQUEST_BYTES, InitialRequest, initial_request, stale
+from xds.resume import MAX_REQUEST_BYTES, InitialRequest, initial_request, refused_limit, stale
 
 log = logging.getLogger(__name__)
 
@@ -378,12 +379,24 @@ class XdsClient:
             try:
                 await self._converse(call)
             except RpcError as e:
+                self._heed_refusal(e)
                 raise StreamStatus(e.code, e.details) from None
             finally:
                 self._call = None
                 call.cancel()
         finally:
             await channel.close()
+
+    def _heed_refusal(self, error: RpcError) -> None:
+        """A control plane that refused a request as over its receive limit: stay within it."""
+        limit = refused_limit(error.code, error.details)
+        if limit is None or limit >= self._request_limit:
+            return
+        self._request_limit = limit
+        log.warning(
+            "the control plane refused a request over its message limit: initial requests now stay within it",
+            extra={"fields": {"limit": limit}},
+        )
 
     async def _converse(self, call: Call) -> None:
         self.connections += 1

@@ -19,19 +19,27 @@ and the rest is taken as a fresh push:
 A subscription by name (on-demand Address) has no such answer: a name left out of the request is no
 longer subscribed, so the client forgets it at once (asked for again on its next miss).
 
+A control plane that takes less refuses the request with RESOURCE_EXHAUSTED and says its limit
+(gRPC's "received message larger than max (N vs. LIMIT)"): `refused_limit` reads it, so that the
+next attempt stays within it.
+
 Pure: the versions in, the request and what it left out out.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from xds.gen.envoy.config.core.v3 import base_pb2
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
+from xds.grpc.wire import StatusCode
 
 # istiod's default receive limit: a request this size or smaller is never refused by it.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# How gRPC (grpc-go, as istiod, and gRPC core alike) words a message over the receive limit.
+_OVER_LIMIT = re.compile(r"larger than max \((\d+) vs\. (\d+)\)", re.IGNORECASE)
 
 
 def _varint_bytes(n: int) -> int:
@@ -104,3 +112,11 @@ def stale(unlisted: Iterable[str], response: discovery_pb2.DeltaDiscoveryRespons
     sent = {r.name for r in response.resources}
     sent.update(response.removed_resources)
     return [name for name in unlisted if name not in sent]
+
+
+def refused_limit(code: StatusCode, details: str) -> int | None:
+    """The receive limit a control plane named when it refused a message as too large, else None."""
+    if code is not StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    found = _OVER_LIMIT.search(details)
+    return int(found.group(2)) if found else None
