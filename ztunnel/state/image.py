@@ -7,7 +7,7 @@ holds the whole store; a delta image only the keys a push touched since the base
 with the whole of what the store has for it (a key it emptied with none), so a delta answers a key
 it holds in place of the base (`StateImage.touches`).
 
-An image is a header (`MAGIC`) and sections, each
+An image is a header (`MAGIC`, and `LAYOUT`, which names the records' layout) and sections, each
 8-byte aligned:
 
 * records: every workload, service, and each service's memberships (its endpoints from the
@@ -42,6 +42,7 @@ from typing import Any
 from xds.model import Endpoint, IPAddress, NamespacedHostname, NetworkAddress, Service, Workload
 from ztunnel.state.names import NameIndex
 from ztunnel.state.records import (
+    layout,
     members_of,
     members_record,
     service_of,
@@ -51,7 +52,7 @@ from ztunnel.state.records import (
 )
 
 MAGIC = b"ZTIMAGE4"
-_HEADER = struct.Struct("<8sI")
+_HEADER = struct.Struct("<8sII")  # MAGIC, LAYOUT, the number of sections
 _SECTION = struct.Struct("<QQ")
 
 _INDEXES = ("uid", "addr", "host", "name", "pod", "series", "key", "vip", "svchost", "member")
@@ -72,6 +73,9 @@ _SECTIONS = (
     "cidr_services",
     *(f"{name}_{part}" for name in _INDEXES for part in _INDEX_PARTS),
 )
+# What an image's header names: its sections, and the records' layout (a worker of another build,
+# which reads other records, refuses the image, and is refused at its start: `messages.Spawn`).
+LAYOUT = zlib.crc32(repr((_SECTIONS, layout())).encode())
 # Decoded records kept per kind (workloads, services, memberships): a node's connections name few,
 # and a worker's memory must not grow with the mesh (about 1.5 MiB of workloads at most).
 CACHE_KEPT = 1024
@@ -366,7 +370,7 @@ def _layout(body: dict[str, list[bytes]]) -> list[bytes]:
         if pad:
             out.append(b"\0" * pad)
         offset += length + pad
-    head = _HEADER.pack(MAGIC, len(_SECTIONS)) + b"".join(table)
+    head = _HEADER.pack(MAGIC, LAYOUT, len(_SECTIONS)) + b"".join(table)
     return [head + b"\0" * (-len(head) % 8), *out]
 
 
@@ -398,19 +402,33 @@ class StateImage:
     """Lookups over an image (bytes, or a read-only mapping of one), answering as the store does."""
 
     def __init__(self, buffer: Any) -> None:
+        """Map the sections of `buffer`; bytes that are not a whole image of this build's layout
+        raise `ImageError`, saying what is wrong."""
         view = memoryview(buffer).cast("B")
         if len(view) < _HEADER.size:
             raise ImageError("not a state image: too short")
-        magic, count = _HEADER.unpack_from(view, 0)
+        magic, layout_, count = _HEADER.unpack_from(view, 0)
         if magic != MAGIC or count != len(_SECTIONS):
             raise ImageError("not a state image of this version")
+        if layout_ != LAYOUT:
+            raise ImageError(f"a state image of record layout {layout_:08x}, this build's is {LAYOUT:08x}")
+        if len(view) < _HEADER.size + count * _SECTION.size:
+            raise ImageError("state image truncated: its section table")
         parts: dict[str, memoryview] = {}
         for i, name in enumerate(_SECTIONS):
             offset, length = _SECTION.unpack_from(view, _HEADER.size + i * _SECTION.size)
             if offset + length > len(view):
                 raise ImageError(f"state image truncated: section {name}")
+            if offset % 8:
+                raise ImageError(f"state image misaligned: section {name} at {offset}")
             parts[name] = view[offset : offset + length]
+        try:
+            self._map(parts)
+        except (TypeError, IndexError, ValueError) as e:  # a section of the wrong size, offsets past it
+            raise ImageError(f"not a state image: {e}") from None
         self._view = view
+
+    def _map(self, parts: dict[str, memoryview]) -> None:
         self._workloads = _Table(parts["workloads"], parts["workload_offsets"].cast("Q"), workload_of)
         self._services = _Table(parts["services"], parts["service_offsets"].cast("Q"), service_of)
         self._members = _Table(parts["members"], parts["member_offsets"].cast("Q"), members_of)
@@ -425,6 +443,14 @@ class StateImage:
             )
             for name in _INDEXES
         }
+        for table in (self._workloads, self._services, self._members):
+            if len(table.offsets) == 0 or table.offsets[-1] > len(table.data):
+                raise ValueError("record offsets past their section")
+        for entries, keys, offsets, starts, ids in self._index.values():
+            if len(offsets) != len(entries) + 1 or offsets[-1] > len(keys):
+                raise ValueError("index keys past their section")
+            if len(starts) not in (0, len(offsets)) or (starts and starts[-1] > len(ids)):
+                raise ValueError("index records past their section")
 
     def _find(self, index: str, key: bytes) -> memoryview | None:
         """The record numbers of `key` in `index` (empty: a delta's key the store emptied), None
