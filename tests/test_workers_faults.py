@@ -4,7 +4,8 @@ its parent on the socket pair, is fed state images that cannot be read (a sectio
 sections cut short, a section of the wrong size, one misaligned) and a delta over a base it does not
 hold. Each time it logs why, asks for the current images (`StateImageWanted`) and goes on: it still
 carries connections by the images it holds, answers pings, and takes the next good image. A worker
-of another build is refused at its start."""
+of another build is refused at its start. And through `ztunnel proxy`: a worker out of descriptors
+at a push keeps its connections, is sent the images again once, and follows the next push."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.apps import echo_server, exchange, free_port, loopback_net, socks5, socks5_reply
-from tests.harness import proxy_env
+from tests.harness import Fleet, proxy_env
 from tests.waiting import eventually
 from xds.localconfig import parse_local_config
 from ztunnel.state.image import LAYOUT
@@ -286,3 +287,34 @@ def test_a_worker_out_of_descriptors_when_an_image_comes_loses_the_image_not_its
     parent.send_images()  # as the supervisor answers StateImageWanted
     eventually(lambda: not reached(), "the worker follows the images sent again")
     assert "Traceback" not in parent.logs()
+
+
+def test_a_proxys_worker_out_of_descriptors_at_a_push_keeps_serving_and_follows_the_next(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    """Through `ztunnel proxy` and the development control plane: the supervisor sends a worker
+    that lost an image's fd the current images again, once, and the next push reaches it."""
+    with echo_server(APP, 8080):
+        cp = fleet.control_plane(tmp_path / "cp", f"{NET}.10", mesh(8080))
+        (proxy,) = fleet.start_all(cp.wire(proxy_env(PROXY, INSTANCE_IP=PROXY)))
+        eventually(lambda: reached(), "the VIP routed")
+        worker = proxy.workers()[0]
+        held = [socks5(PROXY, VIP, 80) for _ in range(8)]  # some in each worker
+        soft, hard = resource.prlimit(worker, resource.RLIMIT_NOFILE)
+        open_fds = {int(fd) for fd in os.listdir(f"/proc/{worker}/fd")}
+        resource.prlimit(
+            worker, resource.RLIMIT_NOFILE, (min(set(range(len(open_fds) + 1)) - open_fds), hard)
+        )
+        try:
+            cp.push(mesh(NOWHERE))
+            eventually(lambda: "sending it the current images again" in proxy.log(), "the images sent again")
+            eventually(lambda: "cannot take state image" in proxy.log(), "no loop of resends")
+            assert worker in proxy.workers()
+        finally:
+            resource.prlimit(worker, resource.RLIMIT_NOFILE, (soft, hard))
+        for s in held:
+            with s:
+                assert exchange(s, b"held") == b"held"
+        cp.push(mesh(free_port(APP)))  # the next push: a delta over the base the worker holds
+        eventually(lambda: not any(reached() for _ in range(8)), "every worker follows the next push")
+        assert worker in proxy.workers() and "Traceback" not in proxy.log()
