@@ -3,7 +3,8 @@
 answer to every lookup, push after push, with VIPs, addresses, uids, hostnames, service keys and pod
 names forged to collide with the keys of the mesh (the forge is four bytes: crc32 is affine, so four
 chosen bytes reach any value). And a key with a crowd of forged neighbours costs its lookups no
-decode of theirs."""
+decode of theirs. Then once through `ztunnel proxy`: a forged VIP does not move 10.0.0.1 in its
+workers."""
 
 from __future__ import annotations
 
@@ -12,10 +13,15 @@ import ipaddress
 import os
 import random
 import zlib
-from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.apps import echo_server, exchange, loopback_net, socks5_reply
+from tests.crcforge import forge, forged_texts, forged_v6
+from tests.harness import Fleet, proxy_env
+from tests.waiting import eventually
+from tests.xds_mesh import opened_per_worker
 from xds.model import (
     Endpoint,
     IPAddress,
@@ -31,67 +37,6 @@ from ztunnel.state.store import ProxyState
 from ztunnel.workers import replication
 from ztunnel.workers.messages import StateImageReady, ToWorker
 from ztunnel.workers.replication import ReplicatedState, map_image
-
-# -- the forge --------------------------------------------------------------------------------------
-
-
-def _crc_table() -> list[int]:
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-TABLE = _crc_table()
-BY_TOP = {entry >> 24: i for i, entry in enumerate(TABLE)}  # each table entry's top byte is its own
-
-
-def forge(prefix: bytes, suffix: bytes, target: int) -> bytes:
-    """The four bytes that make crc32(prefix + them + suffix) == target."""
-    reg = target ^ 0xFFFFFFFF  # the register after the last byte
-    for b in reversed(suffix):  # back through the known bytes: each step is undone exactly
-        i = BY_TOP[reg >> 24]
-        reg = ((reg ^ TABLE[i]) << 8 | (i ^ b)) & 0xFFFFFFFF
-    indexes = []
-    for _ in range(4):  # the four table indexes that lead to that register, whatever came before
-        i = BY_TOP[reg >> 24]
-        indexes.append(i)
-        reg = ((reg ^ TABLE[i]) << 8) & 0xFFFFFFFF
-    reg = zlib.crc32(prefix) ^ 0xFFFFFFFF
-    out = bytearray()
-    for i in reversed(indexes):  # forward: the byte that makes each index come
-        out.append((reg ^ i) & 0xFF)
-        reg = TABLE[i] ^ (reg >> 8)
-    assert zlib.crc32(prefix + out + suffix) == target
-    return bytes(out)
-
-
-def forged_texts(stem: str, key_of: Callable[[str], bytes], target: bytes, count: int) -> Iterator[str]:
-    """`count` strings `<stem><n>-<4 forged chars>` (printable ASCII) whose key, `key_of(text)`,
-    has the crc32 of `target`."""
-    want, n = zlib.crc32(target), 0
-    while count:
-        n += 1
-        text = f"{stem}{n}-"
-        whole = key_of(text + "\0\0\0\0")
-        at = whole.index(text.encode()) + len(text)
-        four = forge(whole[:at], whole[at + 4 :], want)
-        if all(0x21 <= c < 0x7F for c in four) and four != whole[at : at + 4]:
-            forged = text + four.decode()
-            assert zlib.crc32(key_of(forged)) == want and key_of(forged) != target
-            count -= 1
-            yield forged
-
-
-def forged_v6(network: str, target: bytes, n: int) -> ipaddress.IPv6Address:
-    """An IPv6 address in `network` whose address key has the crc32 of `target`."""
-    head = ipaddress.IPv6Address(f"fd00::{n:x}:0:0").packed[:12]
-    whole = addr_key(network, ipaddress.IPv6Address(head + b"\0" * 4))
-    four = forge(whole[:13], whole[17:], zlib.crc32(target))
-    return ipaddress.IPv6Address(head + four)
 
 
 def test_the_forge_makes_any_crc32() -> None:
@@ -331,3 +276,67 @@ def test_a_crowd_of_forged_keys_costs_a_lookup_no_decode_of_theirs() -> None:
     assert image.workloads_at("", V) == [web0] and image.cached() == 1
     assert image.workload_by_uid("c//v1/Pod/evil/v7") is not None and image.cached() == 2
     assert image.workloads_of_pod_name("web-1") == [] and image.cached() == 2
+
+
+# -- through a proxy --------------------------------------------------------------------------------
+
+
+def _e2e_mesh(net: str, vip_b: tuple[str, ...], with_a: bool, revision: int) -> str:
+    """The client, the app A's VIP goes to (an echo server), B's endpoint (nothing listens there),
+    and 600 filler workloads whose revision a push changes (past a sixteenth: the next image is a
+    new base, the store's order laid out afresh)."""
+    out = [
+        "workloads:",
+        f"  - {{uid: x//v1/Pod/demo/client, name: client, namespace: demo, serviceAccount: client,"
+        f" workloadIps: ['{net}.2'], protocol: HBONE}}",
+        f"  - {{uid: x//v1/Pod/ns0/app, name: app, namespace: ns0, serviceAccount: app, workloadIps: ['{net}.3'],"
+        f" protocol: TCP, services: {{'ns0/a.example': {{80: 8080}}}}}}",
+        f"  - {{uid: x//v1/Pod/evil/b, name: b, namespace: evil, serviceAccount: b, workloadIps: ['{net}.4'],"
+        f" protocol: TCP, services: {{'evil/b.example': {{80: 8080}}}}}}",
+    ]
+    out += [
+        f"  - {{uid: x//v1/Pod/fill/f{i}, name: f{i}, namespace: fill, workloadIps: ['10.50.{i // 250}.{i % 250}'],"
+        f" canonicalRevision: r{revision}}}"
+        for i in range(600)
+    ]
+    out += [
+        "services:",
+        f"  - {{name: b, namespace: evil, hostname: b.example, vips: {list(vip_b)}, ports: {{80: 8080}}}}",
+    ]
+    if with_a:
+        out.append(
+            f"  - {{name: a, namespace: ns0, hostname: a.example, vips: ['/{V}'], ports: {{80: 8080}}}}"
+        )
+    return "\n".join(out) + "\n"
+
+
+def test_a_forged_vip_does_not_move_10_0_0_1_in_a_proxys_workers(tmp_path: Path, fleet: Fleet) -> None:
+    """Through `ztunnel proxy` (two workers) and the development control plane: B holds a VIP
+    forged to share 10.0.0.1's crc32, A claims 10.0.0.1, then B claims it too in a push big enough
+    to make a new base image. A was first: the parent says A, and every connection to 10.0.0.1
+    through either worker reaches A's app (B's endpoint has nothing listening)."""
+    net = loopback_net()
+    forged = f"/{forged_v6('', addr_key('', V), 1)}"
+    with echo_server(f"{net}.3", 8080):
+        cp = fleet.control_plane(tmp_path / "cp", f"{net}.10", _e2e_mesh(net, (forged,), False, 1))
+        (proxy,) = fleet.start_all(cp.wire(proxy_env(f"{net}.2", INSTANCE_IP=f"{net}.2")))
+
+        def services() -> list[str]:
+            return [f"{s['namespace']}/{s['name']}" for s in proxy.config_dump()["services"]]
+
+        eventually(lambda: services() == ["evil/b"], "B first")
+        cp.push(_e2e_mesh(net, (forged,), True, 1))
+        eventually(lambda: services() == ["evil/b", "ns0/a"], "then A")
+        cp.push(_e2e_mesh(net, (forged, f"/{V}"), True, 2))
+        eventually(lambda: len(proxy.config_dump()["services"][0]["vips"]) == 2, "B claims 10.0.0.1 too")
+        held = []
+        try:
+            for _ in range(8):  # spread over both workers
+                s, code = socks5_reply(f"{net}.2", str(V), 80)
+                held.append(s)
+                assert code == 0, f"10.0.0.1 went to B in a worker (SOCKS5 reply {code})"
+                assert exchange(s, b"to A") == b"to A"
+        finally:
+            for s in held:
+                s.close()
+        assert all(n > 0 for n in opened_per_worker(proxy).values()), "both workers answered"
