@@ -324,11 +324,13 @@ def test_a_forged_vip_does_not_move_10_0_0_1_in_a_proxys_workers(tmp_path: Path,
         def services() -> list[str]:
             return [f"{s['namespace']}/{s['name']}" for s in proxy.config_dump()["services"]]
 
-        eventually(lambda: services() == ["evil/b"], "B first")
+        eventually(lambda: services() == ["evil/b"], "B first", timeout=60)
         cp.push(_e2e_mesh(net, (forged,), True, 1))
-        eventually(lambda: services() == ["evil/b", "ns0/a"], "then A")
+        eventually(lambda: services() == ["evil/b", "ns0/a"], "then A", timeout=60)
         cp.push(_e2e_mesh(net, (forged, f"/{V}"), True, 2))
-        eventually(lambda: len(proxy.config_dump()["services"][0]["vips"]) == 2, "B claims 10.0.0.1 too")
+        eventually(
+            lambda: len(proxy.config_dump()["services"][0]["vips"]) == 2, "B claims 10.0.0.1 too", timeout=60
+        )
         held = []
         try:
             for _ in range(8):  # spread over both workers

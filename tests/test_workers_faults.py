@@ -117,7 +117,7 @@ class Parent:
         for message, fds in self.store.images():
             self.send(message, fds)
 
-    def expect(self, kind: type, timeout: float = 20.0) -> object:
+    def expect(self, kind: type, timeout: float = 60.0) -> object:
         """The worker's next message of `kind` (a certificate request is answered: no CA here)."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
@@ -307,8 +307,12 @@ def test_a_proxys_worker_out_of_descriptors_at_a_push_keeps_serving_and_follows_
         )
         try:
             cp.push(mesh(NOWHERE))
-            eventually(lambda: "sending it the current images again" in proxy.log(), "the images sent again")
-            eventually(lambda: "cannot take state image" in proxy.log(), "no loop of resends")
+            eventually(
+                lambda: "sending it the current images again" in proxy.log(),
+                "the images sent again",
+                timeout=60,
+            )
+            eventually(lambda: "cannot take state image" in proxy.log(), "no loop of resends", timeout=60)
             assert worker in proxy.workers()
         finally:
             resource.prlimit(worker, resource.RLIMIT_NOFILE, (soft, hard))
@@ -316,5 +320,7 @@ def test_a_proxys_worker_out_of_descriptors_at_a_push_keeps_serving_and_follows_
             with s:
                 assert exchange(s, b"held") == b"held"
         cp.push(mesh(free_port(APP)))  # the next push: a delta over the base the worker holds
-        eventually(lambda: not any(reached() for _ in range(8)), "every worker follows the next push")
+        eventually(
+            lambda: not any(reached() for _ in range(8)), "every worker follows the next push", timeout=60
+        )
         assert worker in proxy.workers() and "Traceback" not in proxy.log()
