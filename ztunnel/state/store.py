@@ -502,6 +502,7 @@ class ProxyState:
             self._workloads,
             self._workloads_by_addr,
             self._workloads_by_hostname,
+            self._workloads_by_name,
             self._services,
             self._services_by_vip,
             self._services_by_hostname,

@@ -32,6 +32,7 @@ from ztunnel.identity.certificates import CertificateUnavailable, SecretManager
 from ztunnel.logs import lines as logs
 from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.startup import StartupError
+from ztunnel.state.image import LAYOUT
 from ztunnel.workers import fleet as policy
 from ztunnel.workers.channel import Channel, close_fds, encode
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
@@ -57,6 +58,7 @@ from ztunnel.workers.messages import (
     Scrape,
     SetLogFilter,
     Spawn,
+    StateImageWanted,
     Stop,
     Synced,
     ToWorker,
@@ -101,6 +103,7 @@ class WorkerSlot:
     pod_connections: PodConnections = field(default_factory=dict)
     scrape: asyncio.Future[None] | None = None
     scrape_seq: int = 0
+    images_resent: int = 0  # the parent's image generation last sent again on its asking
     gone: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -175,6 +178,7 @@ class Supervisor:
             ProfileReply: self._on_profile_reply,
             PodResult: self._on_pod_result,
             Failed: self._on_failed,
+            StateImageWanted: self._on_image_wanted,
             Pong: lambda slot, message: None,
         }
 
@@ -423,6 +427,31 @@ class Supervisor:
     def _on_failed(self, slot: WorkerSlot, message: Failed) -> None:
         slot.failure = message.error
 
+    def _on_image_wanted(self, slot: WorkerSlot, message: StateImageWanted) -> None:
+        """A worker could not take an image: it is sent the current ones again, once per generation
+        (a worker that fails again waits for the next image: no loop of resends)."""
+        generation = self.state.generation
+        if slot.images_resent == generation:
+            log.error(
+                "data-plane worker %d (pid %s) cannot take state image %d either: it serves from image %d "
+                "until the next one",
+                slot.index,
+                slot.pid,
+                message.refused,
+                message.holding,
+            )
+            return
+        slot.images_resent = generation
+        log.warning(
+            "data-plane worker %d (pid %s) refused state image %d (%s): sending it the current images again",
+            slot.index,
+            slot.pid,
+            message.refused,
+            message.reason,
+        )
+        for image, fds in self.state.images():
+            slot.send(image, fds)
+
     # -- life cycle ---------------------------------------------------------------------------------
 
     async def run(self) -> int:
@@ -499,10 +528,11 @@ class Supervisor:
         slot.gone = asyncio.Event()
         slot.pid = proc.pid
         slot.failure = ""
+        slot.images_resent = 0
         self._act(self.fleet.spawned(slot.index, self.clock()))
         # What a new worker is told first: to start, the whole store, the pods, and whether to
         # accept yet.
-        slot.send(Spawn(slot.index))
+        slot.send(Spawn(slot.index, LAYOUT))
         for message, fds in self.state.snapshot():
             slot.send(message, fds)
         slot.send(SetLogFilter(logs.current_filter()))
