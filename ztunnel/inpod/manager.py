@@ -32,7 +32,7 @@ from xds import zds
 from ztunnel.admin.server import Readiness, ReadinessHandle
 from ztunnel.inpod.netns import Netns
 from ztunnel.inpod.protocol import Outcome, PodInfo, StartProxy, StopProxy, ZdsStateMachine
-from ztunnel.metrics.families import WorkloadManagerMetrics
+from ztunnel.metrics.inpod import WorkloadManagerMetrics
 
 log = logging.getLogger("ztunnel.inpod")
 

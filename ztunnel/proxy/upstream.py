@@ -42,7 +42,7 @@ from hbone.relay import Inbox
 from hbone.stream import HboneStream
 from hbone.tls import TlsCredentials
 from xds.model import IPAddress, Workload
-from ztunnel.metrics.families import UNKNOWN
+from ztunnel.metrics.traffic import UNKNOWN
 from ztunnel.proxy import baggage
 from ztunnel.proxy.context import CONNECT_TIMEOUT, ProxyContext
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, new_span_id, new_trace_id

@@ -216,7 +216,7 @@ class WorkerRuntime:
         # The heap's free memory, given back once traffic stops (looked at as connections close).
         trimmer = IdleTrimmer()
         trimmer.start(loop)
-        self.metrics.on_connection_closed = trimmer.poke
+        self.metrics.traffic.on_connection_closed = trimmer.poke
         try:
             while True:
                 message, fds = await self.actions.get()
@@ -226,7 +226,7 @@ class WorkerRuntime:
                 await self._act(message, fds)
         finally:
             self.loop_metrics.stop()
-            self.metrics.on_connection_closed = None
+            self.metrics.traffic.on_connection_closed = None
             trimmer.stop()
             janitor.cancel()
             pusher.cancel()
