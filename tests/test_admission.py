@@ -21,10 +21,7 @@ from hbone.errors import (
 )
 from hbone.identity import Identity
 from xds.localconfig import parse_local_config
-from ztunnel.proxy.socks5_codec import Reply
-from ztunnel.proxy.socks5_listener import reply_for
-from ztunnel.proxy.upstream import DUMP_PROTOCOL, NETWORK_POLICY_HINT, FailureKind, classify_upstream_error
-from ztunnel.state.admission import (
+from ztunnel.decisions.admission import (
     RECURSIVE_CALL,
     UNKNOWN_LOCAL,
     AdmissionRules,
@@ -35,7 +32,10 @@ from ztunnel.state.admission import (
     forwarded_host,
     is_self_call,
 )
-from ztunnel.state.route import Protocol
+from ztunnel.decisions.route import Protocol
+from ztunnel.proxy.socks5_codec import Reply
+from ztunnel.proxy.socks5_listener import reply_for
+from ztunnel.proxy.upstream import DUMP_PROTOCOL, NETWORK_POLICY_HINT, FailureKind, classify_upstream_error
 from ztunnel.state.store import ProxyState
 
 CONFIG = """

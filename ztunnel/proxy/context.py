@@ -19,15 +19,7 @@ from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
 from xds.model import Workload
 from ztunnel.config.settings import Config, WorkloadInfo
-from ztunnel.dns.resolver import ResolverSettings
-from ztunnel.identity.certificates import SecretManager
-from ztunnel.metrics.families import Metrics
-from ztunnel.proxy.connections import ConnectionTracker
-from ztunnel.proxy.local import LocalWorkload
-from ztunnel.proxy.tasks import TaskSet
-from ztunnel.proxy.telemetry import ConnectionRecord
-from ztunnel.sockets import SocketFactory
-from ztunnel.state.admission import (
+from ztunnel.decisions.admission import (
     UNKNOWN_LOCAL,
     AdmissionRules,
     Admit,
@@ -36,6 +28,14 @@ from ztunnel.state.admission import (
     admit,
     parse_authority,
 )
+from ztunnel.dns.resolver import ResolverSettings
+from ztunnel.identity.certificates import SecretManager
+from ztunnel.metrics.families import Metrics
+from ztunnel.proxy.connections import ConnectionTracker
+from ztunnel.proxy.local import LocalWorkload
+from ztunnel.proxy.tasks import TaskSet
+from ztunnel.proxy.telemetry import ConnectionRecord
+from ztunnel.sockets import SocketFactory
 from ztunnel.state.store import ProxyState
 
 CONNECT_TIMEOUT = 10.0

@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass, fields
 
 from xds.model import Service, Workload
+from ztunnel.decisions.admission import Admit, Reject
 from ztunnel.logs.lines import ACCESS, Bare, FieldRun, Item, Spans, access_items, access_log
 from ztunnel.metrics.families import Metrics
 from ztunnel.metrics.traffic import UNKNOWN, ConnectionMetrics, TrafficLabels
-from ztunnel.state.admission import Admit, Reject
 
 rbac_log = logging.getLogger("ztunnel.rbac")
 

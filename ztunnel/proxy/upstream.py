@@ -42,12 +42,12 @@ from hbone.relay import Inbox
 from hbone.stream import HboneStream
 from hbone.tls import TlsCredentials
 from xds.model import IPAddress, Workload
+from ztunnel.decisions.admission import parse_ip, uri_of
+from ztunnel.decisions.route import NoRoute, Protocol, Route, pick_resolved, route
 from ztunnel.metrics.traffic import UNKNOWN
 from ztunnel.proxy import baggage
 from ztunnel.proxy.context import CONNECT_TIMEOUT, ProxyContext
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, new_span_id, new_trace_id
-from ztunnel.state.admission import parse_ip, uri_of
-from ztunnel.state.route import NoRoute, Protocol, Route, pick_resolved, route
 
 # How `workloadState` spells an outbound connection's protocol (as the reference).
 DUMP_PROTOCOL = {Protocol.TCP: "TCP", Protocol.HBONE: "HBONE", Protocol.DOUBLE_HBONE: "DOUBLEHBONE"}

@@ -33,7 +33,7 @@ from typing import Protocol
 from hbone.identity import Identity
 from policy import Authorization, Connection, Deny, authorize
 from xds.model import AppTunnelProtocol, IPAddress, Service, Workload
-from ztunnel.state.route import State, hostname_target, is_waypoint_for
+from ztunnel.decisions.route import State, hostname_target, is_waypoint_for
 
 RECURSIVE_CALL = "attempted recursive call to ourselves"
 UNKNOWN_LOCAL = "unknown local workload"
