@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 
-from hbone.address import format_addr
+from hbone.address import format_addr, parse_ip
 from hbone.h2conn import H2Session
-from hbone.identity import Identity
+from hbone.identity import Identity, uri_of
 from hbone.server import ConnectRequest, HboneServer
 from xds.model import Workload
-from ztunnel.decisions.admission import InboundRequest, Reject, forwarded_host, parse_ip, uri_of
+from ztunnel.decisions.admission import InboundRequest, Reject, forwarded_host
+from ztunnel.decisions.rejection import RejectionKind, http_status
 from ztunnel.logs.lines import Bare
 from ztunnel.proxy import baggage
 from ztunnel.proxy.connections import carry
@@ -105,7 +106,7 @@ class Inbound:
             record.finish(received=0, sent=0, error="connect to app: cancelled, the stream was reset")
             raise
         except Exception as e:
-            req.respond(503)
+            req.respond(http_status(RejectionKind.REFUSED))
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
             return
         headers = []

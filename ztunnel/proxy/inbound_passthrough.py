@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 
-from hbone.address import canonical_addr, format_addr
+from hbone.address import canonical_addr, format_addr, parse_ip
 from hbone.relay import Inbox, RelayResult
-from ztunnel.decisions.admission import InboundRequest, Reject, parse_ip
+from ztunnel.decisions.admission import InboundRequest, Reject
 from ztunnel.logs.lines import Bare
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.context import ProxyContext

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from hbone.address import canonical_addr, format_addr
+from hbone.address import canonical_addr, format_addr, parse_ip
 from hbone.relay import Inbox, RelayResult
-from ztunnel.decisions.admission import RECURSIVE_CALL, is_self_call, parse_ip
+from ztunnel.decisions.route import RECURSIVE_CALL, is_self_call
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.telemetry import connection_failed
