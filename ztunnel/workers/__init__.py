@@ -25,7 +25,7 @@ answers certificate requests, passes each pod's namespace fd (`fleet_pods.py`) a
 traffic counters (`counters.py`). Workers never talk to a control plane.
 
 Dedicated mode: before any worker binds, the parent claims every listener address
-(`listeners.py`). Readiness, restart backoff and a silent worker are the fleet policy's
+(`listeners.py`). Readiness, restart backoff and a silent worker are the fleet's
 (`fleet.py`): the `proxy` task is pending until every worker's listeners accept, and again whenever
 a worker is down: dead, or its loop has not answered the parent's ping for 5 s. A worker that dies
 is started again (after 0.5 s, doubling up to 10 s while it keeps dying young); the others keep
