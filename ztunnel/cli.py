@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_config_view(args)
     if args.command == "proxy":
         return _run_proxy(own_argv)
-    from ztunnel.startup import StartupError
+    from ztunnel.lifecycle import StartupError
 
     try:
         if args.command == "version":
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_proxy(own_argv: bool) -> int:
     if own_argv:
         _run_without_docstrings()
-    from ztunnel.app import run_proxy
-    from ztunnel.startup import StartupError
+    from ztunnel.lifecycle import StartupError
+    from ztunnel.start import run_proxy
 
     try:
         return run_proxy(dict(os.environ))

@@ -14,7 +14,7 @@ processes. `ztunnel proxy` is always:
   the kernel spreads new connections over the workers. A worker never imports the supervisor.
 
 The first workers are forked from the parent before its event loop starts (so before any thread
-exists), after the worker body's imports and the control side's (`spawning.py`, `ztunnel/app.py`),
+exists), after the worker body's imports and the control side's (`spawning.py`, `ztunnel/start.py`),
 so they share that memory copy-on-write (the control side's pages, which no worker runs, stay
 shared); no process exists only to fork them. A replacement is a new interpreter (`replacement.py`): a fork from the running
 parent would not be safe.

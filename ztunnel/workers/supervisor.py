@@ -29,9 +29,9 @@ from ztunnel.allocator import IdleTrimmer
 from ztunnel.config.settings import Config
 from ztunnel.control import ControlHooks, ControlRuntime
 from ztunnel.identity.certificates import CertificateUnavailable, SecretManager
+from ztunnel.lifecycle import StartupError
 from ztunnel.logs import lines as logs
 from ztunnel.metrics.series import sweep_stale_series
-from ztunnel.startup import StartupError
 from ztunnel.workers import fleet
 from ztunnel.workers.channel import Channel, close_fds, encode
 from ztunnel.workers.counters import SummedMetrics, TrafficSums

@@ -24,8 +24,8 @@ import uvloop
 
 from ztunnel.allocator import tune_allocator
 from ztunnel.config.settings import Config, ConfigError
+from ztunnel.lifecycle import StartupError
 from ztunnel.logs.lines import setup_logging
-from ztunnel.startup import StartupError
 from ztunnel.workers.spawning import Spawner, fork_workers
 
 
