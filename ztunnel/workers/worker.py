@@ -331,12 +331,12 @@ class WorkerRuntime:
             return PodResult(message.uid, seq=message.seq)
         if running is not None:
             await self.pods.stop(message.uid, 0.0)
-        from ztunnel.inpod.netns import Netns
+        from ztunnel.inpod.netns import PodNetns
 
         info = WorkloadInfo(
             namespace=message.namespace, name=message.name, service_account=message.service_account
         )
-        error = await self.pods.start(message.uid, info, Netns(fds[0], message.netns_key))
+        error = await self.pods.start(message.uid, info, PodNetns(fds[0], message.netns_key))
         return PodResult(message.uid, error or "", message.seq)
 
     async def _drain(self, deadline: float) -> None:
