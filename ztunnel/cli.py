@@ -84,20 +84,12 @@ def _setup_logging(command: str) -> bool:
 
 
 def _control_plane(args: argparse.Namespace) -> int:
-    from controlplane.server import ControlPlaneStartError, run
+    from controlplane.server import ControlPlaneStartError, run_with_arguments
 
     if not _setup_logging("control-plane"):
         return 1
     try:
-        return run(
-            args.config,
-            args.listen,
-            args.tls,
-            args.ca_dir,
-            auth_token=args.auth_token,
-            cluster_id=args.cluster_id,
-            kube=args.kube,
-        )
+        return run_with_arguments(args)
     except ControlPlaneStartError as e:
         return _fatal(f"ztunnel: control-plane: {e}")
 
