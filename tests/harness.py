@@ -70,7 +70,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.apps import free_port, http
 from tests.procs import group_left, group_members, is_cert_helper
 
-# The shipped entry point, as installed (the image and the chart run it by this name).
+# The shipped entry point, as installed (the node image and the chart run it by this name).
 ZTUNNEL = str(Path(sys.executable).parent / "ztunnel")
 
 # What a test process's own environment must not hand a ztunnel it starts.

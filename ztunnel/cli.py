@@ -16,7 +16,7 @@ from ztunnel import __version__
 if TYPE_CHECKING:
     import argparse
 
-# The proxy's own command lines (the image's, Istio's chart's): run without argparse, which so is
+# The proxy's own command lines (the node image's, Istio's chart's): run without argparse, which so is
 # not in the proxy's memory.
 PROXY_COMMANDS: tuple[list[str], ...] = ([], ["proxy"], ["proxy", "ztunnel"])
 
