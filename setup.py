@@ -5,7 +5,7 @@ extension modules. `ZTUNNEL_BUILD` at install time chooses:
 
 * `auto` (the default): compiled when a C compiler and the Python headers are found, else pure
   Python with a message (shown by `pip install -v`; `ztunnel version` tells afterwards);
-* `compiled`: compiled, or the install fails naming what is missing (the Makefile and the node image);
+* `compiled`: compiled, or the install fails naming what is missing (the Makefile and the image);
 * `pure`: pure Python, no compiler needed.
 
 A compiled build also writes `hbone/_compiled.json`, the SHA-256 of each compiled module's source:
