@@ -39,7 +39,7 @@ from ztunnel.admin.server import (
     readiness_server,
     stats_server,
 )
-from ztunnel.config.settings import Config
+from ztunnel.config.settings import Config, plaintext_token_note, token_for
 from ztunnel.identity.certhelper import CertHelper
 from ztunnel.identity.certificates import FakeCA, SecretManager
 from ztunnel.lifecycle import StartupError
@@ -174,9 +174,13 @@ class ControlRuntime:
                 check_privileges(cfg.packet_mark)
             except OSError as e:
                 raise StartupError(f"PROXY_MODE=shared (in-pod mode): {e.strerror or e}") from None
-        token = self._auth_token()
+        ca_address = cfg.ca_address if self.secrets is None else None
+        note = plaintext_token_note(cfg, (cfg.xds_address, ca_address))
+        if note is not None:
+            warning, line = note
+            (log.warning if warning else log.info)(line)
         if self.secrets is None:
-            self.secrets = self._ca_secrets(token)
+            self.secrets = self._ca_secrets(self._auth_token(ca_address))
         self.static = load_static_config(cfg)
         if self.crl is not None:
             self.crl.start()
@@ -197,7 +201,7 @@ class ControlRuntime:
                 state_task.release()
                 self._settle_prefetch(own)
 
-            self._start_xds(cfg.xds_address, token, synced)
+            self._start_xds(cfg.xds_address, self._auth_token(cfg.xds_address), synced)
         else:
             state_task.release()
         await self._start_operator_servers()
@@ -226,13 +230,16 @@ class ControlRuntime:
         if prefetched is not None and self.secrets is not None and self._own_identity() != prefetched:
             self.secrets.forget(prefetched)
 
-    def _auth_token(self) -> AuthToken | None:
-        if not (self.config.xds_address or self.secrets is None):
+    def _auth_token(self, address: str | None) -> AuthToken | None:
+        """The token for the control plane at `address` (`token_for`: none over plaintext unless
+        AUTH_TOKEN says so)."""
+        setting = token_for(self.config, address) if address else None
+        if setting is None:
             return None
         # gRPC and the protocol modules cost ~15 MB of RSS: loaded only when a control plane is used.
         from xds.channel import AuthToken
 
-        return AuthToken.from_setting(self.config.auth_token)
+        return AuthToken.from_setting(setting)
 
     def _ca_secrets(self, token: AuthToken | None) -> SecretManager:
         cfg = self.config

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import resource
 from collections.abc import Mapping
 
@@ -42,6 +43,12 @@ def run_proxy(environ: dict[str, str]) -> int:
     except ConfigError as e:
         raise StartupError(str(e)) from None
     setup_logging(config.log_format, config.log_level)
+    if config.compliance_policy:
+        logging.getLogger("ztunnel.config").warning(
+            "COMPLIANCE_POLICY=%s is not enforced: pqc is the only policy that changes this proxy's TLS "
+            "(and it is refused); HBONE and the control plane's connections run as with no policy",
+            config.compliance_policy,
+        )
     raise_fd_limit()
     tune_allocator(environ)
     return run_supervisor(config, environ)

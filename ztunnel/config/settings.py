@@ -85,6 +85,7 @@ class Config:
     ca_headers: tuple[tuple[str, str], ...] = ()
     fake_ca: bool = False
     auth_token: str | None = None
+    auth_token_found: bool = False  # the token file at its default path, AUTH_TOKEN unset
     secret_ttl: float = 86400.0
 
     cluster_id: str = "Kubernetes"
@@ -106,6 +107,7 @@ class Config:
     localhost_app_tunnel: bool = True
     enable_response_baggage: bool = True
     tls12_enabled: bool = False
+    compliance_policy: str = ""  # taken, not enforced (`pqc`, the one the reference enforces, is refused)
     crl_path: str | None = None
     authz_policy_info_logging: bool = False
     prefered_service_namespace: str | None = None
@@ -163,6 +165,35 @@ class Config:
         return out
 
 
+def plaintext(address: str | None) -> bool:
+    """Whether a control-plane address is plaintext gRPC (`http://`)."""
+    return address is not None and address[:7].lower() == "http://"
+
+
+def token_for(cfg: Config, address: str | None) -> str | None:
+    """The `AUTH_TOKEN` setting to present to the control plane at `address`: over TLS the token
+    there is; over plaintext only one set explicitly, never the token file merely found at its
+    default path (the pod's own credential, readable by anyone on the path)."""
+    if cfg.auth_token_found and plaintext(address):
+        return None
+    return cfg.auth_token
+
+
+def plaintext_token_note(cfg: Config, addresses: tuple[str | None, ...]) -> tuple[bool, str] | None:
+    """The one line to log about the token and the plaintext control planes among `addresses`:
+    (a warning?, the line), or None when there is nothing to say."""
+    clear = sorted({a for a in addresses if a is not None and plaintext(a)})
+    if cfg.auth_token is None or not clear:
+        return None
+    where = ", ".join(clear)
+    if cfg.auth_token_found:
+        return False, (
+            f"the token file {cfg.auth_token} is not sent over plaintext to {where}; "
+            "set AUTH_TOKEN to send it anyway"
+        )
+    return True, f"AUTH_TOKEN is sent over plaintext to {where}: anyone on the path can read it"
+
+
 def illegal_ports(cfg: Config) -> frozenset[int]:
     """Ports a workload may not be addressed on: traffic to them would loop into the proxy itself."""
     ports = {OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT}
@@ -172,7 +203,7 @@ def illegal_ports(cfg: Config) -> frozenset[int]:
 
 
 # The inline local config can be large and the token is a credential.
-_NOT_DUMPED = frozenset({"auth_token", "local_xds"})
+_NOT_DUMPED = frozenset({"auth_token", "auth_token_found", "local_xds"})
 
 
 def _camel(name: str) -> str:
@@ -271,11 +302,12 @@ def _ca_address(env: Env, fake_ca: bool) -> str | None:
     return env.parse("CA_ADDRESS", parse_control_plane_uri, None) if ca_raw else None
 
 
-def _auth_token(env: Env) -> str | None:
+def _auth_token(env: Env) -> tuple[str | None, bool]:
+    """`AUTH_TOKEN`, else the token file at its default path if there is one (found: True)."""
     auth_token = env.text("AUTH_TOKEN")
     if auth_token is None and os.path.exists(DEFAULT_TOKEN_PATH):
-        return DEFAULT_TOKEN_PATH
-    return auth_token
+        return DEFAULT_TOKEN_PATH, True
+    return auth_token, False
 
 
 def _dns_proxy_addr(istio_meta: Mapping[str, str]) -> Address:
@@ -319,7 +351,6 @@ def _stats_default(pc: ProxyConfig) -> Address:
 
 def _checked(env: Env, cfg: Config) -> Config:
     """The checks across settings, once each is valid on its own."""
-    env.parse("COMPLIANCE_POLICY", parse_compliance_policy, None)
     if cfg.dns_capture and cfg.xds_on_demand:
         raise ConfigError("invalid configuration: the DNS proxy does not support XDS_ON_DEMAND=true")
     if not cfg.enable_proxy and not cfg.dns_capture:
@@ -337,6 +368,7 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
     local_xds_path, local_xds = _local_xds(env)
     fake_ca = env.parse("FAKE_CA", parse_bool, False)
     istio_meta, istio_meta_json = istio_metadata(env, pc)
+    auth_token, auth_token_found = _auth_token(env)
     cfg = Config(
         proxy_mode=proxy_mode,
         workload_info=workload_info,
@@ -353,7 +385,8 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
         alt_ca_hostname=env.text("ALT_CA_HOSTNAME"),
         ca_headers=grpc_headers(env, "CA_HEADER_"),
         fake_ca=fake_ca,
-        auth_token=_auth_token(env),
+        auth_token=auth_token,
+        auth_token_found=auth_token_found,
         secret_ttl=env.parse("SECRET_TTL", positive_duration, d.secret_ttl),
         cluster_id=istio_meta.get("CLUSTER_ID") or env.text("CLUSTER_ID") or d.cluster_id,
         trust_domain=env.text("TRUST_DOMAIN") or d.trust_domain,
@@ -373,6 +406,7 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
         localhost_app_tunnel=env.parse("LOCALHOST_APP_TUNNEL", parse_bool, d.localhost_app_tunnel),
         enable_response_baggage=env.parse("ENABLE_RESPONSE_BAGGAGE", parse_bool, d.enable_response_baggage),
         tls12_enabled=env.parse("TLS12_ENABLED", parse_bool, d.tls12_enabled),
+        compliance_policy=env.parse("COMPLIANCE_POLICY", parse_compliance_policy, d.compliance_policy),
         crl_path=env.text("CRL_PATH"),
         authz_policy_info_logging=env.parse(
             "AUTHZ_POLICY_INFO_LOGGING", parse_bool, d.authz_policy_info_logging
