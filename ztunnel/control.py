@@ -42,9 +42,9 @@ from ztunnel.admin.server import (
 from ztunnel.config.settings import Config
 from ztunnel.identity.certhelper import CertHelper
 from ztunnel.identity.certificates import FakeCA, SecretManager
+from ztunnel.lifecycle import StartupError
 from ztunnel.metrics.certs import CertExpiry
 from ztunnel.metrics.families import Metrics
-from ztunnel.startup import StartupError
 from ztunnel.state.store import ProxyState
 
 if TYPE_CHECKING:

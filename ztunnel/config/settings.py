@@ -24,12 +24,12 @@ from ztunnel.config.envvars import (
     env_error,
     grpc_headers,
     int_parser,
+    ip_text,
     parse_address,
     parse_bool,
     parse_compliance_policy,
     parse_control_plane_uri,
     parse_duration,
-    parse_ip,
     parse_log_level,
     positive_duration,
 )
@@ -309,7 +309,7 @@ def _packet_mark(env: Env, proxy_mode: ProxyMode) -> int | None:
 
 
 def _bind_address(env: Env) -> str | None:
-    return env.parse("PROXY_BIND_ADDRESS", parse_ip, None) if env.text("PROXY_BIND_ADDRESS") else None
+    return env.parse("PROXY_BIND_ADDRESS", ip_text, None) if env.text("PROXY_BIND_ADDRESS") else None
 
 
 def _admin_default(pc: ProxyConfig) -> Address:
@@ -367,7 +367,7 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
         pod_name=env.text("POD_NAME"),
         pod_namespace=env.text("POD_NAMESPACE"),
         service_account=env.text("SERVICE_ACCOUNT"),
-        instance_ip=env.parse("INSTANCE_IP", parse_ip, d.instance_ip),
+        instance_ip=env.parse("INSTANCE_IP", ip_text, d.instance_ip),
         enable_socks5=env.parse("UNSTABLE_ENABLE_SOCKS5", parse_bool, d.enable_socks5),
         inpod_uds=env.text("INPOD_UDS") or d.inpod_uds,
         inpod_port_reuse=env.parse("INPOD_PORT_REUSE", parse_bool, d.inpod_port_reuse),

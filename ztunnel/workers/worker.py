@@ -222,7 +222,7 @@ class WorkerRuntime:
         # The heap's free memory, given back once traffic stops (looked at as connections close).
         trimmer = IdleTrimmer()
         trimmer.start(loop)
-        self.metrics.on_connection_closed = trimmer.poke
+        self.metrics.traffic.on_connection_closed = trimmer.poke
         try:
             while True:
                 message, fds = await self.actions.get()
@@ -232,7 +232,7 @@ class WorkerRuntime:
                 await self._act(message, fds)
         finally:
             self.loop_metrics.stop()
-            self.metrics.on_connection_closed = None
+            self.metrics.traffic.on_connection_closed = None
             trimmer.stop()
             janitor.cancel()
             pusher.cancel()
@@ -362,12 +362,12 @@ class WorkerRuntime:
             return PodResult(message.uid, seq=message.seq)
         if running is not None:
             await self.pods.stop(message.uid, 0.0)
-        from ztunnel.inpod.netns import Netns
+        from ztunnel.inpod.netns import PodNetns
 
         info = WorkloadInfo(
             namespace=message.namespace, name=message.name, service_account=message.service_account
         )
-        error = await self.pods.start(message.uid, info, Netns(fds[0], message.netns_key))
+        error = await self.pods.start(message.uid, info, PodNetns(fds[0], message.netns_key))
         return PodResult(message.uid, error or "", message.seq)
 
     async def _drain(self, deadline: float) -> None:
