@@ -106,3 +106,28 @@ def test_a_message_that_does_not_unpickle_is_lost_alone() -> None:
         r.feed(LAST + b"\x80\x05not a pickle")
     assert not r.partial
     assert r.feed(encode(Scrape(3))[0]) == (True, Scrape(3))  # the next message is read as usual
+
+
+def test_a_certificate_the_parent_never_answers_is_a_failed_fetch_at_the_deadline() -> None:
+    """The worker's CA (the parent, over the channel): a request whose reply never comes ends in the
+    CA error the secret manager retries with its backoff, not in a wait without end."""
+    from hbone.identity import Identity
+    from ztunnel.identity.certificates import CaError
+    from ztunnel.workers.messages import CertificateRequest
+    from ztunnel.workers.worker import ParentCa
+
+    async def main() -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        worker, parent = Channel(ours), Channel(theirs)
+        try:
+            ca = ParentCa(worker, deadline=0.2)
+            identity = Identity("cluster.local", "demo", "client")
+            with pytest.raises(CaError, match=r"no certificate from the parent process in 0\.2s"):
+                await asyncio.wait_for(ca.fetch(identity), 30)
+            got = await parent.recv()
+            assert got is not None and got[0] == CertificateRequest(identity, None)
+        finally:
+            worker.close()
+            parent.close()
+
+    asyncio.run(main())

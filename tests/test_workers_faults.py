@@ -27,7 +27,7 @@ from tests.harness import Fleet, proxy_env
 from tests.waiting import eventually
 from xds.localconfig import parse_local_config
 from ztunnel.state.image import LAYOUT
-from ztunnel.workers.channel import Reassembler, encode, recv_packet
+from ztunnel.workers.channel import LAST, Reassembler, encode, recv_packet
 from ztunnel.workers.messages import (
     CertificateReply,
     CertificateRequest,
@@ -52,7 +52,7 @@ VIP = "10.97.0.1"
 NOWHERE = free_port(APP)  # nothing listens there
 
 
-def mesh(port: int) -> str:
+def mesh(port: int, app_protocol: str = "TCP") -> str:
     """The proxy's workload, and a service whose VIP goes to the echo app on `port`."""
     return f"""
 workloads:
@@ -67,7 +67,7 @@ workloads:
     namespace: demo
     serviceAccount: app
     workloadIps: ["{APP}"]
-    protocol: TCP
+    protocol: {app_protocol}
     services: {{"demo/app.demo.svc.cluster.local": {{"80": {port}}}}}
 services:
   - name: app
@@ -118,7 +118,8 @@ class Parent:
             self.send(message, fds)
 
     def expect(self, kind: type, timeout: float = 60.0) -> object:
-        """The worker's next message of `kind` (a certificate request is answered: no CA here)."""
+        """The worker's next message of `kind` (a certificate request is answered, unless it is what
+        is expected: no CA here)."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             if not select.select([self.sock], [], [], left)[0]:
@@ -128,7 +129,7 @@ class Parent:
                 os.close(fd)
             assert data, f"the worker hung up: {self.logs()}"
             done, message = self._reassembler.feed(data)
-            if isinstance(message, CertificateRequest):
+            if isinstance(message, CertificateRequest) and kind is not CertificateRequest:
                 self.send(CertificateReply(message.identity, None, "no CA in this test"))
             elif done and isinstance(message, kind):
                 return message
@@ -245,6 +246,33 @@ def test_a_worker_fed_images_it_cannot_take_keeps_serving_and_asks_for_the_curre
     eventually(lambda: not reached(), "the worker follows the new images (the VIP to a closed port)")
     assert "Traceback" not in parent.logs()
     assert parent.proc.poll() is None
+
+
+def test_a_certificate_reply_lost_on_the_way_is_asked_again_and_the_worker_goes_on(
+    parent: Parent,
+) -> None:
+    """The reply to the worker's certificate request (its workload's, fetched before it serves) does
+    not unpickle: the worker asks again rather than wait for it forever, takes the second reply (the
+    CA failed), serves, and refuses the connection that needs the certificate instead of hanging."""
+    parent.send(Spawn(0, LAYOUT))
+    parent.store.apply_local_config(parse_local_config(mesh(8080, app_protocol="HBONE")))
+    parent.send_images()
+    parent.send(Synced())
+    request = parent.expect(CertificateRequest)
+    assert isinstance(request, CertificateRequest)
+    parent.sock.send(LAST + b"not a pickle")  # its reply, lost on the way
+    again = parent.expect(CertificateRequest, timeout=30)
+    assert isinstance(again, CertificateRequest) and again.identity == request.identity
+    parent.send(CertificateReply(again.identity, None, "no CA in this test"))
+    parent.expect(Ready)
+    eventually(lambda: "a message from the parent was lost" in parent.logs(), "the lost reply logged")
+    # The app's HBONE port accepts (no TLS behind it): the connection gets as far as its certificate.
+    with socket.create_server((APP, 15008)):
+        s, code = socks5_reply(PROXY, VIP, 80)
+        s.close()
+    assert code != 0
+    parent.hears()
+    assert "Traceback" not in parent.logs()
 
 
 def test_a_worker_of_another_build_is_refused_at_its_start(parent: Parent) -> None:

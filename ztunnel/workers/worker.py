@@ -75,21 +75,36 @@ SNAPSHOT_INTERVAL = 1.0
 # Errors of the channel's socket that say the parent is gone; any other is logged and read past.
 PARENT_GONE = frozenset({errno.EBADF, errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE})
 RECV_RETRY = 0.1  # after an error of the socket itself (out of memory), before reading again
+# How long a certificate's reply is waited for: past the parent's own bound on a fetch (the CA's
+# call deadline, 60 s, and its wait for a newer certificate, 5 s). A reply lost on the way is a
+# failed fetch, which the secret manager retries with its backoff.
+CERTIFICATE_REPLY_DEADLINE = 90.0
 
 
 class ParentCa:
     """A worker's CA: the supervisor, which holds the one copy of every certificate."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, deadline: float = CERTIFICATE_REPLY_DEADLINE) -> None:
         self._channel = channel
+        self._deadline = deadline
         self._waiting: dict[Identity, list[asyncio.Future[CertificateReply]]] = {}
         self._known: dict[Identity, bytes] = {}
 
     async def fetch(self, identity: Identity) -> WorkloadCertificate:
         fut: asyncio.Future[CertificateReply] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(identity, []).append(fut)
-        await self._channel.send(CertificateRequest(identity, self._known.get(identity)))
-        reply = await fut
+        try:
+            await self._channel.send(CertificateRequest(identity, self._known.get(identity)))
+            async with asyncio.timeout(self._deadline):
+                reply = await fut
+        except TimeoutError:
+            raise CaError(f"no certificate from the parent process in {self._deadline:g}s") from None
+        finally:
+            waiting = self._waiting.get(identity, [])
+            if fut in waiting:
+                waiting.remove(fut)
+            if not waiting:
+                self._waiting.pop(identity, None)
         if reply.certificate is None:
             raise CaError(reply.error)
         self._known[identity] = reply.certificate.chain_pem[0]
@@ -101,6 +116,14 @@ class ParentCa:
             fut = waiting.pop(0)
             if not fut.done():
                 fut.set_result(reply)
+
+    async def ask_again(self) -> None:
+        """A message from the parent was lost, maybe a reply: every certificate waited for is asked
+        again (a second reply to one request finds no one waiting, or the next fetch of the same
+        identity)."""
+        for identity, waiting in list(self._waiting.items()):
+            for _ in waiting:
+                await self._channel.send(CertificateRequest(identity, self._known.get(identity)))
 
     def parent_gone(self) -> None:
         for waiting in self._waiting.values():
@@ -256,6 +279,8 @@ class WorkerRuntime:
             except MessageLost as e:
                 log.error("data-plane worker %d: a message from the parent was lost: %s", self.index, e)
                 await self._want_images(0, str(e))
+                with contextlib.suppress(OSError):
+                    await self.ca.ask_again()
                 continue
             except OSError as e:
                 if e.errno not in PARENT_GONE:
