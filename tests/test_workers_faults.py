@@ -9,6 +9,7 @@ at a push keeps its connections, is sent the images again once, and follows the 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import select
@@ -352,3 +353,58 @@ def test_a_proxys_worker_out_of_descriptors_at_a_push_keeps_serving_and_follows_
             lambda: not any(reached() for _ in range(8)), "every worker follows the next push", timeout=60
         )
         assert worker in proxy.workers() and "Traceback" not in proxy.log()
+
+
+PIDFD_GETFD = 438  # the syscall's number (the same on every architecture since 5.6)
+
+
+def worker_channel_end(pid: int) -> socket.socket:
+    """A copy of the worker's own end of its channel to the parent, taken from the running process."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                    continue
+            except FileNotFoundError:
+                continue
+            fd = libc.syscall(PIDFD_GETFD, pidfd, int(name), 0)
+            assert fd >= 0, os.strerror(ctypes.get_errno())
+            sock = socket.socket(fileno=fd)
+            if sock.family == socket.AF_UNIX and sock.type == socket.SOCK_SEQPACKET:
+                return sock
+            sock.close()
+    finally:
+        os.close(pidfd)
+    raise AssertionError(f"no channel socket in worker {pid}")
+
+
+def test_a_message_from_a_worker_that_cannot_be_read_is_lost_alone_not_the_worker(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    """Through `ztunnel proxy`: a packet that does not unpickle, and one without a header, arrive at
+    the parent from a worker (written on the worker's end of its channel). The parent logs each and
+    reads on: the worker is not taken for gone, keeps its connections, and follows the next push."""
+    with echo_server(APP, 8080):
+        cp = fleet.control_plane(tmp_path / "cp", f"{NET}.10", mesh(8080))
+        (proxy,) = fleet.start_all(cp.wire(proxy_env(PROXY, INSTANCE_IP=PROXY)))
+        eventually(lambda: reached(), "the VIP routed")
+        workers = proxy.workers()
+        held = [socks5(PROXY, VIP, 80) for _ in range(8)]  # some in each worker
+        with worker_channel_end(workers[0]) as end:
+            end.send(LAST + b"not a pickle")
+            end.send(b"\x07no header")
+        eventually(
+            lambda: proxy.log().count("a message from it was lost") >= 2,
+            "the lost messages logged",
+            timeout=60,
+        )
+        for s in held:
+            with s:
+                assert exchange(s, b"held") == b"held"
+        cp.push(mesh(free_port(APP)))
+        eventually(
+            lambda: not any(reached() for _ in range(8)), "every worker follows the next push", timeout=60
+        )
+        assert proxy.workers() == workers and "Traceback" not in proxy.log()

@@ -11,6 +11,7 @@ is not gone, and the next message is read as usual.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import os
 import pickle
@@ -21,6 +22,9 @@ from typing import TypeVar
 CHUNK = 60 * 1024
 MORE, LAST = b"\x01", b"\x00"
 MAX_FDS = 4
+# Errors of the socket that say the peer is gone; any other is logged and read past.
+PEER_GONE = frozenset({errno.EBADF, errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE})
+RECV_RETRY = 0.1  # after an error of the socket itself (out of memory), before reading again
 
 T = TypeVar("T")
 

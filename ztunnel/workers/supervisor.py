@@ -34,7 +34,7 @@ from ztunnel.logs import lines as logs
 from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.state.image import LAYOUT
 from ztunnel.workers import fleet
-from ztunnel.workers.channel import Channel, close_fds, encode
+from ztunnel.workers.channel import PEER_GONE, RECV_RETRY, Channel, FdsLost, MessageLost, close_fds, encode
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
 from ztunnel.workers.fleet import Fleet, Phase
 from ztunnel.workers.fleet_pods import WorkerPods
@@ -585,10 +585,12 @@ class Supervisor:
         channel, pid = slot.channel, slot.pid
         assert channel is not None and pid is not None
         try:
-            while (got := await channel.recv()) is not None:
+            while (got := await self._next_message(slot, channel)) is not None:
                 message, fds = got
                 close_fds(fds)
                 self._act(self.fleet.heard(slot.index, self.clock()))
+                if message is None:
+                    continue  # lost on the way: the worker is alive all the same
                 handler = self._dispatch.get(type(message))
                 if handler is not None:
                     handler(slot, message)
@@ -603,6 +605,25 @@ class Supervisor:
             self.sums.retire(slot.index)
             self._reaps[pid] = asyncio.get_running_loop().create_task(self._reap(slot.index, pid))
         self._act(self.fleet.gone(slot.index, self.clock(), slot.failure))
+
+    async def _next_message(self, slot: WorkerSlot, channel: Channel) -> tuple[object, list[int]] | None:
+        """The worker's next message, (None, []) for one lost on the way, None once the worker is
+        gone: only the channel's end or a dead socket says so; any other error is logged and the
+        reading goes on."""
+        while True:
+            try:
+                return await channel.recv()
+            except FdsLost as e:
+                log.error("data-plane worker %d: %s", slot.index, e)
+                return e.message, e.fds
+            except MessageLost as e:
+                log.error("data-plane worker %d: a message from it was lost: %s", slot.index, e)
+                return None, []
+            except OSError as e:
+                if e.errno in PEER_GONE:
+                    return None
+                log.error("data-plane worker %d: reading from it failed: %s", slot.index, e)
+                await asyncio.sleep(RECV_RETRY)
 
     async def _stop_workers(self) -> None:
         self.fleet.stop()

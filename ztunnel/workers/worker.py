@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import importlib
 import logging
 import os
@@ -34,7 +33,7 @@ from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
 from ztunnel.sockets import SocketFactory, socket_options
 from ztunnel.state.image import LAYOUT
 from ztunnel.state.shared import SharedState
-from ztunnel.workers.channel import Channel, FdsLost, MessageLost, close_fds
+from ztunnel.workers.channel import PEER_GONE, RECV_RETRY, Channel, FdsLost, MessageLost, close_fds
 from ztunnel.workers.counters import traffic_snapshot
 from ztunnel.workers.loop_metrics import EventLoopMetrics
 from ztunnel.workers.messages import (
@@ -72,9 +71,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("ztunnel.workers")
 
 SNAPSHOT_INTERVAL = 1.0
-# Errors of the channel's socket that say the parent is gone; any other is logged and read past.
-PARENT_GONE = frozenset({errno.EBADF, errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE})
-RECV_RETRY = 0.1  # after an error of the socket itself (out of memory), before reading again
 # How long a certificate's reply is waited for: past the parent's own bound on a fetch (the CA's
 # call deadline, 60 s, and its wait for a newer certificate, 5 s). A reply lost on the way is a
 # failed fetch, which the secret manager retries with its backoff.
@@ -283,7 +279,7 @@ class WorkerRuntime:
                     await self.ca.ask_again()
                 continue
             except OSError as e:
-                if e.errno not in PARENT_GONE:
+                if e.errno not in PEER_GONE:
                     log.error("data-plane worker %d: reading from the parent failed: %s", self.index, e)
                     await asyncio.sleep(RECV_RETRY)
                     continue
