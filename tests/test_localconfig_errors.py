@@ -65,6 +65,48 @@ from tests.localdocs import (
             "workloads: [{namespace: x, workloadIps: [], waypoint: {hboneMtlsPort: 15008}}]",
             "config.yaml: workloads[0].waypoint.destination: missing required key",
         ),
+        # what the proxies would NACK: a gateway that could never be reached
+        (
+            "workloads: [{namespace: x, workloadIps: [], waypoint: {destination: ns/wp, hboneMtlsPort: 0}}]",
+            "config.yaml: workloads[0].waypoint.hboneMtlsPort: port 0: the gateway could never be reached",
+        ),
+        (
+            "workloads: [{namespace: x, workloadIps: [], networkGateway: {destination: /10.0.0.9, hboneMtlsPort: 0}}]",
+            "config.yaml: workloads[0].networkGateway.hboneMtlsPort: port 0: the gateway could never be reached",
+        ),
+        (
+            "workloads: [{namespace: x, workloadIps: [], waypoint: {destination: /wp.ns.svc}}]",
+            "config.yaml: workloads[0].waypoint.destination: invalid destination '/wp.ns.svc': "
+            "a hostname without its namespace",
+        ),
+        (
+            "services: [{name: s, namespace: n, hostname: h, vips: [], ports: {}, "
+            "waypoint: {destination: n/wp, hboneMtlsPort: 0}}]",
+            "config.yaml: services[0].waypoint.hboneMtlsPort: port 0: the gateway could never be reached",
+        ),
+        (
+            "services: [{name: s, namespace: n, hostname: h, vips: [], ports: {}, "
+            "weightedWaypoints: [{destination: {destination: n/wp, hboneMtlsPort: 0}}]}]",
+            "config.yaml: services[0].weightedWaypoints[0].destination.hboneMtlsPort: "
+            "port 0: the gateway could never be reached",
+        ),
+        # ... and a service or policy without a name, namespace or hostname
+        (
+            'services: [{name: s, namespace: "", hostname: h, vips: [], ports: {}}]',
+            "config.yaml: services[0].namespace: empty (the proxies refuse a resource without it)",
+        ),
+        (
+            'services: [{name: "", namespace: n, hostname: h, vips: [], ports: {}}]',
+            "config.yaml: services[0].name: empty (the proxies refuse a resource without it)",
+        ),
+        (
+            'services: [{name: s, namespace: n, hostname: "", vips: [], ports: {}}]',
+            "config.yaml: services[0].hostname: empty (the proxies refuse a resource without it)",
+        ),
+        (
+            'policies: [{name: "", namespace: n, scope: Global, action: Allow, dryRun: false, rules: []}]',
+            "config.yaml: policies[0].name: empty (the proxies refuse a resource without it)",
+        ),
         (
             "workloads: [{namespace: x, workloadIps: [], nativeTunnel: yes}]",
             "config.yaml: workloads[0].nativeTunnel: expected true or false, got the string 'yes'",

@@ -134,6 +134,40 @@ async def test_malformed_resources_are_nacked_and_their_siblings_applied(
     assert len(warnings) == 1 and "unknown tunnel_protocol value 7" in warnings[0]
 
 
+async def test_resources_that_could_never_route_are_nacked_by_name_and_the_rest_applies(
+    ads: AdsServer, clients: list[Running]
+) -> None:
+    """A workload whose waypoint is on port 0 and a service without a namespace (which the
+    development control plane refuses to load, so an istiod of its own sends them here): each is
+    NACKed, naming it and why, and the valid ones beside are applied."""
+    running = await run_client(ads.address)
+    clients.append(running)
+    stream = await ads.ads.next_stream()
+    await initial_pair(stream)
+
+    lost = workload("c//v1/Pod/ns/lost", "10.0.0.7")
+    lost.workload.waypoint.hostname.namespace = "ns"
+    lost.workload.waypoint.hostname.hostname = "wp.ns.svc.cluster.local"
+    lost.workload.waypoint.hbone_mtls_port = 0
+    nowhere = service("nowhere", "10.96.7.7")
+    nowhere.service.namespace = ""
+    reply = await stream.exchange(
+        addresses(
+            "n1",
+            address_resource("c//v1/Pod/ns/lost", lost),
+            address_resource("/nowhere.ns.svc.cluster.local", nowhere),
+            address_resource("c//v1/Pod/ns/good", workload("c//v1/Pod/ns/good", "10.0.0.1")),
+            address_resource("ns/web.ns.svc.cluster.local", service("web", "10.96.7.8")),
+        )
+    )
+    assert reply.error_detail.message.split("; ") == [
+        "c//v1/Pod/ns/lost: gateway hbone_mtls_port is 0: the gateway can never be reached",
+        "/nowhere.ns.svc.cluster.local: service namespace is empty",
+    ]
+    assert [w.uid for w in running.state.workloads()] == ["c//v1/Pod/ns/good"]
+    assert [s.key for s in running.state.services()] == ["ns/web.ns.svc.cluster.local"]
+
+
 async def test_a_huge_policy_is_converted_while_the_loop_keeps_running(
     ads: AdsServer, clients: list[Running]
 ) -> None:

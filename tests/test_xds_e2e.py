@@ -253,48 +253,6 @@ async def test_a_token_file_found_is_never_sent_in_clear_one_set_explicitly_is_w
         cp.stop()
 
 
-async def test_resources_that_could_never_route_are_nacked_by_name_and_the_rest_applies(
-    tmp_path: Path, fleet: Fleet
-) -> None:
-    """A workload whose waypoint is on port 0 and a service without a namespace: the proxy NACKs
-    each, naming it and why (the control plane logs the NACK), and serves the valid ones beside."""
-    broken = MESH.replace(
-        "policies:",
-        f"""  - uid: x//v1/Pod/demo/lost
-    name: lost
-    namespace: demo
-    workloadIps: ["{NET}.7"]
-    protocol: HBONE
-    waypoint: {{destination: "demo/wp.demo.svc.cluster.local", hboneMtlsPort: 0}}
-services:
-  - name: nowhere
-    namespace: ""
-    hostname: nowhere.svc.cluster.local
-    vips: ["/10.96.7.7"]
-    ports: {{80: 8080}}
-  - name: web
-    namespace: demo
-    hostname: web.demo.svc.cluster.local
-    vips: ["/10.96.7.8"]
-    ports: {{80: 8080}}
-policies:""",
-    )
-    cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, broken)
-    try:
-        [proxy] = await fleet.start(xds_env(cp, "client", CLIENT))  # ready: a NACK answers too
-        dump = proxy.config_dump()
-        assert {w["uid"] for w in dump["workloads"]} == {"x//v1/Pod/demo/server", "x//v1/Pod/demo/client"}
-        assert [s["hostname"] for s in dump["services"]] == ["web.demo.svc.cluster.local"]
-        await eventually_async(
-            lambda: "NACKed" in cp.log(), lambda: f"the NACK in the control plane's log: {cp.tail()}", 10.0
-        )
-        [nack] = [line for line in cp.log().splitlines() if "NACKed" in line]
-        assert "x//v1/Pod/demo/lost: gateway hbone_mtls_port is 0: the gateway can never be reached" in nack
-        assert "/nowhere.svc.cluster.local: service namespace is empty" in nack
-    finally:
-        cp.stop()
-
-
 async def test_a_root_file_without_a_certificate_is_refused_not_the_system_store(
     tmp_path: Path, fleet: Fleet
 ) -> None:

@@ -223,6 +223,22 @@ def _string(value: object, path: str) -> str:
     _fail(path, f"expected a string, got {describe_value(value)}")
 
 
+def _name(value: object, path: str) -> str:
+    """A string that names something (a service's name, namespace or hostname, a policy's name):
+    the proxies refuse a resource where it is empty."""
+    text = _string(value, path)
+    if not text:
+        _fail(path, "empty (the proxies refuse a resource without it)")
+    return text
+
+
+def _gateway_port(value: object, path: str) -> int:
+    port = _port(value, path)
+    if port == 0:
+        _fail(path, "port 0: the gateway could never be reached")
+    return port
+
+
 def _bool(value: object, path: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -331,6 +347,8 @@ def _gateway_destination(value: object, path: str) -> NetworkAddress | Namespace
     try:
         return NetworkAddress(first, ipaddress.ip_address(rest))
     except ValueError:
+        if not first:
+            _fail(path, f"invalid destination {text!r}: a hostname without its namespace")
         return NamespacedHostname(first, rest)
 
 
@@ -338,7 +356,7 @@ def _gateway(value: object, path: str, strict: bool = True) -> GatewayAddress:
     obj = _Object(value, path)
     gateway = GatewayAddress(
         destination=obj.need("destination", _gateway_destination),
-        hbone_mtls_port=obj.get("hboneMtlsPort", _port, DEFAULT_HBONE_PORT),
+        hbone_mtls_port=obj.get("hboneMtlsPort", _gateway_port, DEFAULT_HBONE_PORT),
     )
     if strict:
         obj.refuse_unknown()
@@ -451,9 +469,9 @@ def _load_balancer(value: object, path: str) -> LoadBalancer:
 def _service(value: object, path: str) -> Service:
     obj = _Object(value, path)
     service = Service(
-        name=obj.need("name", _string),
-        namespace=obj.need("namespace", _string),
-        hostname=obj.need("hostname", _string),
+        name=obj.need("name", _name),
+        namespace=obj.need("namespace", _name),
+        hostname=obj.need("hostname", _name),
         vips=obj.need("vips", _list_of(_network_address)),
         ports=obj.need("ports", _port_map),
         cidr_vips=obj.get("cidrVips", _list_of(_cidr_vip), ()),
@@ -531,7 +549,7 @@ def _match(value: object, path: str) -> Match:
 def _policy(value: object, path: str) -> Authorization:
     obj = _Object(value, path)
     policy = Authorization(
-        name=obj.need("name", _string),
+        name=obj.need("name", _name),
         namespace=obj.need("namespace", _string),
         scope=obj.need("scope", _one_of(SCOPES)),
         action=obj.need("action", _one_of(ACTIONS)),
