@@ -143,3 +143,12 @@ spec: {gatewayClassName: istio, listeners: [{name: http, port: 80, protocol: HTT
         "hostname": {"namespace": "demo", "hostname": "ingress-istio.demo.svc.cluster.local"},
         "hbone_mtls_port": 15008,
     }
+    # A status whose hostname is empty: no waypoint at no hostname (the proxies would refuse it).
+    empty = "status:\n  addresses: [{type: Hostname, value: ''}]\n"
+    with_empty = serve(NS + ingress + empty + pod("p", labels=labels))
+    assert with_empty.refusals == [
+        "t.yaml document 2: Gateway demo/ingress refused: "
+        "status.addresses: a Hostname address that is empty; not a waypoint"
+    ]
+    assert "waypoint" not in with_empty.workloads["Kubernetes//Pod/demo/p"]
+    assert with_empty.warned("Pod demo/p", "waypoint demo/ingress is not found")

@@ -1,11 +1,11 @@
 """Waypoints: Gateways of the `istio-waypoint` class, and which of them an object uses.
 
 Any Gateway with `status.addresses` can be a waypoint, as for istiod; its address is the first
-`Hostname` there, else the first `IPAddress`. Manifests usually carry no status (no controller has
-run): then a Gateway of the `istio-waypoint` class (or of a GatewayClass whose controller is
-`istio.io/mesh-controller`) is a waypoint at the hostname Istio's gateway controller would publish,
-`<name>.<namespace>.svc.<domain>`. It serves the
-traffic its `istio.io/waypoint-for` label says (on the Gateway, else its class; `service` by default).
+`Hostname` there (an empty one refuses the Gateway), else the first `IPAddress`. Manifests usually
+carry no status (no controller has run): then a Gateway of the `istio-waypoint` class (or of a
+GatewayClass whose controller is `istio.io/mesh-controller`) is a waypoint at the hostname Istio's
+gateway controller would publish, `<name>.<namespace>.svc.<domain>`. It serves the traffic its
+`istio.io/waypoint-for` label says (on the Gateway, else its class; `service` by default).
 
 An object uses the waypoint named by its own `istio.io/use-waypoint` label (`none` opts out), else its
 namespace's; `istio.io/use-waypoint-namespace` names another namespace. The waypoint must allow
@@ -49,7 +49,7 @@ from controlplane.kube.cluster import (
     selects,
     string_map,
 )
-from controlplane.kube.manifests import Obj
+from controlplane.kube.manifests import Obj, Refused
 from xds.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
@@ -100,6 +100,9 @@ def _address(gateway: Obj, cluster: Cluster) -> GatewayAddress:
     addresses = [a for a in gateway.status.get("addresses") or [] if isinstance(a, dict)]
     for a in addresses:
         if a.get("type", "IPAddress") == "Hostname" and isinstance(a.get("value"), str):
+            if not a["value"]:
+                # A waypoint at no hostname could never be reached: the proxies would refuse it.
+                raise Refused("status.addresses: a Hostname address that is empty; not a waypoint")
             return GatewayAddress(NamespacedHostname(gateway.namespace, a["value"]), HBONE_PORT)
     for a in addresses:
         if a.get("type", "IPAddress") == "IPAddress":
