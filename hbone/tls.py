@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import ssl
 import sys
 from collections.abc import Callable, Sequence
@@ -97,6 +98,16 @@ class TlsPolicy:
     revocation: Revocation | None = None
 
 
+# A PEM block of a certificate (`CERTIFICATE`, `TRUSTED CERTIFICATE`, `X509 CERTIFICATE`).
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN (?:[A-Z0-9]+ )?CERTIFICATE-----")
+
+
+def holds_certificate(pem: bytes) -> bool:
+    """Whether PEM text holds a certificate: trust roots without one are refused, never read as
+    "trust nothing" or as the system's roots."""
+    return _PEM_CERTIFICATE.search(pem) is not None
+
+
 def _base_context(protocol: int, cert: WorkloadCertificate, policy: TlsPolicy) -> ssl.SSLContext:
     ctx = ssl.SSLContext(protocol)
     if policy.tls12:
@@ -109,8 +120,8 @@ def _base_context(protocol: int, cert: WorkloadCertificate, policy: TlsPolicy) -
     ctx.options |= ssl.OP_NO_TICKET | ssl.OP_NO_COMPRESSION
     ctx.verify_mode = ssl.CERT_REQUIRED
     roots = _joined(cert.roots_pem)
-    if not roots.strip():
-        raise ValueError(f"certificate for {cert.identity} has no trust roots")
+    if not holds_certificate(roots):
+        raise ValueError(f"certificate for {cert.identity} has no trust roots (no certificate among them)")
     ctx.load_verify_locations(cadata=roots.decode("ascii"))
     _load_key_pair(ctx, cert)
     return ctx

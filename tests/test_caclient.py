@@ -308,3 +308,26 @@ async def test_through_the_helper_process_as_in_this_process(
         assert helper.started == 1
     finally:
         await helper.close()
+
+
+@pytest.mark.parametrize(
+    "bundle",
+    [
+        "",
+        " \n",
+        "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIJ+DYvh6SEqVTm50DFtMDoQikTmiCqirVv9mWG9qfSnF\n-----END PRIVATE KEY-----\n",
+        "not a certificate",
+    ],
+    ids=["empty", "blank", "a key alone", "text"],
+)
+async def test_a_root_bundle_without_a_certificate_is_refused_in_one_line(
+    ca_server: CaServer, closing: list[GrpcCaClient], bundle: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The chain's last element, the trust bundle, holds no certificate: the fetch fails with one line
+    naming the CA and why, never a certificate that trusts nothing (or anything)."""
+    ca_server.ca.reply = lambda ca, request: [*ca.chain_for(request)[:2], bundle]
+    with pytest.raises(CaError) as info:
+        await client_for(ca_server, closing).fetch(IDENTITY)
+    assert str(info.value) == (
+        f"CA 127.0.0.1:{ca_server.port} returned a root bundle without a certificate for {IDENTITY}"
+    )

@@ -343,14 +343,34 @@ async def test_credentials_are_built_once_per_certificate_and_anew_on_rotation(
     await sm.close()
 
 
-async def test_unusable_certificate_material_is_a_fetch_failure(clock: Clock, ca: CountingCA) -> None:
+@pytest.mark.parametrize(
+    "roots",
+    [
+        (),
+        (b"",),
+        (b"not a certificate\n",),
+        (
+            b"-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIJ+DYvh6SEqVTm50DFtMDoQikTmiCqirVv9mWG9qfSnF\n-----END PRIVATE KEY-----\n",
+        ),
+    ],
+    ids=["none", "empty", "text", "a key alone"],
+)
+async def test_unusable_certificate_material_is_a_fetch_failure(
+    clock: Clock, ca: CountingCA, roots: tuple[bytes, ...]
+) -> None:
+    """Trust roots that hold no certificate (as a worker may get them from its parent) fail the fetch
+    with one line saying so, never contexts that trust nothing or the system's roots."""
+
     class NoRoots(CountingCA):
         async def fetch(self, identity: Identity) -> WorkloadCertificate:
             cert = await super().fetch(identity)
-            return dataclasses.replace(cert, roots_pem=(b"",))
+            return dataclasses.replace(cert, roots_pem=roots)
 
     sm = SecretManager(NoRoots(clock), clock=clock)
-    with pytest.raises(CertificateUnavailable, match="has no trust roots"):
+    with pytest.raises(
+        CertificateUnavailable,
+        match=r"^certificate for \S+ has no trust roots \(no certificate among them\)$",
+    ):
         await sm.credentials(CLIENT)
     assert sm.dump()[0]["state"].startswith("Unavailable")
     await sm.close()

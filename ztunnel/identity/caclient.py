@@ -6,8 +6,9 @@ SHA-256, asking for `SECRET_TTL` of validity. The key, the request and the check
 made where `work` says (`ztunnel/identity/certhelper.py`): the proxy's parent has its helper process make
 them, so that it never loads cryptography itself. In shared mode the proxy signs in for other
 identities with its own token, so the request carries `ImpersonatedIdentity` in its metadata and
-the returned leaf must name the identity asked for. The response chain is leaf, intermediates, and last the trust bundle (which may
-hold several roots). Every failure raises `CaError` with a message naming the CA and the reason.
+the returned leaf must name the identity asked for. The response chain is leaf, intermediates, and
+last the trust bundle (which may hold several roots; one that holds no certificate is refused, never
+read as "trust nothing"). Every failure raises `CaError` with a message naming the CA and the reason.
 
 The channel (our own gRPC client, `xds.grpc`), TLS roots and per-call headers are those of the xDS
 client (`xds.channel`); with https the

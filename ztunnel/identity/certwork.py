@@ -130,12 +130,14 @@ def check_chain(target: str, identity: str, key: str, chain: list[str], imperson
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
-    from hbone.tls import uri_sans
+    from hbone.tls import holds_certificate, uri_sans
 
     if not chain:
         raise CertWorkError(f"CA {target} returned an empty certificate chain for {identity}")
     if len(chain) < 2:
         raise CertWorkError(f"CA {target} returned no root certificate for {identity}")
+    if not holds_certificate(chain[-1].encode()):  # the trust bundle: never "trust nothing"
+        raise CertWorkError(f"CA {target} returned a root bundle without a certificate for {identity}")
     try:
         leaf = x509.load_pem_x509_certificates(chain[0].encode())[0]
         for pem in chain[1:]:
