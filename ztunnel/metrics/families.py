@@ -468,6 +468,7 @@ class Metrics:
         self._workload_manager: WorkloadManagerMetrics | None = None
         self._dns: DnsMetrics | None = None
         self._crl: CrlCounters | None = None
+        self._pod_drain: _CounterFamily | None = None
         build = Gauge(
             "istio_build", "Istio component build info", ["component", "tag"], registry=self.registry
         )
@@ -536,6 +537,19 @@ class Metrics:
             self._crl = CrlCounters()
             self.registry.register(_TrafficCollector((self._crl.rejections, self._crl.untracked)))
         return self._crl
+
+    def pod_drain(self) -> _CounterFamily:
+        """`ztunnel_pod_drain_connections_total` (not in the reference): the connections of deleted
+        pods, by `direction` and `outcome`: `closed` gracefully within the drain deadline, or `cut`
+        at it. Registered on first use (a pod's deletion)."""
+        if self._pod_drain is None:
+            self._pod_drain = _CounterFamily(
+                "ztunnel_pod_drain_connections",
+                "The total number of connections of deleted pods ended by their drain",
+                ("direction", "outcome"),
+            )
+            self.registry.register(_TrafficCollector((self._pod_drain,)))
+        return self._pod_drain
 
     def sockets_open(self, reporter: Reporter) -> GaugeCell:
         """The `istio_tcp_sockets_open` gauge of one reporter: `source` for the sockets accepted on

@@ -48,6 +48,7 @@ from ztunnel.proxy.plan import (
 )
 from ztunnel.proxy.socks5_listener import Socks5Listener
 from ztunnel.proxy.tasks import TaskSet
+from ztunnel.proxy.telemetry import ConnectionRecord
 from ztunnel.proxy.upstream import Upstreams
 from ztunnel.sockets import SocketFactory, is_transparent
 from ztunnel.state.admission import AdmissionRules
@@ -273,9 +274,15 @@ class ProxyInstance:
                 await loop.create_server(lambda h=handler, g=gauge: _Accepted(tasks, h, g), sock=sock)  # type: ignore[misc]
             )
 
-    async def drain(self, deadline: float, *, graceful: bool = True) -> None:
+    async def drain(self, deadline: float, *, graceful: bool = True, end: str | None = None) -> Drained:
         """Stop accepting, let connections finish for up to `deadline` seconds, then cut the rest.
-        HBONE peers get a GOAWAY; a non-graceful drain cuts everything at once."""
+        HBONE peers get a GOAWAY; a non-graceful drain cuts everything at once.
+
+        `end` (a deleted pod's drain: the reason its access-log lines give): every carried connection
+        is also ended at once, gracefully, each peer reading what was in flight, then the end of it
+        (`ConnectionRecord.carrier`), and the pool's HBONE connections close once their
+        streams have ended (GOAWAY); the deadline then bounds the peers' own ends. What that did is
+        counted (`ztunnel_pod_drain_connections_total`) and returned."""
         for sock in self._listening.values():
             sock.close()  # bound but never served
         self._listening = {}
@@ -284,12 +291,20 @@ class ProxyInstance:
         for server in self._servers:
             server.close()
         self._upstreams.drain()
-        pending = self.ctx.tasks.pending()
         inbound = self._inbound.server
-        if graceful:
-            goaway = asyncio.ensure_future(inbound.shutdown(graceful=True))
+        goaway = asyncio.ensure_future(inbound.shutdown(graceful=True)) if graceful else None
+        ending = list(self.ctx.connections) if end is not None else []
+        if end is not None:
+            await asyncio.sleep(0)  # the inbound GOAWAYs go out before the streams' ends
+            for record in ending:
+                if record.carrier is not None:
+                    record.carrier.end(end)
+            self._upstreams.close_gracefully()
+        pending = self.ctx.tasks.pending()
+        if goaway is not None:
             await asyncio.wait([*pending, goaway], timeout=deadline)
             goaway.cancel()
+        drained = self._count_ended(ending) if end is not None else Drained()
         await inbound.shutdown(graceful=False)
         for t in pending:
             t.cancel()
@@ -298,3 +313,25 @@ class ProxyInstance:
         await self._upstreams.close()
         self.ctx.tracker.close()
         self.ctx.local.close()
+        return drained
+
+    def _count_ended(self, ending: list[ConnectionRecord]) -> Drained:
+        """Of the connections a drain ended, those closed by now and those still open (to be cut)."""
+        counts = self.ctx.metrics.pod_drain()
+        drained = Drained()
+        for record in ending:
+            cut = record in self.ctx.connections
+            counts.cell((record.direction, "cut" if cut else "closed")).inc()
+            if cut:
+                drained.cut += 1
+            else:
+                drained.closed += 1
+        return drained
+
+
+@dataclass
+class Drained:
+    """What a drain that ended the connections did: closed within the deadline, cut at it."""
+
+    closed: int = 0
+    cut: int = 0

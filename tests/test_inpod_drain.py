@@ -1,0 +1,311 @@
+"""A deleted pod's connections are drained before its namespace is let go (root: a node built from
+network namespaces, its real node agent, `ztunnel proxy` in shared mode; tests/inpod_mesh.py).
+
+The test deletes a pod through the runtime's CNI DEL while connections into it and out of it are
+open, and watches their peers: an HBONE client of the pod's 15008 and an HBONE server the pod's pool
+dialled (both raw HTTP/2 peers of the test, reading every frame), and plain TCP peers on either side.
+Each must see GOAWAY and the stream's clean end, or the data in flight then a FIN, before the DEL
+returns; never a reset, never a timeout. Another pod's connection, and its own pooled HBONE
+connection to the same server, carry on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.cninode import Pod
+from tests.inpod_mesh import (
+    PROXY_PORTS,
+    TD,
+    Mesh,
+    hold,
+    listening_ports,
+    mesh_fixture,  # noqa: F401 (a fixture)
+    start_node,
+    workload_yaml,
+)
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.root]
+
+BURST = 65536
+
+# Raw HTTP/2 over the fake CA's mTLS (every ztunnel of the test trusts it), frames read one by one.
+H2 = """
+import asyncio, struct, sys
+import hpack
+from hbone.identity import Identity
+from hbone.tls import TlsCredentials
+from ztunnel.identity.certificates import FakeCA
+
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0, 1, 3, 4, 6, 7
+END_STREAM = ACK = 1
+END_HEADERS = 4
+
+def credentials(uri):
+    return TlsCredentials.build(FakeCA().issue(Identity.parse(uri)))
+
+def frame(ftype, flags, sid, payload=b""):
+    n = len(payload)
+    return struct.pack(">HBBBL", n >> 8, n & 0xFF, ftype, flags, sid) + payload
+
+async def next_frame(reader):
+    head = await reader.readexactly(9)
+    hi, lo, ftype, flags, sid = struct.unpack(">HBBBL", head)
+    return ftype, flags, sid & 0x7FFFFFFF, await reader.readexactly((hi << 8) | lo)
+
+def say(*words):
+    print(*words, flush=True)
+"""
+
+# argv: own identity. An HBONE server on :15008 that answers every CONNECT with 200 and echoes its
+# bytes, ends a stream when its client does, and says what each client (by service account) sent.
+FAKE_SERVER = (
+    H2
+    + """
+async def serve(reader, writer):
+    cert = writer.get_extra_info("peercert") or {}
+    who = next((v.rsplit("/", 1)[1] for k, v in cert.get("subjectAltName", ()) if k == "URI"), "?")
+    encoder = hpack.Encoder()
+    try:
+        await reader.readexactly(24)  # the client preface
+        writer.write(frame(SETTINGS, 0, 0))
+        while True:
+            ftype, flags, sid, payload = await next_frame(reader)
+            if ftype == SETTINGS and not flags & ACK:
+                writer.write(frame(SETTINGS, ACK, 0))
+            elif ftype == PING and not flags & ACK:
+                writer.write(frame(PING, ACK, 0, payload))
+            elif ftype == HEADERS:
+                writer.write(frame(HEADERS, END_HEADERS, sid, encoder.encode([(":status", "200")])))
+            elif ftype == DATA:
+                if payload:
+                    writer.write(frame(DATA, 0, sid, payload))
+                if flags & END_STREAM:
+                    say(who, "end_stream")
+                    writer.write(frame(DATA, END_STREAM, sid))
+            elif ftype == RST_STREAM:
+                say(who, "rst", struct.unpack(">L", payload[:4])[0])
+            elif ftype == GOAWAY:
+                say(who, "goaway", struct.unpack(">L", payload[4:8])[0])
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError) as e:
+        say(who, "eof" if isinstance(e, asyncio.IncompleteReadError) else type(e).__name__)
+
+async def main():
+    server = await asyncio.start_server(serve, "0.0.0.0", 15008, ssl=credentials(sys.argv[1]).server)
+    say("listening")
+    await server.serve_forever()
+
+asyncio.run(main())
+"""
+)
+
+# argv: ip, own identity. An HBONE client of ip:15008: one CONNECT to ip:8080 and its echo, then every
+# frame that comes, a stream's end answered with ours, until the connection closes.
+RAW_CLIENT = (
+    H2
+    + """
+async def main():
+    ip = sys.argv[1]
+    reader, writer = await asyncio.open_connection(
+        ip, 15008, ssl=credentials(sys.argv[2]).client, server_hostname=""
+    )
+    block = hpack.Encoder().encode([(":method", "CONNECT"), (":authority", f"{ip}:8080")])
+    writer.write(b"PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n" + frame(SETTINGS, 0, 0))
+    writer.write(frame(HEADERS, END_HEADERS, 1, block) + frame(DATA, 0, 1, b"in-hbone"))
+    echoed = b""
+    try:
+        while True:
+            ftype, flags, sid, payload = await asyncio.wait_for(next_frame(reader), 20)
+            if ftype == SETTINGS and not flags & ACK:
+                writer.write(frame(SETTINGS, ACK, 0))
+            elif ftype == PING and not flags & ACK:
+                writer.write(frame(PING, ACK, 0, payload))
+            elif ftype == DATA:
+                echoed += payload
+                if echoed == b"in-hbone" and payload:
+                    say("held")
+                if flags & END_STREAM:
+                    say("end_stream")
+                    writer.write(frame(DATA, END_STREAM, sid))
+            elif ftype == RST_STREAM:
+                say("rst", struct.unpack(">L", payload[:4])[0])
+            elif ftype == GOAWAY:
+                say("goaway", struct.unpack(">L", payload[4:8])[0])
+            await writer.drain()
+    except asyncio.IncompleteReadError:
+        say("eof")
+    except (TimeoutError, ConnectionError) as e:
+        say(type(e).__name__)
+
+asyncio.run(main())
+"""
+)
+
+# argv: fake's ip, plain's ip. The deleted pod's app: an echo server on 8080, a burst of BURST bytes
+# to every client of 8082 (then the connection held), and one connection out to each ip, held.
+POD_APP = f"""
+import socket, sys, threading
+held = []
+def echo(c):
+    while data := c.recv(65536):
+        c.sendall(data)
+def serve(port, handle):
+    srv = socket.create_server(("0.0.0.0", port))
+    while True:
+        c, _ = srv.accept()
+        held.append(c)
+        threading.Thread(target=handle, args=(c,), daemon=True).start()
+threading.Thread(target=serve, args=(8080, echo), daemon=True).start()
+threading.Thread(target=serve, args=(8082, lambda c: c.sendall(b"x" * {BURST})), daemon=True).start()
+for ip, port, message in ((sys.argv[1], 8080, b"out-hbone"), (sys.argv[2], 8090, b"out-tcp")):
+    s = socket.create_connection((ip, port), timeout=10)
+    s.sendall(message)
+    got = b""
+    while len(got) < len(message):
+        got += s.recv(100)
+    held.append(s)
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+# The plain pod's server on 8090: echoes the first bytes, then says how its connection ended.
+TCP_PEER = """
+import socket
+srv = socket.create_server(("0.0.0.0", 8090))
+print("listening", flush=True)
+c, _ = srv.accept()
+c.sendall(c.recv(100))
+try:
+    while c.recv(65536):
+        pass
+    print("eof", flush=True)
+except OSError as e:
+    print(type(e).__name__, flush=True)
+"""
+
+# argv: ip. The plain pod's client of ip:8082: once the burst is all in its socket, it reads it and
+# says how many bytes came before the end, and how the connection ended.
+BURST_CLIENT = f"""
+import socket, sys
+s = socket.create_connection((sys.argv[1], 8082), timeout=20)
+s.recv({BURST}, socket.MSG_PEEK | socket.MSG_WAITALL)
+print("buffered", flush=True)
+n = 0
+try:
+    while chunk := s.recv(65536):
+        n += len(chunk)
+    print(n, "eof", flush=True)
+except OSError as e:
+    print(n, type(e).__name__, flush=True)
+"""
+
+
+class Output:
+    """A process's output lines, read as they come."""
+
+    def __init__(self, mesh: Mesh, args: list[str]) -> None:
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        mesh.apps.append(self.proc)  # type: ignore[arg-type]
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+
+    def wait_for(self, line: str, timeout: float = 15.0) -> None:
+        eventually(lambda: line in self.lines, lambda: f"{line!r} in {self.lines}", timeout=timeout)
+
+
+def run_in(mesh: Mesh, pod: Pod, script: str, *args: str) -> Output:
+    return Output(mesh, ["ip", "netns", "exec", pod.netns.name, sys.executable, "-c", script, *args])
+
+
+def drained(metrics: str) -> dict[tuple[str, str], int]:
+    """`ztunnel_pod_drain_connections_total` by (direction, outcome)."""
+    out: dict[tuple[str, str], int] = {}
+    for line in metrics.splitlines():
+        if line.startswith("ztunnel_pod_drain_connections_total{"):
+            labels = dict(p.split("=") for p in line[line.index("{") + 1 : line.index("}")].split(","))
+            key = (labels["direction"].strip('"'), labels["outcome"].strip('"'))
+            out[key] = out.get(key, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def timed(action: Callable[[], object]) -> tuple[object, float]:
+    start = time.monotonic()
+    result = action()
+    return result, time.monotonic() - start
+
+
+def test_deleting_a_pod_drains_its_connections_before_its_namespace_goes(mesh: Mesh) -> None:
+    node = mesh.cluster.nodes[0]
+    zt = start_node(mesh, node, mesh.xds)  # CONNECTION_TERMINATION_DEADLINE=2s
+    server = node.add_pod("server", service_account="server")
+    client = node.add_pod("client", service_account="client")
+    fake = node.add_pod("fake", service_account="fake", enrolled=False)  # the test's HBONE server
+    plain = node.add_pod("plain", enrolled=False)
+    mesh.push("workloads:\n" + "".join(workload_yaml(p) for p in (server, client, fake)))
+    mesh.wait_for_workloads(zt, [server, client])
+    eventually(lambda: fake.uid in {w.get("uid") for w in zt.config_dump()["workloads"]}, "fake's workload")
+
+    hbone_server = run_in(mesh, fake, FAKE_SERVER, f"spiffe://{TD}/ns/default/sa/fake")
+    tcp_peer = run_in(mesh, plain, TCP_PEER)
+    hbone_server.wait_for("listening")
+    tcp_peer.wait_for("listening")
+    # Out of the deleted pod: over HBONE through its pool to the fake server, plain TCP to `plain`.
+    app = run_in(mesh, server, POD_APP, fake.ip, plain.ip)
+    app.wait_for("ready")
+    # Into it: HBONE on its 15008 from the node, plaintext on its 15006 from `plain`.
+    raw = Output(
+        mesh,
+        ["ip", "netns", "exec", node.ns.name, sys.executable, "-c", RAW_CLIENT, server.ip, f"spiffe://{TD}/ns/default/sa/client"],
+    )  # fmt: skip
+    raw.wait_for("held")
+    burst = run_in(mesh, plain, BURST_CLIENT, server.ip)
+    burst.wait_for("buffered")
+    # Another pod's connection to the same HBONE server, over its own pooled connection.
+    bystander = hold(mesh, client, fake, 1)
+
+    results, took = timed(lambda: node.cni_del(server))
+    assert all(r.ok for r in results), [str(r) for r in results]  # type: ignore[attr-defined]
+    # Drained within the deadline (2 s) and answered within the agent's 5 s, its listeners gone.
+    assert took < 4.5, took
+    assert not PROXY_PORTS & listening_ports(server)
+
+    # By the time DEL returned, each peer had seen the end, clean: nothing is left to time out.
+    assert raw.lines[:3] == ["held", "goaway 0", "end_stream"] and raw.lines[3:] == ["eof"], raw.lines
+    assert [line for line in hbone_server.lines if line.startswith("server ")] == [
+        "server end_stream",
+        "server goaway 0",
+        "server eof",
+    ], hbone_server.lines
+    assert burst.lines == ["buffered", f"{BURST} eof"], burst.lines
+    assert tcp_peer.lines == ["listening", "eof"], tcp_peer.lines
+
+    # The other pod's connection and its pooled HBONE connection carry on.
+    assert bystander.ping() == "y"
+    assert not [line for line in hbone_server.lines if line.startswith("client ")], hbone_server.lines
+
+    # Each connection's access-log line says why it ended; the metric counts them, all closed.
+    log = zt.log()
+    ended = [
+        line
+        for line in log.splitlines()
+        if '"connection complete"' in line and 'reason="pod deleted"' in line
+    ]
+    assert len(ended) == 4, ended
+    assert all("error=" not in line for line in ended), ended
+    assert drained(zt.metrics_text()) == {("inbound", "closed"): 2, ("outbound", "closed"): 2}
+    assert f"pod deleted, connections drained: uid={server.uid}" in log
+    server.netns.delete()
+    node.pods.remove(server)
