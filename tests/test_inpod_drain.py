@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.cninode import Pod
+from tests.cninode import CniResult, Node, Pod
 from tests.inpod_mesh import (
     PROXY_PORTS,
     TD,
@@ -150,10 +150,17 @@ asyncio.run(main())
 )
 
 # argv: fake's ip, plain's ip. The deleted pod's app: an echo server on 8080, a burst of BURST bytes
-# to every client of 8082 (then the connection held), and one connection out to each ip, held.
+# to every client of 8082 (then the connection held: "flushed" once they have all left its socket),
+# and one connection out to each ip, held.
 POD_APP = f"""
-import socket, sys, threading
+import fcntl, socket, struct, sys, termios, threading, time
 held = []
+def burst(c):
+    c.sendall(b"x" * {BURST})
+    deadline = time.monotonic() + 10
+    while struct.unpack("i", fcntl.ioctl(c, termios.TIOCOUTQ, b"    "))[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("flushed", flush=True)
 def echo(c):
     while data := c.recv(65536):
         c.sendall(data)
@@ -164,7 +171,7 @@ def serve(port, handle):
         held.append(c)
         threading.Thread(target=handle, args=(c,), daemon=True).start()
 threading.Thread(target=serve, args=(8080, echo), daemon=True).start()
-threading.Thread(target=serve, args=(8082, lambda c: c.sendall(b"x" * {BURST})), daemon=True).start()
+threading.Thread(target=serve, args=(8082, burst), daemon=True).start()
 for ip, port, message in ((sys.argv[1], 8080, b"out-hbone"), (sys.argv[2], 8090, b"out-tcp")):
     s = socket.create_connection((ip, port), timeout=10)
     s.sendall(message)
@@ -191,13 +198,17 @@ except OSError as e:
     print(type(e).__name__, flush=True)
 """
 
-# argv: ip. The plain pod's client of ip:8082: once the burst is all in its socket, it reads it and
-# says how many bytes came before the end, and how the connection ended.
-BURST_CLIENT = f"""
+# argv: ip. The plain pod's client of ip:8082, with a small receive buffer: most of the burst waits
+# in its proxy. It reads once told to (a line on stdin), and says how many bytes came before the
+# end, and how the connection ended.
+BURST_CLIENT = """
 import socket, sys
-s = socket.create_connection((sys.argv[1], 8082), timeout=20)
-s.recv({BURST}, socket.MSG_PEEK | socket.MSG_WAITALL)
-print("buffered", flush=True)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+s.settimeout(20)
+s.connect((sys.argv[1], 8082))
+print("connected", flush=True)
+sys.stdin.readline()
 n = 0
 try:
     while chunk := s.recv(65536):
@@ -212,7 +223,10 @@ class Output:
     """A process's output lines, read as they come."""
 
     def __init__(self, mesh: Mesh, args: list[str]) -> None:
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Its stdin stays open until it is killed (a script may wait on it).
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         mesh.apps.append(self.proc)  # type: ignore[arg-type]
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -221,6 +235,11 @@ class Output:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.strip())
+
+    def tell(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
 
     def wait_for(self, line: str, timeout: float = 15.0) -> None:
         eventually(lambda: line in self.lines, lambda: f"{line!r} in {self.lines}", timeout=timeout)
@@ -241,10 +260,24 @@ def drained(metrics: str) -> dict[tuple[str, str], int]:
     return out
 
 
-def timed(action: Callable[[], object]) -> tuple[object, float]:
+def timed(action: Callable[[], list[CniResult]]) -> tuple[list[CniResult], float]:
     start = time.monotonic()
     result = action()
     return result, time.monotonic() - start
+
+
+class Deleting:
+    """A pod's CNI DEL, run in the background as the runtime does it while the test watches."""
+
+    def __init__(self, node: Node, pod: Pod) -> None:
+        self._done: list[tuple[list[CniResult], float]] = []
+        self._thread = threading.Thread(target=lambda: self._done.append(timed(lambda: node.cni_del(pod))))
+        self._thread.start()
+
+    def join(self) -> tuple[list[CniResult], float]:
+        self._thread.join(30)
+        assert self._done, "CNI DEL did not return within 30 s"
+        return self._done[0]
 
 
 def test_deleting_a_pod_drains_its_connections_before_its_namespace_goes(mesh: Mesh) -> None:
@@ -272,15 +305,19 @@ def test_deleting_a_pod_drains_its_connections_before_its_namespace_goes(mesh: M
     )  # fmt: skip
     raw.wait_for("held")
     burst = run_in(mesh, plain, BURST_CLIENT, server.ip)
-    burst.wait_for("buffered")
+    burst.wait_for("connected")
+    app.wait_for("flushed")  # the burst has left the app: in flight, most of it held by its proxy
     # Another pod's connection to the same HBONE server, over its own pooled connection.
     bystander = hold(mesh, client, fake, 1)
 
-    results, took = timed(lambda: node.cni_del(server))
-    assert all(r.ok for r in results), [str(r) for r in results]  # type: ignore[attr-defined]
-    # Drained within the deadline (2 s) and answered within the agent's 5 s, its listeners gone.
+    deleting = Deleting(node, server)
+    # The drain has begun once the pod's listeners are gone; only now does the burst's client read.
+    eventually(lambda: not PROXY_PORTS & listening_ports(server), "the deleted pod's listeners closed")
+    burst.tell("read")
+    results, took = deleting.join()
+    assert all(r.ok for r in results), [str(r) for r in results]
+    # Drained within the deadline (2 s), and so answered within the agent's 5 s.
     assert took < 4.5, took
-    assert not PROXY_PORTS & listening_ports(server)
 
     # By the time DEL returned, each peer had seen the end, clean: nothing is left to time out.
     assert raw.lines[:3] == ["held", "goaway 0", "end_stream"] and raw.lines[3:] == ["eof"], raw.lines
@@ -289,7 +326,7 @@ def test_deleting_a_pod_drains_its_connections_before_its_namespace_goes(mesh: M
         "server goaway 0",
         "server eof",
     ], hbone_server.lines
-    assert burst.lines == ["buffered", f"{BURST} eof"], burst.lines
+    assert burst.lines == ["connected", f"{BURST} eof"], burst.lines
     assert tcp_peer.lines == ["listening", "eof"], tcp_peer.lines
 
     # The other pod's connection and its pooled HBONE connection carry on.
@@ -307,5 +344,63 @@ def test_deleting_a_pod_drains_its_connections_before_its_namespace_goes(mesh: M
     assert all("error=" not in line for line in ended), ended
     assert drained(zt.metrics_text()) == {("inbound", "closed"): 2, ("outbound", "closed"): 2}
     assert f"pod deleted, connections drained: uid={server.uid}" in log
+    server.netns.delete()
+    node.pods.remove(server)
+
+
+# The deleted pod's app for the next test: a burst of BURST bytes to every client of 8082, held.
+BURST_APP = f"""
+import socket
+srv = socket.create_server(("0.0.0.0", 8082))
+print("listening", flush=True)
+held = []
+while True:
+    c, _ = srv.accept()
+    c.sendall(b"x" * {BURST})
+    held.append(c)
+"""
+
+# argv: ip. A client of ip:8082 that reads to the end, says so, and then keeps its socket open.
+STUBBORN_CLIENT = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], 8082), timeout=20)
+n = 0
+while chunk := s.recv(65536):
+    n += len(chunk)
+    if n == 65536:
+        print("received", flush=True)
+print(n, "eof", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_peer_that_keeps_its_side_open_is_cut_within_what_the_agent_waits(mesh: Mesh) -> None:
+    # A termination deadline longer than the agent waits for an answer: the pod's drain is bounded
+    # below it (2.5 s), and the conversation with the agent goes on.
+    node = mesh.cluster.nodes[0]
+    zt = start_node(mesh, node, mesh.xds, CONNECTION_TERMINATION_DEADLINE="10s")
+    server = node.add_pod("server", service_account="server")
+    plain = node.add_pod("plain", enrolled=False)
+    mesh.push("workloads:\n" + workload_yaml(server))
+    mesh.wait_for_workloads(zt, [server])
+    run_in(mesh, server, BURST_APP).wait_for("listening")
+    client = run_in(mesh, plain, STUBBORN_CLIENT, server.ip)
+    client.wait_for("received")
+
+    results, took = timed(lambda: node.cni_del(server))
+    assert all(r.ok for r in results), [str(r) for r in results]
+    # It saw the end after the data, then was left open by its client until the deadline cut it.
+    assert client.lines == ["received", f"{BURST} eof"], client.lines
+    assert 2.3 < took < 4.5, took
+    assert drained(zt.metrics_text()) == {("inbound", "cut"): 1}
+    [line] = [line for line in zt.log().splitlines() if 'reason="pod deleted"' in line]
+    assert 'error="connection closed: drain deadline"' in line, line
+    assert f"src.addr={plain.ip}:" in line and 'direction="inbound"' in line, line
+
+    # The agent had its answer in time: same connection, and the next pod starts.
+    assert "no WorkloadResponse" not in node.agent_output()
+    assert "the node agent closed the connection" not in zt.log()
+    late = node.add_pod("late", service_account="late")
+    assert listening_ports(late) >= PROXY_PORTS
     server.netns.delete()
     node.pods.remove(server)
