@@ -65,14 +65,33 @@ def say(*words):
 """
 
 # argv: own identity. An HBONE server on :15008 that answers every CONNECT with 200 and echoes its
-# bytes, ends a stream when its client does, and says what each client (by service account) sent.
+# bytes, ends a stream when its client does, and says what each connection (its client's service
+# account, #its number) sent, with the port its streams asked for. A CONNECT to port 8081 is answered only once told to (a line
+# on stdin).
 FAKE_SERVER = (
     H2
     + """
+told = None
+connections = 0
+
+async def answer(writer, encoder, sid, port, early):
+    global told
+    if port == "8081":
+        say("delaying")
+        told = told or asyncio.ensure_future(asyncio.to_thread(sys.stdin.readline))
+        await told
+    writer.write(frame(HEADERS, END_HEADERS, sid, encoder.encode([(":status", "200")])))
+    for data in early.pop(sid):  # what came before the answer, echoed after it
+        writer.write(frame(DATA, 0, sid, data))
+
 async def serve(reader, writer):
     cert = writer.get_extra_info("peercert") or {}
-    who = next((v.rsplit("/", 1)[1] for k, v in cert.get("subjectAltName", ()) if k == "URI"), "?")
-    encoder = hpack.Encoder()
+    global connections
+    connections += 1
+    sa = next((v.rsplit("/", 1)[1] for k, v in cert.get("subjectAltName", ()) if k == "URI"), "?")
+    who = f"{sa}#{connections}"
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    ports, answers, early = {}, set(), {}
     try:
         await reader.readexactly(24)  # the client preface
         writer.write(frame(SETTINGS, 0, 0))
@@ -83,15 +102,21 @@ async def serve(reader, writer):
             elif ftype == PING and not flags & ACK:
                 writer.write(frame(PING, ACK, 0, payload))
             elif ftype == HEADERS:
-                writer.write(frame(HEADERS, END_HEADERS, sid, encoder.encode([(":status", "200")])))
+                ports[sid] = dict(decoder.decode(payload))[":authority"].rsplit(":", 1)[1]
+                early[sid] = []
+                answering = asyncio.ensure_future(answer(writer, encoder, sid, ports[sid], early))
+                answers.add(answering)
+                answering.add_done_callback(answers.discard)
             elif ftype == DATA:
-                if payload:
+                if sid in early:
+                    early[sid].append(payload)
+                elif payload:
                     writer.write(frame(DATA, 0, sid, payload))
                 if flags & END_STREAM:
-                    say(who, "end_stream")
+                    say(who, "end_stream", ports[sid])
                     writer.write(frame(DATA, END_STREAM, sid))
             elif ftype == RST_STREAM:
-                say(who, "rst", struct.unpack(">L", payload[:4])[0])
+                say(who, "rst", ports[sid], struct.unpack(">L", payload[:4])[0])
             elif ftype == GOAWAY:
                 say(who, "goaway", struct.unpack(">L", payload[4:8])[0])
             await writer.drain()
@@ -172,14 +197,19 @@ def serve(port, handle):
         threading.Thread(target=handle, args=(c,), daemon=True).start()
 threading.Thread(target=serve, args=(8080, echo), daemon=True).start()
 threading.Thread(target=serve, args=(8082, burst), daemon=True).start()
-for ip, port, message in ((sys.argv[1], 8080, b"out-hbone"), (sys.argv[2], 8090, b"out-tcp")):
+def talk(ip, port, message):
     s = socket.create_connection((ip, port), timeout=10)
     s.sendall(message)
     got = b""
     while len(got) < len(message):
         got += s.recv(100)
     held.append(s)
+for ip, port, message in ((sys.argv[1], 8080, b"out-hbone"), (sys.argv[2], 8090, b"out-tcp")):
+    talk(ip, port, message)
 print("ready", flush=True)
+# One more, whose upstream is still being set up (its CONNECT not answered) when the pod goes.
+talk(sys.argv[1], 8081, b"slow")
+print("slow echoed", flush=True)
 threading.Event().wait()
 """
 
@@ -249,6 +279,16 @@ def run_in(mesh: Mesh, pod: Pod, script: str, *args: str) -> Output:
     return Output(mesh, ["ip", "netns", "exec", pod.netns.name, sys.executable, "-c", script, *args])
 
 
+def pooled_connections(lines: list[str], sa: str) -> dict[str, list[str]]:
+    """What the fake HBONE server said of each connection from service account `sa`."""
+    out: dict[str, list[str]] = {}
+    for line in lines:
+        who, _, what = line.partition(" ")
+        if who.startswith(f"{sa}#"):
+            out.setdefault(who, []).append(what)
+    return out
+
+
 def drained(metrics: str) -> dict[tuple[str, str], int]:
     """`ztunnel_pod_drain_connections_total` by (direction, outcome)."""
     out: dict[tuple[str, str], int] = {}
@@ -298,6 +338,7 @@ def test_deleting_a_pod_drains_its_connections_before_its_namespace_goes(mesh: M
     # Out of the deleted pod: over HBONE through its pool to the fake server, plain TCP to `plain`.
     app = run_in(mesh, server, POD_APP, fake.ip, plain.ip)
     app.wait_for("ready")
+    hbone_server.wait_for("delaying")  # the pod's last connection is still being set up
     # Into it: HBONE on its 15008 from the node, plaintext on its 15006 from `plain`.
     raw = Output(
         mesh,
@@ -314,6 +355,7 @@ def test_deleting_a_pod_drains_its_connections_before_its_namespace_goes(mesh: M
     # The drain has begun once the pod's listeners are gone; only now does the burst's client read.
     eventually(lambda: not PROXY_PORTS & listening_ports(server), "the deleted pod's listeners closed")
     burst.tell("read")
+    hbone_server.tell("answer")  # the connection being set up is carried now, during the drain
     results, took = deleting.join()
     assert all(r.ok for r in results), [str(r) for r in results]
     # Drained within the deadline (2 s), and so answered within the agent's 5 s.
@@ -321,17 +363,23 @@ def test_deleting_a_pod_drains_its_connections_before_its_namespace_goes(mesh: M
 
     # By the time DEL returned, each peer had seen the end, clean: nothing is left to time out.
     assert raw.lines[:3] == ["held", "goaway 0", "end_stream"] and raw.lines[3:] == ["eof"], raw.lines
-    assert [line for line in hbone_server.lines if line.startswith("server ")] == [
-        "server end_stream",
-        "server goaway 0",
-        "server eof",
+    # Its pooled HBONE connections (one per worker that carried a stream): each stream's clean end,
+    # then the GOAWAY and the close.
+    pooled = pooled_connections(hbone_server.lines, "server")
+    assert sorted(p for lines in pooled.values() for p in lines if p.startswith("end_stream")) == [
+        "end_stream 8080",
+        "end_stream 8081",
     ], hbone_server.lines
+    for lines in pooled.values():
+        assert lines[-2:] == ["goaway 0", "eof"], lines
+        assert all(line.startswith("end_stream") for line in lines[:-2]), lines
     assert burst.lines == ["connected", f"{BURST} eof"], burst.lines
     assert tcp_peer.lines == ["listening", "eof"], tcp_peer.lines
+    assert "slow echoed" in app.lines  # the late one was answered, then ended, gracefully
 
     # The other pod's connection and its pooled HBONE connection carry on.
     assert bystander.ping() == "y"
-    assert not [line for line in hbone_server.lines if line.startswith("client ")], hbone_server.lines
+    assert not pooled_connections(hbone_server.lines, "client"), hbone_server.lines
 
     # Each connection's access-log line says why it ended; the metric counts them, all closed.
     log = zt.log()
@@ -340,9 +388,9 @@ def test_deleting_a_pod_drains_its_connections_before_its_namespace_goes(mesh: M
         for line in log.splitlines()
         if '"connection complete"' in line and 'reason="pod deleted"' in line
     ]
-    assert len(ended) == 4, ended
+    assert len(ended) == 5, ended
     assert all("error=" not in line for line in ended), ended
-    assert drained(zt.metrics_text()) == {("inbound", "closed"): 2, ("outbound", "closed"): 2}
+    assert drained(zt.metrics_text()) == {("inbound", "closed"): 2, ("outbound", "closed"): 3}
     assert f"pod deleted, connections drained: uid={server.uid}" in log
     server.netns.delete()
     node.pods.remove(server)

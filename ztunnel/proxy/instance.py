@@ -292,20 +292,18 @@ class ProxyInstance:
             server.close()
         self._upstreams.drain()
         inbound = self._inbound.server
-        goaway = asyncio.ensure_future(inbound.shutdown(graceful=True)) if graceful else None
-        ending = list(self.ctx.connections) if end is not None else []
-        if end is not None:
-            await asyncio.sleep(0)  # the inbound GOAWAYs go out before the streams' ends
-            for record in ending:
-                if record.carrier is not None:
-                    record.carrier.end(end)
-            self._upstreams.close_gracefully()
-        pending = self.ctx.tasks.pending()
-        if goaway is not None:
-            await asyncio.wait([*pending, goaway], timeout=deadline)
+        drained = Drained()
+        if graceful:
+            goaway = asyncio.ensure_future(inbound.shutdown(graceful=True))
+            if end is None:
+                await asyncio.wait([*self.ctx.tasks.pending(), goaway], timeout=deadline)
+            else:
+                await asyncio.sleep(0)  # the inbound GOAWAYs go out before the streams' ends
+                drained = await self._end_all(end, goaway, deadline)
             goaway.cancel()
-        drained = self._count_ended(ending) if end is not None else Drained()
         await inbound.shutdown(graceful=False)
+        # Every task still running now, also connections carried since the drain began.
+        pending = self.ctx.tasks.pending()
         for t in pending:
             t.cancel()
         if pending:
@@ -314,6 +312,30 @@ class ProxyInstance:
         self.ctx.tracker.close()
         self.ctx.local.close()
         return drained
+
+    async def _end_all(self, reason: str, goaway: asyncio.Future[None], deadline: float) -> Drained:
+        """End every carried connection gracefully, and those carried later on (their handlers were
+        under way), and close the pool's HBONE connections once idle, until all is done or the
+        deadline; then count what closed and what is left to cut."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + deadline
+        ended: list[ConnectionRecord] = []
+        seen: set[ConnectionRecord] = set()
+        while True:
+            for record in list(self.ctx.connections):
+                if record.carrier is not None and record not in seen:
+                    seen.add(record)
+                    ended.append(record)
+                    record.carrier.end(reason)
+            self._upstreams.close_gracefully()
+            waits = self.ctx.tasks.pending()
+            if not goaway.done():
+                waits.append(goaway)
+            left = until - loop.time()
+            if left <= 0 or not waits:
+                break
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        return self._count_ended(ended)
 
     def _count_ended(self, ending: list[ConnectionRecord]) -> Drained:
         """Of the connections a drain ended, those closed by now and those still open (to be cut)."""
