@@ -280,9 +280,10 @@ class ProxyInstance:
 
         `end` (a deleted pod's drain: the reason its access-log lines give): every carried connection
         is also ended at once, gracefully, each peer reading what was in flight, then the end of it
-        (`ConnectionRecord.carrier`), and the pool's HBONE connections close once their
-        streams have ended (GOAWAY); the deadline then bounds the peers' own ends. What that did is
-        counted (`ztunnel_pod_drain_connections_total`) and returned."""
+        (`ConnectionRecord.carrier`), as is one carried later while the drain runs, and the pool's
+        HBONE connections close once their streams have ended (GOAWAY); the deadline then bounds the
+        peers' own ends. What that did is counted (`ztunnel_pod_drain_connections_total`) and
+        returned."""
         for sock in self._listening.values():
             sock.close()  # bound but never served
         self._listening = {}
