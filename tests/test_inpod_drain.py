@@ -11,6 +11,7 @@ connection to the same server, carry on.
 
 from __future__ import annotations
 
+import datetime
 import subprocess
 import sys
 import threading
@@ -289,6 +290,16 @@ def pooled_connections(lines: list[str], sa: str) -> dict[str, list[str]]:
     return out
 
 
+def drain_seconds(log: str, uid: str) -> float:
+    """From the manager's `pod deleted, stopping proxy` to the last worker's `connections drained`."""
+    times = {}
+    for line in log.splitlines():
+        for key in ("stopping proxy", "connections drained"):
+            if f"{key}: uid={uid}" in line:
+                times[key] = datetime.datetime.fromisoformat(line.split("\t", 1)[0].replace("Z", "+00:00"))
+    return (times["connections drained"] - times["stopping proxy"]).total_seconds()
+
+
 def drained(metrics: str) -> dict[tuple[str, str], int]:
     """`ztunnel_pod_drain_connections_total` by (direction, outcome)."""
     out: dict[tuple[str, str], int] = {}
@@ -356,10 +367,10 @@ def test_deleting_a_pod_drains_its_connections_before_its_namespace_goes(mesh: M
     eventually(lambda: not PROXY_PORTS & listening_ports(server), "the deleted pod's listeners closed")
     burst.tell("read")
     hbone_server.tell("answer")  # the connection being set up is carried now, during the drain
-    results, took = deleting.join()
+    results, _ = deleting.join()
     assert all(r.ok for r in results), [str(r) for r in results]
-    # Drained within the deadline (2 s), and so answered within the agent's 5 s.
-    assert took < 4.5, took
+    # Answered within the agent's 5 s (every connection closed within the 2 s deadline: below).
+    assert "no WorkloadResponse" not in node.agent_output()
 
     # By the time DEL returned, each peer had seen the end, clean: nothing is left to time out.
     assert raw.lines[:3] == ["held", "goaway 0", "end_stream"] and raw.lines[3:] == ["eof"], raw.lines
@@ -439,7 +450,9 @@ def test_a_peer_that_keeps_its_side_open_is_cut_within_what_the_agent_waits(mesh
     assert all(r.ok for r in results), [str(r) for r in results]
     # It saw the end after the data, then was left open by its client until the deadline cut it.
     assert client.lines == ["received", f"{BURST} eof"], client.lines
-    assert 2.3 < took < 4.5, took
+    # The drain waited for the peer up to its deadline, 2.5 s (not the 10 s), then cut it.
+    assert 2.4 < drain_seconds(zt.log(), server.uid) < 4.0, zt.log()
+    assert 2.4 < took < 8.0, took
     assert drained(zt.metrics_text()) == {("inbound", "cut"): 1}
     [line] = [line for line in zt.log().splitlines() if 'reason="pod deleted"' in line]
     assert 'error="connection closed: drain deadline"' in line, line
