@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hpack import Decoder, HPACKError, OversizedHeaderListError
-from hyperframe.exceptions import HyperframeError, InvalidDataError, InvalidPaddingError
 from hyperframe.frame import (
     DataFrame,
     Frame,
@@ -94,6 +93,7 @@ from hbone.h2core.frames import (
     TYPE_SETTINGS,
     TYPE_WINDOW_UPDATE,
     WINDOW_UPDATE_FRAME,
+    parse_frame,
 )
 from hbone.h2core.streams import (
     CLOSED_BY_PEER,
@@ -109,6 +109,12 @@ if TYPE_CHECKING:
     from hbone.settings import H2Settings
 
 _KNOWN_TYPES = frozenset(range(10))
+_NOTHING = memoryview(b"")
+
+# What `H2Core.step` reports.
+STEP_DONE = 0
+STEP_EVENTS = 1
+STEP_DATA = 2
 
 
 def _conn_error(code: ErrorCode, message: str) -> H2ConnectionError:
@@ -181,6 +187,12 @@ class H2Core:
         self._block_self_dependent = False
         self._block_size = 0
         self._continuations = 0
+        # The bytes `step` walks, and the DATA payload it handed out last (see `step`).
+        self._input = _NOTHING
+        self._pos = 0
+        self.data = _NOTHING
+        self.data_stream_id = 0
+        self.data_flow = 0
 
     # -- output ----------------------------------------------------------------------------------
 
@@ -194,6 +206,19 @@ class H2Core:
             self._out = bytearray()
         self._chunks = []
         return chunks
+
+    def take_output_buffer(self) -> bytearray:
+        """What to send, as one buffer (empty when there is nothing): a DATA frame's header and its
+        payload adjacent, so that one TLS write carries both (payloads queued by reference are
+        copied here, once)."""
+        out = self._out
+        self._out = bytearray()
+        chunks = self._chunks
+        if not chunks:
+            return out
+        self._chunks = []
+        chunks.append(out)
+        return bytearray().join(chunks)
 
     def has_output(self) -> bool:
         return bool(self._out or self._chunks)
@@ -429,16 +454,58 @@ class H2Core:
     # -- input -------------------------------------------------------------------------------------
 
     def receive(self, data: bytes | bytearray | memoryview, now: float) -> list[Event]:
-        """Take received bytes (any split); returns what they meant. Nothing once terminated."""
+        """Take received bytes (any split); returns what they meant. Nothing once terminated.
+
+        Every DATA payload is a `DataReceived` here, copied out; `feed` and `step` hand it out in place.
+        """
         events: list[Event] = []
         if self.terminated:
             return events
-        self._events = events
+        self.feed(data, now)
+        while True:
+            step = self.step()
+            if step == STEP_DATA:
+                events.append(DataReceived(self.data_stream_id, self.data.tobytes(), self.data_flow))
+            elif step == STEP_EVENTS:
+                events += self.take_events()
+            else:
+                return events
+
+    def feed(self, data: bytes | bytearray | memoryview, now: float) -> None:
+        """Take received bytes (any split), walked by `step`: all of them, before the next `feed`."""
         self._now = now
-        try:
-            self._walk(memoryview(data))
-        except H2ConnectionError as e:
-            self._terminate(e)
+        self._input = memoryview(data)
+        self._pos = 0
+
+    def step(self) -> int:
+        """Walk the bytes fed on, to the next thing to handle:
+
+        * `STEP_DATA`: a DATA payload, in place: `data` (a view of the bytes fed, good until the
+          next `feed`: copy what is kept) for stream `data_stream_id`, which used `data_flow` bytes
+          of the receive windows (padding included; give them back with `ack` once consumed);
+        * `STEP_EVENTS`: anything else, in order: `take_events()` (a padded DATA frame cut
+          across reads is buffered whole and comes as a `DataReceived`);
+        * `STEP_DONE`: every byte fed is walked (and nothing once terminated).
+
+        Payloads and events keep the order of the frames that carried them; no object is built
+        for a DATA frame.
+        """
+        if self._events:
+            return STEP_EVENTS
+        if not self.terminated and self._pos < len(self._input):
+            try:
+                if self._walk():
+                    return STEP_DATA
+            except H2ConnectionError as e:
+                self._terminate(e)
+            if self._events:
+                return STEP_EVENTS
+        self._input = self.data = _NOTHING
+        return STEP_DONE
+
+    def take_events(self) -> list[Event]:
+        """The events `step` reported (`STEP_EVENTS`), in order."""
+        events = self._events
         self._events = []
         return events
 
@@ -475,57 +542,89 @@ class H2Core:
         self._events = []
         return events
 
-    def _walk(self, data: memoryview) -> None:
+    def _walk(self) -> bool:
+        """Walk the input until a DATA payload is handed out (True) or it is spent; stop before
+        the next frame while events wait to be taken."""
+        data = self._input
         n = len(data)
-        pos = 0
+        pos = self._pos
         events = self._events
-        while pos < n:
-            if self._data_left:
-                take = min(self._data_left, n - pos)
-                self._data_left -= take
-                sid = self._data_sid
-                if sid:
-                    events.append(DataReceived(sid, data[pos : pos + take].tobytes(), take))
+        try:
+            while pos < n and not events:
+                if self._data_left:
+                    take = min(self._data_left, n - pos)
+                    self._data_left -= take
+                    sid = self._data_sid
+                    pos += take
+                    if not sid:
+                        self._ack_connection(take)
+                        continue
+                    self.data = data[pos - take : pos]
+                    self.data_stream_id = sid
+                    self.data_flow = take
+                    if not self._data_left and self._data_end:
+                        self._remote_end(sid)
+                    return True
+                if self._fleft:
+                    take = min(self._fleft, n - pos)
+                    if not self._skip:
+                        self._fbody += data[pos : pos + take]
+                    pos += take
+                    self._fleft -= take
+                    if not self._fleft:
+                        self._complete()
+                    continue
+                if self._preface_left:
+                    take = min(self._preface_left, n - pos)
+                    at = len(PREFACE) - self._preface_left
+                    if data[pos : pos + take] != PREFACE[at : at + take]:
+                        raise _conn_error(ErrorCode.PROTOCOL_ERROR, "invalid connection preface")
+                    pos += take
+                    self._preface_left -= take
+                    continue
+                head = self._head
+                if head or n - pos < 9:
+                    take = min(9 - len(head), n - pos)
+                    head += data[pos : pos + take]
+                    pos += take
+                    if len(head) < 9:
+                        break
+                    hi, lo, ftype, flags, sid = FRAME_HEADER.unpack(head)
+                    head.clear()
                 else:
-                    self._ack_connection(take)
-                pos += take
-                if not self._data_left and self._data_end and sid:
-                    self._remote_end(sid)
-                continue
-            if self._fleft:
-                take = min(self._fleft, n - pos)
-                if not self._skip:
-                    self._fbody += data[pos : pos + take]
-                pos += take
-                self._fleft -= take
-                if not self._fleft:
-                    self._complete()
-                continue
-            if self._preface_left:
-                take = min(self._preface_left, n - pos)
-                at = len(PREFACE) - self._preface_left
-                if data[pos : pos + take] != PREFACE[at : at + take]:
-                    raise _conn_error(ErrorCode.PROTOCOL_ERROR, "invalid connection preface")
-                pos += take
-                self._preface_left -= take
-                continue
-            head = self._head
-            if head or n - pos < 9:
-                take = min(9 - len(head), n - pos)
-                head += data[pos : pos + take]
-                pos += take
-                if len(head) < 9:
-                    return
-                fields_ = FRAME_HEADER.unpack(head)
-                head.clear()
-            else:
-                fields_ = FRAME_HEADER.unpack_from(data, pos)
-                pos += 9
-            hi, lo, ftype, flags, sid = fields_
-            self._frame_header((hi << 8) | lo, ftype, flags, sid & 0x7FFFFFFF)
+                    hi, lo, ftype, flags, sid = FRAME_HEADER.unpack_from(data, pos)
+                    pos += 9
+                length = (hi << 8) | lo
+                sid &= 0x7FFFFFFF
+                if (
+                    ftype == TYPE_DATA
+                    and length <= n - pos
+                    and (not flags & FLAG_PADDED or (length and data[pos] < length))
+                ):
+                    at = pos
+                    pos += length
+                    if self._whole_data(data, at, length, flags, sid):
+                        return True
+                    continue
+                self._frame_header(length, ftype, flags, sid)
+        finally:
+            self._pos = pos
+        return False
 
     def _frame_header(self, length: int, ftype: int, flags: int, sid: int) -> None:
         """Judge a frame by its header; DATA is charged and routed here, other frames buffered."""
+        self._check_header(length, ftype, flags, sid)
+        if ftype == TYPE_DATA and not flags & FLAG_PADDED:
+            self._begin_data(sid, length, flags & FLAG_END_STREAM)
+            return
+        self._ftype, self._fflags, self._fsid = ftype, flags, sid
+        self._skip = ftype not in _KNOWN_TYPES
+        self._fbody = bytearray()
+        self._fleft = length
+        if not length:
+            self._complete()
+
+    def _check_header(self, length: int, ftype: int, flags: int, sid: int) -> None:
         if length > self._local_max_frame:
             raise LimitBroken(
                 ErrorCode.FRAME_SIZE_ERROR,
@@ -545,15 +644,6 @@ class H2Core:
             self._check_block()
         elif ftype == TYPE_CONTINUATION:
             raise _conn_error(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without a header block")
-        if ftype == TYPE_DATA and not flags & FLAG_PADDED:
-            self._begin_data(sid, length, flags & FLAG_END_STREAM)
-            return
-        self._ftype, self._fflags, self._fsid = ftype, flags, sid
-        self._skip = ftype not in _KNOWN_TYPES
-        self._fbody = bytearray()
-        self._fleft = length
-        if not length:
-            self._complete()
 
     def _check_block(self) -> None:
         settings = self.settings
@@ -568,6 +658,31 @@ class H2Core:
             )
 
     # -- DATA ----------------------------------------------------------------------------------------
+
+    def _whole_data(self, data: memoryview, at: int, length: int, flags: int, sid: int) -> bool:
+        """A DATA frame whose payload (valid padding included) is all in `data` from `at`: charged,
+        and its payload handed out in place (True) or dropped, its window given back (False)."""
+        self._check_header(length, TYPE_DATA, flags, sid)
+        end = bool(flags & FLAG_END_STREAM)
+        target = self._data_target(sid, length, end)
+        if not target:
+            if length:
+                self._ack_connection(length)
+            return False
+        start, stop = at, at + length
+        if flags & FLAG_PADDED:
+            start += 1
+            stop -= data[at]
+        elif not length:
+            if end:
+                self._remote_end(target)
+            return False
+        self.data = data[start:stop]
+        self.data_stream_id = target
+        self.data_flow = length
+        if end:
+            self._remote_end(target)
+        return True
 
     def _begin_data(self, sid: int, length: int, end: int) -> None:
         """Charge a DATA frame to the windows and decide where its payload goes."""
@@ -661,7 +776,7 @@ class H2Core:
         if ftype == TYPE_HEADERS:
             self._on_headers(sid, flags, body)
             return
-        frame = self._parse(ftype, flags, sid, body)
+        frame = parse_frame(ftype, flags, sid, body)
         if ftype == TYPE_DATA:
             self._on_padded_data(frame)  # type: ignore[arg-type]
         elif ftype == TYPE_WINDOW_UPDATE:
@@ -674,30 +789,6 @@ class H2Core:
             self._on_ping(frame)  # type: ignore[arg-type]
         elif ftype == TYPE_GOAWAY:
             self._on_goaway(frame)  # type: ignore[arg-type]
-
-    def _parse(self, ftype: int, flags: int, sid: int, body: memoryview) -> Frame:
-        n = len(body)
-        if (
-            (ftype == TYPE_PING and n != 8)
-            or (ftype in (TYPE_RST_STREAM, TYPE_WINDOW_UPDATE) and n != 4)
-            or (ftype == TYPE_SETTINGS and (n % 6 or (flags & 1 and n)))
-            or (ftype == TYPE_GOAWAY and n < 8)
-        ):
-            raise _conn_error(ErrorCode.FRAME_SIZE_ERROR, f"frame type {ftype} of {n} bytes")
-        if ftype == TYPE_WINDOW_UPDATE and not int.from_bytes(body, "big") & MAX_WINDOW:
-            if sid:  # a zero increment: a stream error on a stream, else a connection error
-                raise H2StreamError(sid, ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            raise _conn_error(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-        try:
-            frame, _ = Frame.parse_frame_header(
-                memoryview(FRAME_HEADER.pack(n >> 8, n & 0xFF, ftype, flags, sid))
-            )
-            frame.parse_body(body)
-        except (InvalidPaddingError, InvalidDataError) as e:
-            raise _conn_error(ErrorCode.PROTOCOL_ERROR, f"invalid frame: {e}") from None
-        except HyperframeError as e:
-            raise _conn_error(ErrorCode.FRAME_SIZE_ERROR, f"invalid frame: {e}") from None
-        return frame
 
     # -- header blocks -------------------------------------------------------------------------------
 
