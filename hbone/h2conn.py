@@ -9,7 +9,8 @@ closing the transport once a drained connection's last stream is over, and teari
 
 * receiving: the session is a `BufferedProtocol`, so the TLS layer decrypts straight into a buffer
   of ours (one per thread and nesting level, reused: no allocation per read); the core hands a DATA
-  payload to its stream as it arrives, piece by piece (one copy, out of that buffer).
+  payload out in place (`H2Core.step`: a view of that buffer, no event object), and it goes to its
+  stream as it arrives, piece by piece (one copy, out of that buffer).
 * sending: the core frames DATA around the payload itself (payloads from 16 KiB on are not copied:
   the transport gets them in a `writelines`); received batches are answered with one write.
 * window updates: what the streams consumed is given back through the core (`ack`), which sends a
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from hbone.errors import ConnectionClosed, HboneError
-from hbone.h2core import ErrorCode, H2Core, H2UsageError, error_name
+from hbone.h2core import STEP_DATA, STEP_EVENTS, ErrorCode, H2Core, H2UsageError, error_name
 from hbone.h2core import events as ev
 from hbone.hpack import HeaderFieldError
 from hbone.identity import Identity
@@ -305,10 +306,24 @@ class H2Session(asyncio.BufferedProtocol):
         core = self._core
         self._in_batch = True
         try:
-            events = core.receive(data, self.loop.time())
+            core.feed(data, self.loop.time())
             dispatch = self._dispatch
-            for event in events:
-                dispatch[type(event)](event)
+            streams = self.streams
+            while True:
+                step = core.step()
+                if step == STEP_DATA:  # a DATA payload, in place: no event object
+                    stream = streams.get(core.data_stream_id)
+                    if stream is None:
+                        core.ack(core.data_stream_id, core.data_flow)
+                    else:
+                        stream.received_data(core.data.tobytes(), core.data_flow)
+                elif step == STEP_EVENTS:
+                    for event in core.take_events():
+                        dispatch[type(event)](event)
+                        if self._dead:
+                            return
+                else:
+                    break
                 if self._dead:
                     return
             if self._new_requests:
