@@ -2,9 +2,10 @@
 DNS proxy's `istio_dns_*` families, and their rendering for the stats endpoint.
 
 Everything lives in one `CollectorRegistry` per `Metrics` (`ztunnel.metrics.registry`: our own family model
-and registry, no client library). A connection resolves its counter cells once per label set and
-then adds to a plain attribute per chunk (no lock, no label lookup), which is safe because each
-data-plane event loop owns its `Metrics`; no family emits `_created` samples (the reference does not).
+and registry, no client library). A connection resolves its counter cells once per label set; its
+bytes are counted by its relay alone (`ByteCounts`), and the byte cells read the open connections'
+counts when scraped and add them up at close: nothing per chunk here (no lock is needed, each
+data-plane event loop owns its `Metrics`); no family emits `_created` samples (the reference does not).
 
 The traffic series of a workload gone from the state are forgotten by `drop_series` (never one
 that counts an open connection: each series keeps a count of those); `ztunnel.metrics.series` decides when.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, Protocol, cast
 
 from ztunnel.logs import lines as logs
 from ztunnel.metrics.processes import ProcessTreeCollector
@@ -126,7 +127,7 @@ def _values(labels: TrafficLabels, flags: str) -> tuple[str, ...]:
 
 
 class CounterCell:
-    """One labelled counter value; `inc` is the hot-path operation."""
+    """One labelled counter value."""
 
     __slots__ = ("value",)
 
@@ -136,18 +137,53 @@ class CounterCell:
     def inc(self, n: int = 1) -> None:
         self.value += n
 
+    def read(self) -> int:
+        return self.value
+
+
+class ByteCounts(Protocol):
+    """A carried connection's bytes, as its relay counts them (`hbone.relay.RelayCounts`): `a_to_b`
+    from the downstream side (received), `b_to_a` back to it (sent)."""
+
+    a_to_b: int
+    b_to_a: int
+
+
+class _ByteCell(CounterCell):
+    """A byte counter: the bytes of the connections closed, plus, when read, the counts of the open
+    ones (`ConnectionMetrics.count_live`)."""
+
+    __slots__ = ("live", "sent")
+
+    def __init__(self, sent: bool) -> None:
+        super().__init__()
+        self.sent = sent  # b_to_a, else a_to_b
+        self.live: set[ByteCounts] = set()
+
+    def read(self) -> int:
+        if self.sent:
+            return self.value + sum(c.b_to_a for c in self.live)
+        return self.value + sum(c.a_to_b for c in self.live)
+
 
 class _CounterFamily:
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: tuple[str, ...],
+        make: Callable[[], CounterCell] = CounterCell,
+    ) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = labelnames
         self.cells: dict[tuple[str, ...], CounterCell] = {}
+        self._make = make
 
     def cell(self, values: tuple[str, ...]) -> CounterCell:
         cell = self.cells.get(values)
         if cell is None:
-            cell = self.cells[values] = CounterCell()
+            cell = self.cells[values] = self._make()
         return cell
 
     def forget(self, values: tuple[str, ...]) -> None:
@@ -156,7 +192,7 @@ class _CounterFamily:
     def family(self) -> CounterMetricFamily:
         fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, cell in list(self.cells.items()):
-            fam.add_metric(values, cell.value)
+            fam.add_metric(values, cell.read())
         return fam
 
 
@@ -180,8 +216,8 @@ class _Series:
         self.values = values
         self.carried = 0
         self.opened = metrics._opened.cell(values)
-        self.received = metrics._received.cell(values)
-        self.sent = metrics._sent.cell(values)
+        self.received = cast(_ByteCell, metrics._received.cell(values))
+        self.sent = cast(_ByteCell, metrics._sent.cell(values))
         self.closed: dict[str, CounterCell] = {}
         self.failed: dict[str, CounterCell] = {}
 
@@ -199,7 +235,7 @@ class _Series:
 class ConnectionMetrics:
     """The counters of one connection, resolved when it opened."""
 
-    __slots__ = ("_closed", "_metrics", "_series", "received_cell", "sent_cell")
+    __slots__ = ("_closed", "_live", "_metrics", "_series", "received_cell", "sent_cell")
 
     def __init__(self, metrics: Metrics, labels: TrafficLabels) -> None:
         self._metrics = metrics
@@ -211,13 +247,21 @@ class ConnectionMetrics:
         series.carried += 1
         self.received_cell = series.received
         self.sent_cell = series.sent
+        self._live: ByteCounts | None = None
+
+    def count_live(self, counts: ByteCounts) -> None:
+        """The connection's bytes are `counts`, kept by its relay: read when scraped, added to the
+        series at close."""
+        self._live = counts
+        self.received_cell.live.add(counts)
+        self.sent_cell.live.add(counts)
 
     def received(self, n: int) -> None:
-        """Bytes read from downstream and written upstream."""
+        """Bytes read from downstream and written upstream (besides those of `count_live`)."""
         self.received_cell.value += n
 
     def sent(self, n: int) -> None:
-        """Bytes from upstream written back downstream."""
+        """Bytes from upstream written back downstream (besides those of `count_live`)."""
         self.sent_cell.value += n
 
     def close(self, response_flags: str = NO_FLAGS) -> None:
@@ -225,6 +269,13 @@ class ConnectionMetrics:
         if self._closed:
             return
         self._closed = True
+        live = self._live
+        if live is not None:
+            self._live = None
+            self.received_cell.live.discard(live)
+            self.sent_cell.live.discard(live)
+            self.received_cell.value += live.a_to_b
+            self.sent_cell.value += live.b_to_a
         series = self._series
         series.carried -= 1
         closed, failed = series.closed_cells(self._metrics, response_flags)
@@ -435,11 +486,13 @@ class Metrics:
             "istio_tcp_received_bytes",
             "The size of total bytes received during request in case of a TCP connection",
             TRAFFIC_LABEL_NAMES,
+            lambda: _ByteCell(sent=False),
         )
         self._sent = _CounterFamily(
             "istio_tcp_sent_bytes",
             "The size of total bytes sent during response in case of a TCP connection",
             TRAFFIC_LABEL_NAMES,
+            lambda: _ByteCell(sent=True),
         )
         self._failed = _CounterFamily(
             "istio_tcp_connections_failed",

@@ -8,6 +8,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from hbone.relay import RelayCounts
 from xds.model import Service, Workload
 from ztunnel.logs.lines import ACCESS, Bare, FieldRun, Item, Spans, access_items, access_log
 from ztunnel.metrics.families import UNKNOWN, ConnectionMetrics, Metrics, TrafficLabels
@@ -196,13 +197,12 @@ class ConnectionRecord:
         "_metrics",
         "_peers",
         "_registry",
+        "counts",
         "direction",
         "dst",
         "dst_addr",
         "dump_as",
         "hbone_addr",
-        "received",
-        "sent",
         "service",
         "spans",
         "src",
@@ -247,9 +247,10 @@ class ConnectionRecord:
         reporter = "source" if direction == "outbound" else "destination"
         self._peers = peers = peer_telemetry(reporter, src, dst, service, "mutual_tls" if mtls else UNKNOWN)
         self._metrics: ConnectionMetrics = metrics.open_connection(peers.labels)
-        # Bytes from the downstream side and back to it, live: the relay calls the cells directly.
-        self.received = self._metrics.received_cell.inc
-        self.sent = self._metrics.sent_cell.inc
+        # Bytes from the downstream side (a) and back to it, as the relay counts them: the metrics
+        # read them when scraped.
+        self.counts = RelayCounts()
+        self._metrics.count_live(self.counts)
         if ACCESS.isEnabledFor(logging.DEBUG):
             items = self._endpoints()
             items.append(("direction", direction))
