@@ -103,7 +103,8 @@ class H2Session(asyncio.BufferedProtocol):
         self.client_side = client_side
         self.settings = settings
         self._on_request = on_request
-        self._core = H2Core(client_side=client_side, settings=settings, now=self.loop.time())
+        loop = self.loop
+        self._core = H2Core(client_side=client_side, settings=settings, now=loop.time(), clock=loop.time)
         self.transport: asyncio.Transport | None = None
         self.extra: dict[str, Any] = {}
         self.peer_identity: Identity | None = None
@@ -306,7 +307,7 @@ class H2Session(asyncio.BufferedProtocol):
         core = self._core
         self._in_batch = True
         try:
-            core.feed(data, self.loop.time())
+            core.feed(data)  # no clock read: the core reads `loop.time` if a reset is counted
             dispatch = self._dispatch
             streams = self.streams
             while True:

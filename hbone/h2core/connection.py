@@ -1,9 +1,8 @@
 """A sans-IO HTTP/2 connection for HBONE's subset of RFC 9113: `H2Core`.
 
-It takes the bytes received and the current time and returns events (`hbone.h2core.events`);
-what to send accumulates as bytes, taken with `take_output()`. One class holds the connection's
-state, our side's commands and the receive path; `frames.py` is the wire layout, `streams.py` what
-is kept of a stream. It never reads a clock, owns no
+It takes the bytes received and the time and returns events (`hbone.h2core.events`); what to send
+accumulates as bytes (`take_output()`). One class: state, our side's commands, the receive path.
+The time is an input (given, or a clock given, read only when a decision needs it); it owns no
 socket and starts no timer: `deadline()` says when `timer(now)` wants to be called.
 
 The subset: the preface and SETTINGS (with ACK, and the peer's limits honoured), requests and
@@ -12,14 +11,12 @@ RST_STREAM, PING, GOAWAY with last-stream-id semantics both ways (streams at or 
 header blocks over CONTINUATION frames, padding; PRIORITY, unknown frame types and unknown settings
 are ignored; no server push. Every protocol error is the connection or stream error RFC 9113 names.
 
-Frames are walked here by their 9-byte headers as the bytes arrive: a DATA payload goes to its
-stream piece by piece, as it arrives, without reassembly (it is checked and charged to both
-receive windows at its header); every other frame is buffered whole (bounded by our maximum frame
-size) and parsed with `hyperframe`, but for HEADERS; header blocks are decoded with `hpack`.
-DATA, HEADERS, CONTINUATION and WINDOW_UPDATE frames are serialised by hand, every other frame by
-`hyperframe`: those four are what every stream costs (a new stream is two HEADERS, and
-`hyperframe` spends more on building and parsing a frame object than the rest of its handling),
-and their layouts are fixed and short.
+Frames are walked by their 9-byte headers as the bytes arrive. A DATA frame is checked and charged
+to both receive windows at its header and its payload handed out in place (`step`: a view of the
+bytes received, no object), in pieces when cut across reads, never reassembled; every other frame
+is buffered whole (bounded by our maximum frame size) and parsed with `hyperframe`, but HEADERS;
+header blocks are decoded with `hpack`. DATA, HEADERS, CONTINUATION and WINDOW_UPDATE, what every
+stream costs, are serialised by hand, the rest by `hyperframe`.
 
 Abuse limits (`hbone.settings.H2Settings`), as functions of the frames and of the time given:
 a frame larger than our maximum frame size, and a header block larger than `max_header_block` or
@@ -33,7 +30,7 @@ acknowledge ours) within `handshake_timeout` is cut (SETTINGS_TIMEOUT).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from hpack import Decoder, HPACKError, OversizedHeaderListError
@@ -124,7 +121,9 @@ def _conn_error(code: ErrorCode, message: str) -> H2ConnectionError:
 class H2Core:
     """One HTTP/2 connection, client or server side, without I/O. Call `initiate` first."""
 
-    def __init__(self, *, client_side: bool, settings: H2Settings, now: float) -> None:
+    def __init__(
+        self, *, client_side: bool, settings: H2Settings, now: float, clock: Callable[[], float] | None = None
+    ) -> None:
         self.client_side = client_side
         self.settings = settings
         self.streams: dict[int, Stream] = {}
@@ -161,7 +160,8 @@ class H2Core:
         self._chunks: list[bytes | bytearray | memoryview] = []
         self._events: list[Event] = []
         # Abuse accounting.
-        self._now = now
+        self._now: float | None = now
+        self._clock = clock
         self._resets = 0  # streams reset before their answer, and resets provoked, this window
         self._reset_window_start = now
         self._write_blocked = False
@@ -187,7 +187,8 @@ class H2Core:
         self._block_self_dependent = False
         self._block_size = 0
         self._continuations = 0
-        # The bytes `step` walks, and the DATA payload it handed out last (see `step`).
+        # The bytes `step` walks, and the DATA payload it handed out last; `feed` without the time
+        # reads `clock` when a decision needs it.
         self._input = _NOTHING
         self._pos = 0
         self.data = _NOTHING
@@ -199,8 +200,6 @@ class H2Core:
     def take_output(self) -> list[bytes | bytearray | memoryview]:
         """What to send, in order (write it with `writelines`); empty when there is nothing."""
         chunks = self._chunks
-        if not chunks and not self._out:
-            return []
         if self._out:
             chunks.append(self._out)
             self._out = bytearray()
@@ -441,8 +440,14 @@ class H2Core:
 
     def _count_resets(self, n: int) -> None:
         settings = self.settings
-        if self._now - self._reset_window_start >= settings.reset_window:
-            self._reset_window_start = self._now
+        now = self._now
+        if now is None:  # fed without the time: the clock, once per batch, and only here
+            clock = self._clock
+            if clock is None:
+                raise H2UsageError("fed without the time, and no clock given")
+            now = self._now = clock()
+        if now - self._reset_window_start >= settings.reset_window:
+            self._reset_window_start = now
             self._resets = 0
         self._resets += n
         if self._resets > settings.max_resets:
@@ -471,8 +476,11 @@ class H2Core:
             else:
                 return events
 
-    def feed(self, data: bytes | bytearray | memoryview, now: float) -> None:
-        """Take received bytes (any split), walked by `step`: all of them, before the next `feed`."""
+    def feed(self, data: bytes | bytearray | memoryview, now: float | None = None) -> None:
+        """Take received bytes (any split), walked by `step`: all of them, before the next `feed`.
+
+        `now` None: the time is read from the `clock` given, once, only if a frame of the batch
+        needs it (a reset counted towards rapid reset): a batch of DATA costs no clock read."""
         self._now = now
         self._input = memoryview(data)
         self._pos = 0
@@ -487,9 +495,7 @@ class H2Core:
           across reads is buffered whole and comes as a `DataReceived`);
         * `STEP_DONE`: every byte fed is walked (and nothing once terminated).
 
-        Payloads and events keep the order of the frames that carried them; no object is built
-        for a DATA frame.
-        """
+        Payloads and events keep the order of the frames that carried them."""
         if self._events:
             return STEP_EVENTS
         if not self.terminated and self._pos < len(self._input):
@@ -601,9 +607,8 @@ class H2Core:
                     and length <= n - pos
                     and (not flags & FLAG_PADDED or (length and data[pos] < length))
                 ):
-                    at = pos
                     pos += length
-                    if self._whole_data(data, at, length, flags, sid):
+                    if self._whole_data(data, pos - length, length, flags, sid):
                         return True
                     continue
                 self._frame_header(length, ftype, flags, sid)
@@ -763,7 +768,8 @@ class H2Core:
         if ftype == TYPE_CONTINUATION:
             self._block.append(bytes(body))
             if flags & FLAG_END_HEADERS:
-                self._block_done()
+                sid, self._block_sid = self._block_sid, 0
+                self._block_done_for(sid)
             return
         if ftype == TYPE_PRIORITY:
             if not sid:
@@ -817,10 +823,6 @@ class H2Core:
             self._block_done_for(sid)
         else:
             self._block_sid = sid
-
-    def _block_done(self) -> None:
-        sid, self._block_sid = self._block_sid, 0
-        self._block_done_for(sid)
 
     def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
         try:
