@@ -128,3 +128,28 @@ def test_the_output_buffer_holds_a_large_data_frame_beside_its_header() -> None:
     assert [(f.type, len(f.payload)) for f in sent] == [(DATA, 16384), (DATA, 16384), (DATA, 8192), (DATA, 0)]
     assert b"".join(f.payload for f in sent) == payload
     assert joined.core.take_output_buffer() == bytearray()
+
+
+@pytest.mark.parametrize("before", [0, 1, 100, 16384 - 9, 20000])
+def test_a_large_data_frames_header_shares_a_tls_record_with_its_payload(before: int) -> None:
+    """Each chunk of `take_output` is sealed into TLS records of its own (16 KiB of plaintext at
+    most): the chunk holding a large DATA frame's header is filled to a whole number of records
+    with the head of its payload, so the header never costs a record of its own; the rest of the
+    payload is not copied."""
+    s = open_server()
+    s.core.send_window = s.core.streams[1].send_window = 1 << 20
+    small = b"s" * before  # smaller frames queued ahead, in the same output
+    for at in range(0, before, 1000):
+        s.core.send_data(1, small[at : at + 1000])
+    payload = bytes(range(256)) * 200  # 50 KiB: one frame (our peer allows 1 MiB frames)
+    s.core.streams[1].send_window = s.core.send_window = 1 << 20
+    s.core.peer_max_frame = 1 << 20
+    assert s.core.send_data(1, payload) == len(payload)
+    chunks = s.core.take_output()
+    head, rest = chunks
+    assert len(head) % 16384 == 0
+    records = -(-len(head) // 16384) + -(-len(rest) // 16384)
+    assert records == -(-(len(head) + len(rest)) // 16384)  # as few as one buffer would take
+    assert isinstance(rest, memoryview) and rest.obj is payload  # not copied
+    sent = frames(b"".join(bytes(c) for c in chunks))
+    assert b"".join(f.payload for f in sent) == small + payload

@@ -79,6 +79,7 @@ from hbone.h2core.frames import (
     LARGE_DATA,
     MAX_WINDOW,
     PREFACE,
+    TLS_RECORD,
     TYPE_CONTINUATION,
     TYPE_DATA,
     TYPE_GOAWAY,
@@ -112,10 +113,6 @@ _NOTHING = memoryview(b"")
 STEP_DONE = 0
 STEP_EVENTS = 1
 STEP_DATA = 2
-
-
-def _conn_error(code: ErrorCode, message: str) -> H2ConnectionError:
-    return H2ConnectionError(code, message)
 
 
 class H2Core:
@@ -338,12 +335,15 @@ class H2Core:
         n = len(data)
         out = self._out
         out += FRAME_HEADER.pack(n >> 8, n & 0xFF, TYPE_DATA, 0, sid)
-        if n >= LARGE_DATA:
-            self._chunks.append(out)
-            self._chunks.append(data)
-            self._out = bytearray()
-        else:
+        if n < LARGE_DATA:
             out += data
+            return
+        # Its head fills the header's TLS record (chunks are sealed apart), the rest by reference.
+        head = -len(out) % TLS_RECORD
+        out += data[:head]
+        self._chunks.append(out)
+        self._chunks.append(memoryview(data)[head:] if head else data)
+        self._out = bytearray()
 
     def end_stream(self, stream_id: int) -> bool:
         """END_STREAM (an empty DATA frame); False when the stream cannot send any more."""
@@ -584,7 +584,7 @@ class H2Core:
                     take = min(self._preface_left, n - pos)
                     at = len(PREFACE) - self._preface_left
                     if data[pos : pos + take] != PREFACE[at : at + take]:
-                        raise _conn_error(ErrorCode.PROTOCOL_ERROR, "invalid connection preface")
+                        raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "invalid connection preface")
                     pos += take
                     self._preface_left -= take
                     continue
@@ -636,10 +636,10 @@ class H2Core:
                 f"frame of {length} bytes, more than the maximum frame size {self._local_max_frame}",
             )
         if not self.peer_settings_received and (ftype != TYPE_SETTINGS or flags & 1):
-            raise _conn_error(ErrorCode.PROTOCOL_ERROR, "the preface's first frame is not SETTINGS")
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "the preface's first frame is not SETTINGS")
         if self._block_sid:
             if ftype != TYPE_CONTINUATION or sid != self._block_sid:
-                raise _conn_error(ErrorCode.PROTOCOL_ERROR, "a header block interrupted")
+                raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "a header block interrupted")
             self._continuations += 1
             self._block_size += length
             self._check_block()
@@ -648,7 +648,7 @@ class H2Core:
             self._continuations = 0
             self._check_block()
         elif ftype == TYPE_CONTINUATION:
-            raise _conn_error(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without a header block")
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without a header block")
 
     def _check_block(self) -> None:
         settings = self.settings
@@ -701,9 +701,9 @@ class H2Core:
 
     def _data_target(self, sid: int, length: int, end: bool) -> int:
         if sid == 0:
-            raise _conn_error(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         if length > self.recv_window:
-            raise _conn_error(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+            raise H2ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
         self.recv_window -= length
         stream = self.streams.get(sid)
         if stream is None:
@@ -740,7 +740,7 @@ class H2Core:
                 return CLOSED_UNKNOWN
         elif sid <= self.highest_inbound_stream_id:
             return CLOSED_UNKNOWN
-        raise _conn_error(ErrorCode.PROTOCOL_ERROR, f"frame type {ftype} on idle stream {sid}")
+        raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, f"frame type {ftype} on idle stream {sid}")
 
     def _remote_end(self, sid: int) -> None:
         stream = self.streams.get(sid)
@@ -773,12 +773,12 @@ class H2Core:
             return
         if ftype == TYPE_PRIORITY:
             if not sid:
-                raise _conn_error(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
+                raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(body) != 5:
                 raise H2StreamError(sid, ErrorCode.FRAME_SIZE_ERROR, "PRIORITY of other than 5 bytes")
             return  # priorities are not used
         if ftype == TYPE_PUSH_PROMISE:
-            raise _conn_error(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE: push is not enabled")
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE: push is not enabled")
         if ftype == TYPE_HEADERS:
             self._on_headers(sid, flags, body)
             return
@@ -801,22 +801,22 @@ class H2Core:
     def _on_headers(self, sid: int, flags: int, body: memoryview) -> None:
         """HEADERS (RFC 9113 §6.2), read here: one per stream each way, the cost of a new stream."""
         if not sid:
-            raise _conn_error(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
         start, end, pad = 0, len(body), 0
         if flags & FLAG_PADDED:
             if not end:
-                raise _conn_error(ErrorCode.FRAME_SIZE_ERROR, "padded HEADERS without its pad length")
+                raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "padded HEADERS without its pad length")
             pad = body[0]
             start = 1
         self._block_self_dependent = False
         if flags & FLAG_PRIORITY:
             if end - start < 5:
-                raise _conn_error(ErrorCode.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+                raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
             depends_on = int.from_bytes(body[start : start + 4], "big") & MAX_WINDOW
             self._block_self_dependent = depends_on == sid
             start += 5
         if pad > end - start:
-            raise _conn_error(ErrorCode.PROTOCOL_ERROR, "HEADERS padding longer than its payload")
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "HEADERS padding longer than its payload")
         self._block_end_stream = bool(flags & FLAG_END_STREAM)
         self._block = [bytes(body[start : end - pad])]
         if flags & FLAG_END_HEADERS:
@@ -830,7 +830,7 @@ class H2Core:
         except OversizedHeaderListError as e:
             raise LimitBroken(ErrorCode.ENHANCE_YOUR_CALM, f"header list too large: {e}") from None
         except (HPACKError, IndexError, ValueError) as e:
-            raise _conn_error(ErrorCode.COMPRESSION_ERROR, f"header block not decodable: {e}") from None
+            raise H2ConnectionError(ErrorCode.COMPRESSION_ERROR, f"header block not decodable: {e}") from None
 
     def _block_done_for(self, sid: int) -> None:
         block = self._block[0] if len(self._block) == 1 else b"".join(self._block)
@@ -852,12 +852,12 @@ class H2Core:
             if how == CLOSED_BY_PEER:
                 raise H2StreamError(sid, ErrorCode.STREAM_CLOSED, "HEADERS on a reset stream")
             if how == CLOSED_UNKNOWN:  # a new stream must have a higher id than every earlier one
-                raise _conn_error(ErrorCode.PROTOCOL_ERROR, f"HEADERS on stream {sid}, below the last")
-            raise _conn_error(ErrorCode.STREAM_CLOSED, f"HEADERS on closed stream {sid}")
+                raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, f"HEADERS on stream {sid}, below the last")
+            raise H2ConnectionError(ErrorCode.STREAM_CLOSED, f"HEADERS on closed stream {sid}")
 
     def _new_stream(self, sid: int, raw: list[tuple[bytes, bytes]], end: bool) -> None:
         if self.client_side:
-            raise _conn_error(ErrorCode.PROTOCOL_ERROR, "the server opened a stream")
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "the server opened a stream")
         self.highest_inbound_stream_id = sid
         goaway = self.goaway_sent
         if (goaway is not None and sid > goaway) or self.open_inbound >= self._local_max_streams:
@@ -918,7 +918,7 @@ class H2Core:
         if not sid:
             self.send_window += increment
             if self.send_window > MAX_WINDOW:
-                raise _conn_error(ErrorCode.FLOW_CONTROL_ERROR, "connection window beyond 2^31-1")
+                raise H2ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "connection window beyond 2^31-1")
             self._events.append(WindowUpdated(0))
             return
         stream = self.streams.get(sid)
@@ -955,23 +955,23 @@ class H2Core:
             changed[code] = value
             if code == SettingCode.INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
-                    raise _conn_error(ErrorCode.FLOW_CONTROL_ERROR, "INITIAL_WINDOW_SIZE beyond 2^31-1")
+                    raise H2ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "INITIAL_WINDOW_SIZE beyond 2^31-1")
                 delta = value - self.peer_window
                 self.peer_window = value
                 for stream in self.streams.values():
                     stream.send_window += delta
                     if stream.send_window > MAX_WINDOW:
-                        raise _conn_error(ErrorCode.FLOW_CONTROL_ERROR, "a stream window beyond 2^31-1")
+                        raise H2ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "a stream window beyond 2^31-1")
             elif code == SettingCode.MAX_FRAME_SIZE:
                 if not 16384 <= value <= 16777215:
-                    raise _conn_error(ErrorCode.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value}")
+                    raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value}")
                 self.peer_max_frame = value
             elif code == SettingCode.MAX_CONCURRENT_STREAMS:
                 self.peer_max_streams = value
             elif code in (SettingCode.ENABLE_PUSH, SettingCode.ENABLE_CONNECT_PROTOCOL) and (
                 value > 1 or (code == SettingCode.ENABLE_PUSH and value and self.client_side)
             ):
-                raise _conn_error(ErrorCode.PROTOCOL_ERROR, f"setting {code} = {value}")
+                raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, f"setting {code} = {value}")
             # HEADER_TABLE_SIZE: our encoder has no dynamic table; others: unknown, ignored (§6.5.2).
         self._reply(SettingsFrame(0, flags=("ACK",)))
         first = not self.peer_settings_received

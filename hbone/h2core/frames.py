@@ -16,6 +16,8 @@ DEFAULT_FRAME_SIZE = 16384
 MAX_WINDOW = 2**31 - 1
 # DATA payloads from this size on are queued as they are (a separate buffer for `writelines`).
 LARGE_DATA = 16 * 1024
+# The most plaintext one TLS record carries (RFC 8446 §5.1).
+TLS_RECORD = 16 * 1024
 
 FRAME_HEADER = struct.Struct(">HBBBL")  # length (24 bits as 16+8), type, flags, stream id
 WINDOW_UPDATE_FRAME = struct.Struct(">HBBBLL")  # a frame header, then the increment
