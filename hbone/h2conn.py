@@ -11,8 +11,9 @@ closing the transport once a drained connection's last stream is over, and teari
   of ours (one per thread and nesting level, reused: no allocation per read); the core hands a DATA
   payload out in place (`H2Core.step`: a view of that buffer, no event object), and it goes to its
   stream as it arrives, piece by piece (one copy, out of that buffer).
-* sending: the core frames DATA around the payload itself (payloads from 16 KiB on are not copied:
-  the transport gets them in a `writelines`); received batches are answered with one write.
+* sending: the core frames DATA around the payload itself (payloads from 16 KiB on are copied
+  only to fill the TLS record of their frame header: the transport gets the rest in a
+  `writelines`); received batches are answered with one write.
 * window updates: what the streams consumed is given back through the core (`ack`), which sends a
   WINDOW_UPDATE once half a window is consumed; they leave with the next flush.
 
