@@ -28,9 +28,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
+# setuptools tells at every editable install that a folder named like a package shadows it: here that
+# is the point (the tree is the package), so that one notice is filtered by its text.
 $(STAMP): pyproject.toml setup.py $(HOT_SOURCES) | $(PY) build-deps
 	@[ "$(ZTUNNEL_BUILD)" = pure ] || echo "make: installing the project; mypyc compiles HBONE's hot path (about a minute)"
-	ZTUNNEL_BUILD=$(ZTUNNEL_BUILD) $(PY) -m pip install --quiet -e .
+	ZTUNNEL_BUILD=$(ZTUNNEL_BUILD) PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e .
 	@build=$$($(PY) -c 'import hbone.build as b; print(b.summary())'); echo "make: hot path build: $$build"; \
 	  case "$(ZTUNNEL_BUILD):$$build" in compiled:compiled*|pure:pure*|auto:*) ;; \
 	  *) echo "make: ZTUNNEL_BUILD=$(ZTUNNEL_BUILD) but the build is $$build" >&2; exit 1;; esac

@@ -17,7 +17,7 @@ DEFAULT_LISTEN = "127.0.0.1:15012"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `ztunnel control-plane` (and `python -m controlplane`)."""
+    """The options of `ztunnel control-plane`."""
     parser.add_argument("--config", metavar="FILE", help="local-config YAML to serve (watched)")
     parser.add_argument(
         "--kube",
@@ -45,4 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="require every call to carry the `clusterid: ID` header; the cluster --kube workloads are named in"
         " (default Kubernetes)",
+    )
+    parser.add_argument(
+        "--max-recv-msg-size",
+        metavar="BYTES",
+        help="the largest gRPC message taken from a proxy (default: $ISTIO_GPRC_MAXRECVMSGSIZE, else 4194304,"
+        " as istiod); a larger one ends its stream with RESOURCE_EXHAUSTED",
     )

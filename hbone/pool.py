@@ -8,8 +8,9 @@ A checkout takes the key's pooled connection when it is usable. Otherwise it joi
 progress, or starts one: every caller waiting for a key waits for that one dial, and its failure
 reaches them all at once. The dial is a task of its own, so a caller that gives up does not cancel
 it for the others. After a failed dial the key backs off (`Backoff`): the next dial waits 25 ms,
-doubling with each failure in a row up to 1 s, with jitter; a connection made resets it. No lock is
-held, so one key's slow or silent peer never delays another key.
+doubling with each failure in a row up to 1 s, with jitter; a connection made resets it, and the
+idle reaper forgets it a second after its last window (a key no dial ever succeeded for included).
+No lock is held, so one key's slow or silent peer never delays another key.
 
 Streams are counted at checkout; the checkout that reaches the connection's stream limit takes it
 out of the pool for good (the next caller dials anew), as the reference does. A pooled connection
@@ -244,6 +245,7 @@ class Pool(Generic[C]):
         elif not self._closed:
             delay = slot.backoff.failed(self._clock(), self._jitter())
             log.debug("hbone: dial to %s failed (%s); the next waits %.3fs", key.dst, error, delay)
+            self._start_reaper()  # which forgets the backoff once it is stale
         shared.set_exception(error)
         shared.exception()  # read here: a dial every waiter gave up on is no unretrieved error
         self._forget_if_unused(key, slot)

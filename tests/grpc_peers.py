@@ -90,8 +90,10 @@ async def start_grpcio_peer(credentials: grpc.ServerCredentials | None = None) -
 class _RawProtocol(asyncio.Protocol):
     """Per request path: `/raw/Reset/<code>` answers HEADERS and a message, then RST_STREAM(code);
         `/raw/GoAway/<code>` the same, then GOAWAY(code) and the close; `/raw/Close` a message, then the
-        connection closes; `/raw/Deaf` stops reading (PINGs go unanswered); `/raw/Ok` a message and OK. The answer starts
-    once the request has ended (as a unary server's does)."""
+        connection closes; `/raw/Deaf` stops reading (PINGs go unanswered); `/raw/Ok` a message and OK;
+        `/raw/Status/<code>` HEADERS with that HTTP status, the stream left open; `/raw/Half` half a
+        message, then OK trailers. The answer starts once the request has ended (as a unary server's
+    does)."""
 
     def __init__(self, peer: RawPeer) -> None:
         self.peer = peer
@@ -128,6 +130,14 @@ class _RawProtocol(asyncio.Protocol):
         _, _, verb, arg = [*path.split("/"), ""][:4]
         if verb == "Deaf":
             self.transport.pause_reading()
+            return
+        if verb == "Status":  # an HTTP status that is not 200, and nothing after it
+            self.h2.send_headers(sid, [(":status", arg), ("content-type", "application/grpc")])
+            return
+        if verb == "Half":  # half a message, then OK trailers
+            self.h2.send_headers(sid, [(":status", "200"), ("content-type", "application/grpc")])
+            self.h2.send_data(sid, frame_message(b"first message")[:9])
+            self.h2.send_headers(sid, [("grpc-status", "0")], end_stream=True)
             return
         self.h2.send_headers(sid, [(":status", "200"), ("content-type", "application/grpc")])
         self.h2.send_data(sid, frame_message(b"first"))

@@ -14,6 +14,7 @@ from ztunnel.config.settings import (
     illegal_ports,
     parse_duration,
 )
+from ztunnel.control import plaintext_token_note, token_for
 
 
 def cfg(**env: str) -> Config:
@@ -188,6 +189,31 @@ def test_auth_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     token.write_text("jwt")
     assert cfg().auth_token == "./var/run/secrets/tokens/istio-token"
     assert cfg(AUTH_TOKEN="/other").auth_token == "/other"
+
+
+def test_a_token_found_goes_over_tls_only_one_set_explicitly_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    token = tmp_path / "var/run/secrets/tokens/istio-token"
+    token.parent.mkdir(parents=True)
+    token.write_text("jwt")
+    found, explicit = cfg(), cfg(AUTH_TOKEN=str(token))
+    clear, tls = "http://cp:15010", "https://cp:15012"
+    assert token_for(found, tls) == "./var/run/secrets/tokens/istio-token"
+    assert token_for(found, clear) is None and token_for(found, "HTTP://cp:15010") is None
+    assert token_for(explicit, clear) == token_for(explicit, tls) == str(token)
+    assert plaintext_token_note(found, (tls, tls)) is None
+    assert plaintext_token_note(found, (clear, None)) == (
+        False,
+        "the token file ./var/run/secrets/tokens/istio-token is not sent over plaintext to http://cp:15010; "
+        "set AUTH_TOKEN to send it anyway",
+    )
+    assert plaintext_token_note(explicit, (clear, clear)) == (
+        True,
+        "AUTH_TOKEN is sent over plaintext to http://cp:15010: anyone on the path can read it",
+    )
+    assert plaintext_token_note(Config(), (clear, clear)) is None  # no token at all
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""`CRL_PATH` and the TLS settings as an operator meets them: start-up refusals in one line, the
-file reloaded when it changes, a bad reload keeping the last good lists, the counters."""
+"""`CRL_PATH` and the TLS settings as an operator meets them: start-up refusals in one line, a
+compliance policy taken with a warning, the file reloaded when it changes, a bad reload keeping the
+last good lists, the counters."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.apps import echo_roundtrip, loopback_net, sha, start_echo, workload_yaml
 from tests.certs import CA, issue, leaf, make_ca, make_crl
+from tests.harness import Fleet, proxy_env
 from tests.test_cli import dedicated, run
+from tests.waiting import eventually_async
 from ztunnel.identity.crl import CrlError, CrlWatcher
 from ztunnel.metrics.families import Metrics
 
@@ -55,9 +59,29 @@ def test_compliance_policy_pqc_is_refused_in_one_line_naming_the_missing_api() -
     assert "has no SSL.Context.set_groups (SSL_CTX_set1_groups_list)" in line
 
 
-def test_compliance_policy_other_values_are_refused() -> None:
-    line = _one_line_error({"COMPLIANCE_POLICY": "fips"})
-    assert "invalid env var COMPLIANCE_POLICY=fips (expected pqc or empty)" in line
+async def test_compliance_policy_fips_140_3_starts_serves_and_warns_once(fleet: Fleet) -> None:
+    """Istio's mesh-wide `fips-140-3` reaches the proxy: it starts, carries HBONE, says the policy
+    is not enforced in one warning, and shows it in /config_dump."""
+    net = loopback_net()
+    server, frontend = f"{net}.3", f"{net}.2"
+    config = f"workloads:{workload_yaml('server', server)}{workload_yaml('frontend', frontend)}"
+    policy = {"COMPLIANCE_POLICY": "fips-140-3"}
+    echo = await start_echo(server, 8080)
+    try:
+        proxies = await fleet.start(
+            proxy_env(server, "demo/server/server", config, **policy),
+            proxy_env(frontend, "demo/frontend/frontend", config, **policy),
+        )
+        ex = await echo_roundtrip((frontend, 15080), server, 8080, b"over HBONE")
+        assert (ex.code, ex.digest) == (0, sha(b"over HBONE"))
+        warning = '\twarn\tconfig\t"COMPLIANCE_POLICY=fips-140-3 is not enforced: '
+        for proxy in proxies:
+            await eventually_async(lambda p=proxy: warning in p.log(), "the warning", 10.0, blocking=True)
+            lines = [line for line in proxy.log().splitlines() if "COMPLIANCE_POLICY" in line]
+            assert len(lines) == 1 and warning in lines[0], lines
+            assert proxy.config_dump()["config"]["compliancePolicy"] == "fips-140-3"
+    finally:
+        echo.server.close()
 
 
 def test_reload_on_change_and_a_bad_reload_keeps_the_last_good_list(

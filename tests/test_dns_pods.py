@@ -3,7 +3,8 @@ and glibc's `getent` through the search list, against a `ztunnel proxy` in dedic
 a pod's captured DNS in in-pod mode. The mesh is the resolver table's (tests/test_dns_resolver.py),
 the client in ns1 of the default cluster: `<pod>.<service>.<ns>.svc.cluster.local` and its partial
 forms answered with the pod's addresses (TTL 30, authoritative), the tie-breaks between pods of one
-name, and names that are not a pod's forwarded to ztunnel's own nameserver (a dnsmasq).
+name, and names that are not a pod's forwarded to ztunnel's own nameserver (a dnsmasq): among them
+those a pod of another namespace, or of a service the client does not see, would answer.
 """
 
 from __future__ import annotations
@@ -37,14 +38,21 @@ ROWS = [
     ("db-0.db.ns1.svc", "A", "NOERROR", True, DB0),
     ("db-0.db.ns1", "A", "NOERROR", True, DB0),
     ("db-0.db.ns2.svc.cluster.local", "A", "NOERROR", True, ["10.2.0.2"]),
-    # Ties: the client's namespace and cluster, then its cluster, then its namespace, then the first.
+    # Ties among the pods of the name's namespace: the client's cluster, then the first.
     ("t3.db.ns1.svc.cluster.local", "A", "NOERROR", True, ["10.3.0.3"]),
-    ("t2.db.ns1.svc.cluster.local", "A", "NOERROR", True, ["10.4.0.2"]),
-    ("t1.db.ns1.svc.cluster.local", "A", "NOERROR", True, ["10.5.0.1"]),
-    ("t0.db.ns1.svc.cluster.local", "A", "NOERROR", True, ["10.6.0.0"]),
-    # Forwarded: a pod behind a service with a VIP, a pod that does not exist.
+    ("t2.db.ns1.svc.cluster.local", "A", "NOERROR", True, ["10.4.0.1"]),
+    ("t1.db.ns1.svc.cluster.local", "A", "NOERROR", True, ["10.5.0.0"]),
+    # The hijack: shop's own pod, never one of evil's lookalike service (known first).
+    ("web-0.web.shop.svc.cluster.local", "A", "NOERROR", True, ["10.7.0.1"]),
+    # Forwarded: a pod behind a service with a VIP, a pod that does not exist, pods of other
+    # namespaces than the name's (listing its service, or a lookalike of another namespace), and the
+    # leak: a pod of a service exported to its own namespace (ns2) only.
     ("vip-0.vipdb.ns1.svc.cluster.local", "A", "NOERROR", False, ["192.0.2.50"]),
     ("db-9.db.ns1.svc.cluster.local", "A", "NXDOMAIN", False, []),
+    ("t0.db.ns1.svc.cluster.local", "A", "NXDOMAIN", False, []),
+    ("web-1.web.shop.svc.cluster.local", "A", "NXDOMAIN", False, []),
+    ("web-2.web.shop.svc.cluster.local", "A", "NXDOMAIN", False, []),
+    ("priv-0.private.ns2.svc.cluster.local", "A", "NXDOMAIN", False, []),
 ]
 
 

@@ -213,21 +213,37 @@ PODS = """
      clusterId: away, workloadIps: ["10.4.0.1"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
   - {uid: r2//Pod/ns2/t2, name: t2, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
      clusterId: HOME, workloadIps: ["10.4.0.2"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
-  - {uid: r0//Pod/ns2/t1, name: t1, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
-     clusterId: away, workloadIps: ["10.5.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: r0//Pod/ns1/t1, name: t1, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: third, workloadIps: ["10.5.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
   - {uid: r1//Pod/ns1/t1, name: t1, namespace: ns1, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.5.0.1"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
   - {uid: r0//Pod/ns2/t0, name: t0, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.6.0.0"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
   - {uid: r0//Pod/ns3/t0, name: t0, namespace: ns3, serviceAccount: db, trustDomain: cluster.local,
      clusterId: away, workloadIps: ["10.6.0.3"], services: {"ns1/db.ns1.svc.cluster.local": {5432: 5432}}}
+  - {uid: e//Pod/evil/web-0, name: web-0, namespace: evil, serviceAccount: web, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.7.0.66"], services: {"evil/web.shop.svc.cluster.local": {80: 80}}}
+  - {uid: e//Pod/evil/web-1, name: web-1, namespace: evil, serviceAccount: web, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.7.0.67"], services: {"evil/web.shop.svc.cluster.local": {80: 80}}}
+  - {uid: e//Pod/evil/web-2, name: web-2, namespace: evil, serviceAccount: web, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.7.0.68"], services: {"shop/web.shop.svc.cluster.local": {80: 80}}}
+  - {uid: s//Pod/shop/web-0, name: web-0, namespace: shop, serviceAccount: web, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.7.0.1"], services: {"shop/web.shop.svc.cluster.local": {80: 80}}}
+  - {uid: p//Pod/ns2/priv-0, name: priv-0, namespace: ns2, serviceAccount: db, trustDomain: cluster.local,
+     clusterId: HOME, workloadIps: ["10.8.0.1"], services: {"ns2/private.ns2.svc.cluster.local": {80: 80}}}
 """
+# The hijack: a VIP-less service of namespace evil with the hostname of shop's headless service, known
+# first. The leak: a headless service of ns2 exported to its own namespace only.
 POD_SERVICES = """
   - {name: db, namespace: ns1, hostname: db.ns1.svc.cluster.local, vips: [], ports: {5432: 5432}}
   - {name: db, namespace: ns2, hostname: db.ns2.svc.cluster.local, vips: [], ports: {5432: 5432}}
   - {name: vipdb, namespace: ns1, hostname: vipdb.ns1.svc.cluster.local, vips: ["/10.96.9.9"],
      ports: {5432: 5432}}
   - {name: ext, namespace: ns1, hostname: ext.example, vips: [], ports: {5432: 5432}}
+  - {name: web, namespace: evil, hostname: web.shop.svc.cluster.local, vips: [], ports: {80: 80}}
+  - {name: web, namespace: shop, hostname: web.shop.svc.cluster.local, vips: [], ports: {80: 80}}
+  - {name: private, namespace: ns2, hostname: private.ns2.svc.cluster.local, vips: [], ports: {80: 80},
+     visibility: Namespace}
 """
 
 
@@ -259,15 +275,26 @@ POD_CASES = [
     # A search domain appended by the client's resolver: stripped, answered with a CNAME.
     ("ns1", DB0 + ".ns1.svc.cluster.local", "A", SETTINGS, (DB0, ["10.2.0.1", "10.2.0.11"])),
     ("ns1", "db-0.db.ns1.ns1.svc.cluster.local", "A", SETTINGS, ("db-0.db.ns1", ["10.2.0.1", "10.2.0.11"])),
-    # Ties: the client's namespace and cluster, then its cluster, then its namespace, then the first.
+    # Only a pod of the name's namespace: one of the client's cluster, else the first; a pod of
+    # another namespace listing the service is no candidate, even in the client's cluster.
     ("ns1", "t3.db.ns1", "A", SETTINGS, (None, ["10.3.0.3"])),
-    ("ns1", "t2.db.ns1", "A", SETTINGS, (None, ["10.4.0.2"])),
-    ("ns1", "t1.db.ns1", "A", SETTINGS, (None, ["10.5.0.1"])),
-    ("ns1", "t0.db.ns1", "A", SETTINGS, (None, ["10.6.0.0"])),
+    ("ns1", "t2.db.ns1", "A", SETTINGS, (None, ["10.4.0.1"])),
+    ("ns1", "t1.db.ns1", "A", SETTINGS, (None, ["10.5.0.0"])),
+    ("ns1", "t0.db.ns1", "A", SETTINGS, "forwarded"),
     # ... relative to the client asking: ns2 in the other cluster.
-    ("ns2", "t3.db.ns1", "A", SETTINGS, (None, ["10.3.0.0"])),
-    ("ns2", "t2.db.ns1", "A", SETTINGS, (None, ["10.4.0.0"])),
-    ("ns2", "t1.db.ns1", "A", SETTINGS, (None, ["10.5.0.0"])),
+    ("ns2", "t3.db.ns1", "A", SETTINGS, (None, ["10.3.0.1"])),
+    ("ns2", "t2.db.ns1", "A", SETTINGS, (None, ["10.4.0.1"])),
+    ("ns2", "t1.db.ns1", "A", SETTINGS, (None, ["10.5.0.1"])),
+    # The hijack: only shop's pod of shop's service answers for it, never evil's lookalike service's
+    # pods nor a pod of evil that lists shop's service.
+    ("ns1", "web-0.web.shop.svc.cluster.local", "A", SETTINGS, (None, ["10.7.0.1"])),
+    ("ns2", "web-0.web.shop", "A", SETTINGS, (None, ["10.7.0.1"])),
+    ("ns1", "web-1.web.shop.svc.cluster.local", "A", SETTINGS, "forwarded"),
+    ("ns1", "web-2.web.shop.svc.cluster.local", "A", SETTINGS, "forwarded"),
+    # The leak: a service visible to its namespace only lends its pods names there only.
+    ("ns2", "priv-0.private", "A", SETTINGS, (None, ["10.8.0.1"])),
+    ("ns1", "priv-0.private.ns2.svc.cluster.local", "A", SETTINGS, "forwarded"),
+    ("ns1", "priv-0.private.ns2", "A", SETTINGS, "forwarded"),
     # Not a pod name: no such pod, a pod not behind that service, a service with a VIP, one that is
     # not cluster-local, a pod name alone, a service name as its own pod.
     ("ns1", "db-9.db.ns1.svc.cluster.local", "A", SETTINGS, "forwarded"),
@@ -310,7 +337,7 @@ def test_pod_names_follow_the_store() -> None:
     assert ask(DB0) == "forwarded"
     assert ask("db-1.db.ns1.svc.cluster.local") == (None, ["10.2.0.1", "10.2.0.11"])
     state.remove("r3//Pod/ns1/t3")
-    assert ask("t3.db.ns1.svc.cluster.local") == (None, ["10.3.0.2"])
+    assert ask("t3.db.ns1.svc.cluster.local") == (None, ["10.3.0.1"])
     db = state.service_by_key("ns1/db.ns1.svc.cluster.local")
     assert db is not None
     vip = NetworkAddress("", ipaddress.ip_address("10.96.9.10"))
@@ -320,10 +347,10 @@ def test_pod_names_follow_the_store() -> None:
     # Two pods of one name, one left, none, one again (updated twice: still one).
     t1 = state.workload_by_uid("r1//Pod/ns1/t1")
     assert t1 is not None
+    assert ask("t1.db.ns1") == (None, ["10.5.0.0"])
+    state.remove("r0//Pod/ns1/t1")
     assert ask("t1.db.ns1") == (None, ["10.5.0.1"])
     state.remove("r1//Pod/ns1/t1")
-    assert ask("t1.db.ns1") == (None, ["10.5.0.0"])
-    state.remove("r0//Pod/ns2/t1")
     assert ask("t1.db.ns1") == "forwarded"
     state.upsert_workload(t1)
     state.upsert_workload(t1)

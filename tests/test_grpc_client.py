@@ -5,6 +5,7 @@ core, grpcio is the oracle here)."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -158,7 +159,32 @@ async def test_transport_failures_end_the_same_through_grpcio_and_ours(
         assert mine[2]  # ours names what happened
 
 
+@pytest.mark.parametrize(
+    ("status", "code"), [(503, "UNAVAILABLE"), (404, "UNIMPLEMENTED"), (403, "PERMISSION_DENIED")]
+)
+async def test_an_http_error_status_ends_the_call_at_once_as_grpcio_does(
+    raw: RawPeer, status: int, code: str
+) -> None:
+    """HEADERS with an HTTP status other than 200 and the stream left open: the call ends on them,
+    with the status gRPC maps it to, not whenever (if ever) the server ends the stream."""
+    async with asyncio.timeout(5):
+        mine = await ours(raw.address, f"/raw/Status/{status}", [b"x"])
+        reference = await theirs(raw.address, f"/raw/Status/{status}", [b"x"])
+    assert (mine[:2], reference[:2]) == (([], code), ([], code))
+    assert mine[2] == f"the server answered HTTP status {status}"
+
+
 # --- what only ours is asked --------------------------------------------------------------------
+
+
+async def test_ok_trailers_after_half_a_message_end_the_call_as_an_error(raw: RawPeer) -> None:
+    """A message cut short by the trailers is no message, and the call did not end well, whatever
+    the trailers say (grpcio drops the half message and reports OK)."""
+    assert await ours(raw.address, "/raw/Half", [b"x"]) == (
+        [],
+        "INTERNAL",
+        "the trailers arrived inside a message: it is cut short",
+    )
 
 
 async def test_request_headers_reach_a_grpcio_server(raw: RawPeer, peer: GrpcioPeer) -> None:
@@ -265,3 +291,24 @@ async def test_tls_with_the_configured_root_and_alt_host_name(tmp_path: Any) -> 
         await peer.server.stop(None)
     with pytest.raises(ControlPlaneError, match="invalid root certificate"):
         tls_context(b"-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+
+
+def test_a_root_without_a_certificate_is_refused_never_the_system_store(tmp_path: Any) -> None:
+    """Only the literal SYSTEM means the system's roots: an empty root file, one of blank lines or
+    a key alone, and an inline value without a certificate are each refused, naming the root."""
+    address = ControlPlaneAddress.parse("https://127.0.0.1:15012")
+    key_only = "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"
+    for name, content in (("empty.pem", ""), ("blank.pem", "\n \n"), ("key.pem", key_only)):
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(
+            ControlPlaneError, match=rf"^root certificate {re.escape(str(path))} holds no certificate$"
+        ):
+            open_channel(address, str(path))
+    with pytest.raises(ControlPlaneError, match=r"^inline root certificate holds no certificate$"):
+        open_channel(address, key_only)
+    with pytest.raises(ControlPlaneError, match="invalid root certificate"):
+        tls_context(b"")  # given roots, none of them loaded: never the system's
+    root = make_ca("a root").root_pem.decode()
+    assert open_channel(address, root) is not None
+    assert open_channel(address, "SYSTEM") is not None

@@ -124,6 +124,19 @@ def test_a_call_state_from_response_to_status() -> None:
     cut.ended()
     assert cut.status == Status(StatusCode.INTERNAL, "the stream ended inside a message")
 
+    half = CallState(1000)  # OK trailers do not make half a message whole
+    half.response([(":status", "200"), ("content-type", "application/grpc")], False)
+    half.data(frame_message(b"half")[:6])
+    half.trailers([("grpc-status", "0")])
+    assert half.status == Status(
+        StatusCode.INTERNAL, "the trailers arrived inside a message: it is cut short"
+    )
+    failed = CallState(1000)  # a failure the trailers name is kept as they name it
+    failed.response([(":status", "200"), ("content-type", "application/grpc")], False)
+    failed.data(frame_message(b"half")[:6])
+    failed.trailers([("grpc-status", "14"), ("grpc-message", "going away")])
+    assert failed.status == Status(StatusCode.UNAVAILABLE, "going away")
+
     reset = CallState(1000)
     reset.reset(0x8)
     assert reset.status is not None and reset.status.code is StatusCode.CANCELLED

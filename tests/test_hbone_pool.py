@@ -334,6 +334,27 @@ async def test_a_failed_key_backs_off_before_its_next_dial(pool_parts) -> None:
     assert pool.backoff(KEY) is None  # a connection made resets it
 
 
+async def test_backoffs_of_keys_never_reached_are_forgotten_once_stale(pool_parts) -> None:
+    """Keys whose every dial failed (peers that are gone) leave nothing behind: the reaper forgets
+    their backoffs a quiet second after their last window, as it does for keys once connected."""
+    clock = Clock()
+    dial = Connector()
+    dial.fail_next = 1000
+    pool = pool_parts(dial, idle_timeout=0.1, clock=clock)
+    keys = [replace(KEY, dst=(f"10.0.1.{i}", 15008)) for i in range(5)]
+    for key in keys:
+        with pytest.raises(OSError):
+            await pool.checkout(key)
+    assert all(pool.backoff(key) is not None for key in keys)
+    clock.now += 0.5  # within a second of the last window: still remembered
+    await asyncio.sleep(0.2)  # a negative check: two rounds of the reaper (every 50 ms here)
+    assert all(pool.backoff(key) is not None for key in keys)
+    clock.now += 1.0
+    await eventually_async(
+        lambda: all(pool.backoff(key) is None for key in keys), "the stale backoffs forgotten"
+    )
+
+
 async def test_a_dial_outlives_a_waiter_that_gives_up(pool_parts) -> None:
     dial = Connector()
     dial.gate = asyncio.Event()

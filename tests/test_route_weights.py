@@ -12,7 +12,7 @@ from tests.route_mesh import (
     state_fixture,  # noqa: F401 (a fixture)
 )
 from xds.localconfig import parse_local_config
-from ztunnel.state.route import (
+from ztunnel.decisions.route import (
     Route,
     route,
 )

@@ -1,8 +1,9 @@
 """SOCKS5 CONNECT to a mesh host name, through a real `ztunnel proxy` on loopback: the name is looked
 up in the client's family first, then in the other one, so a service that has only IPv6 addresses is
 reached through the IPv4 listener (and, on a listener on `::1`, AAAA is asked first, then A); a name
-with no address of either family gets "host unreachable" (reply 4) and a log line naming it.
-Clients: `curl --socks5-hostname` and a raw SOCKS5 client."""
+with no address of either family gets "host unreachable" (reply 4) and a log line naming it. A
+headless service's per-pod name reaches only its own namespace's pod, and only for a client that sees
+the service. Clients: `curl --socks5-hostname` and a raw SOCKS5 client."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.apps import Echo, echo_roundtrip, loopback_net, sha, start_echo, workload_yaml
+from tests.apps import Echo, echo_roundtrip, loopback_net, sha, socks5_connect, start_echo, workload_yaml
 from tests.harness import Fleet, Proxy, proxy_env
 from tests.waiting import eventually_async
 
@@ -163,3 +164,62 @@ async def test_a_client_on_ipv6_reaches_services_of_either_family(setup: Setup, 
         assert (ex.code, ex.digest) == (0, sha(payload)), host
     ex = await echo_roundtrip((APP6, port), EMPTY_HOST, 80, b"anyone?")
     assert ex.code == 4
+
+
+# Per-pod names: shop's headless service `web` and its pod web-0; a VIP-less service of namespace evil
+# with the same hostname, known first, with a pod web-0 of its own; a headless service of namespace
+# other exported to its own namespace only, with a pod priv-0. Each pod's app says who it is.
+SHOP_WEB0, EVIL_WEB0, OTHER_PRIV0 = f"{NET}.5", f"{NET}.6", f"{NET}.7"
+
+
+def pod_names_config() -> str:
+    def pod(name: str, ip: str, ns: str, service: str) -> str:
+        extra = f"""
+    services:
+      "{service}":
+        80: 8080"""
+        return workload_yaml(name, ip, ns=ns, protocol="TCP", extra=extra)
+
+    pods = (
+        pod("web-0", EVIL_WEB0, "evil", "evil/web.shop.svc.cluster.local")
+        + pod("web-0", SHOP_WEB0, "shop", "shop/web.shop.svc.cluster.local")
+        + pod("priv-0", OTHER_PRIV0, "other", "other/private.other.svc.cluster.local")
+    )
+    return f"""
+workloads:{workload_yaml("frontend", FRONTEND)}{pods}
+services:
+  - {{name: web, namespace: evil, hostname: web.shop.svc.cluster.local, vips: [], ports: {{80: 8080}}}}
+  - {{name: web, namespace: shop, hostname: web.shop.svc.cluster.local, vips: [], ports: {{80: 8080}}}}
+  - {{name: private, namespace: other, hostname: private.other.svc.cluster.local, vips: [],
+     ports: {{80: 8080}}, visibility: Namespace}}
+"""
+
+
+async def test_a_pod_name_reaches_only_its_own_namespaces_visible_pod(fleet: Fleet) -> None:
+    async def start_named(ip: str) -> asyncio.Server:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(ip.encode())
+            await writer.drain()
+            writer.close()
+
+        return await asyncio.start_server(handle, ip, 8080)
+
+    apps = [await start_named(ip) for ip in (SHOP_WEB0, EVIL_WEB0, OTHER_PRIV0)]
+    try:
+        await fleet.start(proxy_env(FRONTEND, "demo/frontend/frontend", pod_names_config()))
+
+        async def reached(host: str) -> tuple[int, bytes]:
+            code, reader, writer = await socks5_connect((FRONTEND, 15080), host, 8080)
+            try:
+                return code, (await asyncio.wait_for(reader.read(), 10) if code == 0 else b"")
+            finally:
+                writer.close()
+
+        # The hijack: evil's lookalike service lends its pod no name of shop's.
+        assert await reached("web-0.web.shop.svc.cluster.local") == (0, SHOP_WEB0.encode())
+        # The leak: the name of a pod of a service exported to namespace other only is no mesh name to
+        # a client of demo (the system resolver does not know it either).
+        assert await reached("priv-0.private.other.svc.cluster.local") == (4, b"")
+    finally:
+        for app in apps:
+            app.close()

@@ -102,6 +102,7 @@ FULL_SERVICE = Service(
     ip_families=IPFamilies.DUAL,
     canonical=True,
     visibility=Visibility.NAMESPACE,
+    ingress_use_waypoint=True,
 )
 
 FULL_POLICY = Authorization(
@@ -253,7 +254,10 @@ def test_unknown_enum_numbers_are_refused() -> None:
         (_workload(workload_type=8), "unknown workload_type value 8"),
         (authorization_pb2.Authorization(name="p", scope=4), "unknown scope value 4"),  # type: ignore[arg-type]
         (authorization_pb2.Authorization(name="p", action=2), "unknown action value 2"),  # type: ignore[arg-type]
-        (workload_pb2.Service(name="s", hostname="s.ns", ip_families=11), "unknown ip_families value 11"),  # type: ignore[arg-type]
+        (
+            workload_pb2.Service(name="s", namespace="ns", hostname="s.ns", ip_families=11),
+            "unknown ip_families value 11",
+        ),  # type: ignore[arg-type]
     ]
     for pb, reason in cases:
         with pytest.raises(ConversionError) as err:
@@ -285,30 +289,40 @@ def test_workload_refusals() -> None:
 def test_service_refusals() -> None:
     lb = workload_pb2.LoadBalancing(routing_preference=["ZONE", "UNSPECIFIED_SCOPE"])
     with pytest.raises(ConversionError, match="UNSPECIFIED_SCOPE"):
-        convert.service_from_wire(workload_pb2.Service(name="s", hostname="s.ns", load_balancing=lb))
+        convert.service_from_wire(
+            workload_pb2.Service(name="s", namespace="ns", hostname="s.ns", load_balancing=lb)
+        )
     with pytest.raises(ConversionError, match="5 bytes"):
         convert.service_from_wire(
             workload_pb2.Service(
-                name="s", hostname="s.ns", addresses=[workload_pb2.NetworkAddress(address=b"12345")]
+                name="s",
+                namespace="ns",
+                hostname="s.ns",
+                addresses=[workload_pb2.NetworkAddress(address=b"12345")],
             )
         )
     with pytest.raises(ConversionError, match="weighted waypoint has no destination"):
         convert.service_from_wire(
             workload_pb2.Service(
-                name="s", hostname="s.ns", weighted_waypoints=[workload_pb2.WeightedWaypoint(weight=1)]
+                name="s",
+                namespace="ns",
+                hostname="s.ns",
+                weighted_waypoints=[workload_pb2.WeightedWaypoint(weight=1)],
             )
         )
 
 
 def test_unknown_visibility_is_public() -> None:
-    pb = workload_pb2.Service(name="s", hostname="s.ns")
+    pb = workload_pb2.Service(name="s", namespace="ns", hostname="s.ns")
     pb.visibility = 7  # type: ignore[assignment]
     assert convert.service_from_wire(pb).visibility is Visibility.PUBLIC
 
 
 def test_full_length_vip_is_a_plain_vip() -> None:
     addr = workload_pb2.NetworkAddress(address=bytes([10, 96, 0, 1]), length=32)
-    s = convert.service_from_wire(workload_pb2.Service(name="s", hostname="s.ns", addresses=[addr]))
+    s = convert.service_from_wire(
+        workload_pb2.Service(name="s", namespace="ns", hostname="s.ns", addresses=[addr])
+    )
     assert s.vips == (NetworkAddress("", ip("10.96.0.1")),) and s.cidr_vips == ()
 
 

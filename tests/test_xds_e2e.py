@@ -214,6 +214,128 @@ async def test_proxy_over_tls_to_the_control_plane(tmp_path: Path, fleet: Fleet)
         cp.stop()
 
 
+async def test_a_token_file_found_is_never_sent_in_clear_one_set_explicitly_is_with_a_warning(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    """Over plaintext `http://`, the token file found at its default path (the pod's own credential)
+    stays home: the control plane, which wants it, refuses the proxy. Named in AUTH_TOKEN, it is
+    sent, and the proxy says once that it goes in clear."""
+    pod = tmp_path / "pod"  # the proxy's working directory: ./var/run/secrets/tokens/istio-token
+    token = pod / "var/run/secrets/tokens/istio-token"
+    token.parent.mkdir(parents=True)
+    token.write_text("the pod's own token")
+    cp = await asyncio.to_thread(
+        fleet.control_plane, tmp_path / "cp", CP_HOST, MESH, "--auth-token", str(token)
+    )
+    try:
+        found = fleet.proxy(xds_env(cp, "client", CLIENT), wrap=["env", "-C", str(pod)])
+        found.spawn()
+        await eventually_async(
+            lambda: "no authorization header" in found.log() and cp.log().count("refused") >= 2,
+            lambda: f"the calls refused for want of a token: {found.log()[-2000:]}\n{cp.tail()}",
+            30.0,
+        )
+        assert "the token file ./var/run/secrets/tokens/istio-token is not sent over plaintext" in found.log()
+        assert "the pod's own token" not in found.log() and not ready(found.ip)
+        explicit = fleet.proxy(
+            {**xds_env(cp, "server", SERVER), "AUTH_TOKEN": "var/run/secrets/tokens/istio-token"},
+            wrap=["env", "-C", str(pod)],
+        )
+        await asyncio.to_thread(explicit.start)  # ready: synced with the token
+        await eventually_async(
+            lambda: [c["state"] for c in explicit.config_dump()["certificates"]] == ["Available"],
+            lambda: f"the server's certificate: {explicit.config_dump()['certificates']}",
+            10.0,
+            blocking=True,
+        )
+        assert explicit.log().count("AUTH_TOKEN is sent over plaintext to") == 1
+    finally:
+        cp.stop()
+
+
+async def test_resources_that_could_never_route_are_nacked_by_name_and_the_rest_applies(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    """A workload whose waypoint is on port 0 and a service without a namespace: the proxy NACKs
+    each, naming it and why (the control plane logs the NACK), and serves the valid ones beside."""
+    broken = MESH.replace(
+        "policies:",
+        f"""  - uid: x//v1/Pod/demo/lost
+    name: lost
+    namespace: demo
+    workloadIps: ["{NET}.7"]
+    protocol: HBONE
+    waypoint: {{destination: "demo/wp.demo.svc.cluster.local", hboneMtlsPort: 0}}
+services:
+  - name: nowhere
+    namespace: ""
+    hostname: nowhere.svc.cluster.local
+    vips: ["/10.96.7.7"]
+    ports: {{80: 8080}}
+  - name: web
+    namespace: demo
+    hostname: web.demo.svc.cluster.local
+    vips: ["/10.96.7.8"]
+    ports: {{80: 8080}}
+policies:""",
+    )
+    cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, broken)
+    try:
+        [proxy] = await fleet.start(xds_env(cp, "client", CLIENT))  # ready: a NACK answers too
+        dump = proxy.config_dump()
+        assert {w["uid"] for w in dump["workloads"]} == {"x//v1/Pod/demo/server", "x//v1/Pod/demo/client"}
+        assert [s["hostname"] for s in dump["services"]] == ["web.demo.svc.cluster.local"]
+        await eventually_async(
+            lambda: "NACKed" in cp.log(), lambda: f"the NACK in the control plane's log: {cp.tail()}", 10.0
+        )
+        [nack] = [line for line in cp.log().splitlines() if "NACKed" in line]
+        assert "x//v1/Pod/demo/lost: gateway hbone_mtls_port is 0: the gateway can never be reached" in nack
+        assert "/nowhere.svc.cluster.local: service namespace is empty" in nack
+    finally:
+        cp.stop()
+
+
+async def test_a_root_file_without_a_certificate_is_refused_not_the_system_store(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    """An empty XDS_ROOT_CA / CA_ROOT_CA file is refused with a line naming it: the proxy never
+    falls back to the default trust store (here SSL_CERT_FILE, which holds the control plane's own
+    root), so it never connects, never sends its token, takes neither xDS nor a certificate."""
+    cp = await asyncio.to_thread(fleet.control_plane, tmp_path, CP_HOST, MESH, "--tls")
+    try:
+        empty = tmp_path / "empty-root.pem"
+        empty.write_bytes(b"")
+        token = tmp_path / "token"
+        token.write_text("a secret of the proxy's")
+        env = proxy_env(
+            CLIENT,
+            "demo/client/client",
+            XDS_ADDRESS=f"https://{cp.address}",
+            XDS_ROOT_CA=str(empty),
+            CA_ADDRESS=f"https://{cp.address}",
+            CA_ROOT_CA=str(empty),
+            AUTH_TOKEN=str(token),
+            SSL_CERT_FILE=str(cp.root),
+        )
+        del env["FAKE_CA"], env["LOCAL_XDS"]
+        proxy = fleet.proxy(env)
+        proxy.spawn()
+        why = f"root certificate {empty} holds no certificate"
+        xds_refused = f"XDS client connection error: {why}"
+        ca_refused = f"failed to fetch certificate for spiffe://cluster.local/ns/demo/sa/client: CA {cp.address}: {why}"
+        await eventually_async(
+            lambda: proxy.log().count(xds_refused) >= 2 and ca_refused in proxy.log(),
+            lambda: f"the refusals, for xDS and the CA: {proxy.log()[-2000:]}",
+            30.0,
+        )
+        assert "Traceback" not in proxy.log()
+        assert not ready(proxy.ip)
+        assert cp.streams_opened() == 0, cp.tail()
+        assert cp.certificates_issued("spiffe://cluster.local/ns/demo/sa/client") == 0, cp.tail()
+    finally:
+        cp.stop()
+
+
 async def test_a_wrong_root_or_address_is_one_clear_line_and_readiness_held(
     tmp_path: Path, fleet: Fleet
 ) -> None:

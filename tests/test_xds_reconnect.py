@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import grpc
@@ -35,6 +36,7 @@ from xds.client import (
 )
 from xds.grpc.wire import StatusCode
 from ztunnel.metrics.families import Metrics
+from ztunnel.state.store import ProxyState
 
 
 async def test_reconnect_lists_the_accepted_resources_and_keeps_state(
@@ -101,6 +103,29 @@ async def test_connection_errors_back_off_doubling(clients: list[Running]) -> No
     assert 'istio_xds_connection_terminations_total{reason="ConnectionError"}' in body
 
 
+class BrokenStore(ProxyState):
+    """A store with a bug: applying a response raises what the client never expects."""
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        raise RuntimeError("a bug in the store")
+
+
+async def test_an_unexpected_error_backs_off_like_any_other(ads: AdsServer, clients: list[Running]) -> None:
+    """A stream that ends in an exception of no known kind is not reconnected at once: each new
+    stream takes a full push from the control plane, so a bug that fails every push would loop."""
+    sleeps = Sleeps()
+    metrics = Metrics(process_metrics=False)
+    running = await run_client(ads.address, state=BrokenStore(), sleep=sleeps, metrics=metrics.xds)
+    clients.append(running)
+    for n in range(3):
+        stream = await ads.ads.next_stream()
+        await initial_pair(stream)
+        stream.send(addresses(f"n{n}", address_resource("c//v1/Pod/ns/a", workload("c//v1/Pod/ns/a"))))
+    assert await sleeps.wait_for(3) == pytest.approx([0.02, 0.04, 0.08])
+    body = metrics.render(None)[0].decode()
+    assert 'istio_xds_connection_terminations_total{reason="Error"} 3' in body
+
+
 def test_reconnect_delays_of_the_reference() -> None:
     unavailable = StatusCode.UNAVAILABLE
     cases: list[tuple[BaseException | None, float, str, float]] = [
@@ -114,7 +139,8 @@ def test_reconnect_delays_of_the_reference() -> None:
         (StreamStatus(unavailable, "received prior goaway: code"), 5.0, "Reconnect", INITIAL_BACKOFF),
         (StreamStatus(unavailable, "socket closed"), 1.0, "Error", 2.0),
         (StreamStatus(StatusCode.PERMISSION_DENIED, "no"), 1.0, "Error", 2.0),
-        (ValueError("anything else"), 8.0, "Error", 0.0),
+        (ValueError("anything else"), 1.0, "Error", 2.0),  # a bug of ours backs off too
+        (ValueError("anything else"), 8.0, "Error", MAX_BACKOFF),
     ]
     for end, backoff, reason, delay in cases:
         assert reconnect_delay(end, backoff) == (reason, pytest.approx(delay)), end

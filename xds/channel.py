@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import ssl
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -73,18 +74,31 @@ def call_metadata(
     return tuple(metadata)
 
 
+# A PEM block of a certificate (`CERTIFICATE`, `TRUSTED CERTIFICATE`, `X509 CERTIFICATE`).
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN (?:[A-Z0-9]+ )?CERTIFICATE-----")
+
+
 def read_root_ca(setting: str) -> bytes | None:
-    """`XDS_ROOT_CA` / `CA_ROOT_CA`: a file path, `SYSTEM` (None: the default roots) or inline PEM."""
+    """`XDS_ROOT_CA` / `CA_ROOT_CA`: a file path, `SYSTEM` (None: the default roots) or inline PEM.
+
+    Only the literal `SYSTEM` means the system's roots: a file or a value that holds no certificate
+    (an empty file, a key alone) is refused, never read as "no roots given"."""
     if setting == "SYSTEM":
         return None
     if os.path.exists(setting):
         try:
             with open(setting, "rb") as f:
-                return f.read()
+                roots = f.read()
         except OSError as e:
             raise ControlPlaneError(f"cannot read root certificate {setting}: {e.strerror or e}") from None
+        if not _PEM_CERTIFICATE.search(roots):
+            raise ControlPlaneError(f"root certificate {setting} holds no certificate")
+        return roots
     if "-----BEGIN" in setting:
-        return setting.encode()
+        roots = setting.encode()
+        if not _PEM_CERTIFICATE.search(roots):
+            raise ControlPlaneError("inline root certificate holds no certificate")
+        return roots
     raise ControlPlaneError(f"root certificate {setting}: no such file")
 
 
@@ -115,7 +129,11 @@ class ControlPlaneAddress:
 
 
 def tls_context(roots: bytes | None) -> ssl.SSLContext:
-    """The client context: the given roots (PEM) or the system's, host name checked, ALPN `h2`."""
+    """The client context: the given roots (PEM), else (None) the system's; host name checked, ALPN
+    `h2`. Given roots are the only ones trusted: none loaded is an error, never the system's (Python
+    loads the system's for empty `cadata`)."""
+    if roots is not None and not roots:
+        raise ControlPlaneError("invalid root certificate: empty")
     try:
         context = ssl.create_default_context(cadata=roots.decode("ascii") if roots is not None else None)
     except (ssl.SSLError, UnicodeDecodeError, ValueError) as e:

@@ -3,7 +3,10 @@ and node identity, shared with the CA client, are `xds.channel`'s).
 
 `XdsClient.run()` keeps one `DeltaAggregatedResources` stream open, reconnecting with the reference's
 backoff (from 10 ms, doubling up to 15 s on errors, reset when the stream ended cleanly), until `close()`. On every (re)connect it subscribes, wildcard, to Address then
-Authorization, listing the resources it holds in `initial_resource_versions`. Each response is decoded
+Authorization, listing the resources it holds in `initial_resource_versions` as far as the request
+stays within the control plane's message limit (`xds.resume`: 4 MiB, or less when the control plane
+said so refusing one; what it leaves out comes again, and is removed if the first answer does not
+carry it). Each response is decoded
 and converted (`xds.convert`; from 64 KiB of payload on a thread, so that a huge push does not stall
 the loop), applied to the store, on the loop, as one batch (the resources that fail are left out
 and named in the NACK, the rest are applied), and answered with an ACK or a NACK carrying only the type
@@ -53,6 +56,7 @@ from xds.gen.istio.workload import workload_pb2
 from xds.grpc.connection import Call
 from xds.grpc.wire import RpcError, Status, StatusCode
 from xds.model import Service, Workload
+from xds.resume import MAX_REQUEST_BYTES, InitialRequest, initial_request, refused_limit, stale
 
 log = logging.getLogger(__name__)
 
@@ -115,19 +119,20 @@ class StreamStatus(Exception):
 def reconnect_delay(end: BaseException | None, backoff: float) -> tuple[str, float]:
     """How a stream ended -> (termination reason, delay before the next attempt).
 
-    `end` is None for a clean end; the next backoff is `max(delay, INITIAL_BACKOFF)`.
+    `end` is None for a clean end; the next backoff is `max(delay, INITIAL_BACKOFF)`. Any failure
+    but the server's own hints to reconnect backs off, an unexpected exception included: never a
+    loop of full pushes against the control plane.
     """
     if end is None:
         return COMPLETE, 0.0
     if isinstance(end, ConnectionFailed):
         return CONNECTION_ERROR, min(MAX_BACKOFF, backoff * 2)
-    if isinstance(end, StreamStatus):
-        if end.code in _RECONNECT_CODES or (
-            end.code is StatusCode.UNAVAILABLE and any(m in end.details for m in _RECONNECT_MESSAGES)
-        ):
-            return RECONNECT, INITIAL_BACKOFF
-        return ERROR, min(MAX_BACKOFF, backoff * 2)
-    return ERROR, 0.0
+    if isinstance(end, StreamStatus) and (
+        end.code in _RECONNECT_CODES
+        or (end.code is StatusCode.UNAVAILABLE and any(m in end.details for m in _RECONNECT_MESSAGES))
+    ):
+        return RECONNECT, INITIAL_BACKOFF
+    return ERROR, min(MAX_BACKOFF, backoff * 2)
 
 
 @dataclass(frozen=True)
@@ -211,9 +216,11 @@ class XdsClient:
         on_synced: Callable[[], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         connect_timeout: float = CONNECT_TIMEOUT,
+        request_limit: int = MAX_REQUEST_BYTES,
     ) -> None:
         """`address`: `http://host:port` or `https://host:port` (raises ControlPlaneError when
-        invalid); `root_ca`: the `XDS_ROOT_CA` setting (path, `SYSTEM` or PEM) for https."""
+        invalid); `root_ca`: the `XDS_ROOT_CA` setting (path, `SYSTEM` or PEM) for https;
+        `request_limit`: the largest initial request sent (`xds.resume`)."""
         self.address = ControlPlaneAddress.parse(address)
         self._state = state
         self._node = node
@@ -227,6 +234,10 @@ class XdsClient:
         self._on_synced = on_synced
         self._sleep = sleep
         self._connect_timeout = connect_timeout
+        self._request_limit = request_limit
+        # Type URL -> the held resources the current stream's initial request did not list, until
+        # the answer to it is applied (`xds.resume`).
+        self._unlisted: dict[str, frozenset[str]] = {}
         # name -> version of the resources applied, by type: sent on reconnect.
         self._versions: dict[str, dict[str, str]] = {ADDRESS_TYPE_URL: {}, AUTHORIZATION_TYPE_URL: {}}
         self._awaiting_first = (
@@ -337,19 +348,21 @@ class XdsClient:
     # --- one stream ---
 
     def initial_requests(self) -> list[discovery_pb2.DeltaDiscoveryRequest]:
-        """What a new stream starts with: Address, then Authorization."""
-        requests = []
-        for type_url in (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL):
-            request = discovery_pb2.DeltaDiscoveryRequest(
-                node=self._node,
-                type_url=type_url,
-                initial_resource_versions=self._versions.get(type_url, {}),
+        """What a new stream starts with: Address, then Authorization, each listing what it holds as
+        far as the request stays within the limit (`xds.resume`)."""
+        return [opening.request for opening in self._openings()]
+
+    def _openings(self) -> list[InitialRequest]:
+        return [
+            initial_request(
+                self._node,
+                type_url,
+                self._versions.get(type_url, {}),
+                on_demand=self._on_demand and type_url == ADDRESS_TYPE_URL,
+                limit=self._request_limit,
             )
-            if self._on_demand and type_url == ADDRESS_TYPE_URL:
-                request.resource_names_subscribe.append("*")
-                request.resource_names_unsubscribe.append("*")
-            requests.append(request)
-        return requests
+            for type_url in (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL)
+        ]
 
     async def _stream_once(self) -> None:
         try:
@@ -367,6 +380,7 @@ class XdsClient:
             try:
                 await self._converse(call)
             except RpcError as e:
+                self._heed_refusal(e)
                 raise StreamStatus(e.code, e.details) from None
             finally:
                 self._call = None
@@ -374,19 +388,32 @@ class XdsClient:
         finally:
             await channel.close()
 
+    def _heed_refusal(self, error: RpcError) -> None:
+        """A control plane that refused a request as over its receive limit: stay within it."""
+        limit = refused_limit(error.code, error.details)
+        if limit is None or limit >= self._request_limit:
+            return
+        self._request_limit = limit
+        log.warning(
+            "the control plane refused a request over its message limit: initial requests now stay within it",
+            extra={"fields": {"limit": limit}},
+        )
+
     async def _converse(self, call: Call) -> None:
         self.connections += 1
         self._call = call
-        for request in self.initial_requests():
-            log.debug(
-                "sending initial request",
-                extra={
-                    "fields": {
-                        "type_url": request.type_url,
-                        "resources": len(request.initial_resource_versions),
-                    }
-                },
-            )
+        self._unlisted.clear()
+        for opening in self._openings():
+            request = opening.request
+            fields = {"type_url": request.type_url, "resources": len(request.initial_resource_versions)}
+            if opening.cut:
+                log.info(
+                    "initial request cut to the message limit: the resources left out are sent again",
+                    extra={"fields": {**fields, "held": opening.held, "limit": self._request_limit}},
+                )
+                self._left_out(request.type_url, opening.unlisted)
+            else:
+                log.debug("sending initial request", extra={"fields": fields})
             await self._write(call, request)
         log.info("Stream established", extra={"fields": {"address": self.address.target}})
         while True:
@@ -448,10 +475,9 @@ class XdsClient:
                 }
             },
         )
-        if type_url == ADDRESS_TYPE_URL:
-            rejections = self._apply(response, converted, self._state.remove)
-        elif type_url == AUTHORIZATION_TYPE_URL:
-            rejections = self._apply(response, converted, self._state.remove_policy)
+        remove = self._remover(type_url)
+        if remove is not None:
+            rejections = self._apply(response, converted, remove, self._gone(response))
         else:
             log.error("unknown type", extra={"fields": {"type_url": type_url}})
             rejections = []
@@ -467,11 +493,47 @@ class XdsClient:
             log.debug("sending ACK", extra={"fields": {"type_url": type_url, "nonce": response.nonce}})
         return reply
 
+    def _remover(self, type_url: str) -> Callable[[str], bool] | None:
+        if type_url == ADDRESS_TYPE_URL:
+            return self._state.remove
+        if type_url == AUTHORIZATION_TYPE_URL:
+            return self._state.remove_policy
+        return None
+
+    def _left_out(self, type_url: str, unlisted: frozenset[str]) -> None:
+        """Held resources a new stream's initial request did not list: a wildcard subscription's
+        first answer says which are gone; a by-name one no longer holds them, so they go now."""
+        if not (self._on_demand and type_url == ADDRESS_TYPE_URL):
+            self._unlisted[type_url] = unlisted
+            return
+        remove = self._remover(type_url)
+        assert remove is not None
+        versions = self._versions[type_url]
+        with self._state.batch():
+            for name in unlisted:
+                remove(name)
+                versions.pop(name, None)
+
+    def _gone(self, response: discovery_pb2.DeltaDiscoveryResponse) -> list[str]:
+        """On the answer to a cut initial request: the resources it left out that are gone."""
+        unlisted = self._unlisted.pop(response.type_url, None)
+        if not unlisted:
+            return []
+        gone = stale(unlisted, response)
+        log.info(
+            "removing resources left out of the initial request that the control plane no longer has",
+            extra={
+                "fields": {"type_url": response.type_url, "unlisted": len(unlisted), "removed": len(gone)}
+            },
+        )
+        return gone
+
     def _apply(
         self,
         response: discovery_pb2.DeltaDiscoveryResponse,
         converted: list[Converted] | None,
         remove: Callable[[str], bool],
+        gone: Iterable[str] = (),
     ) -> list[_Rejection]:
         if converted is None:
             converted = _convert_all(response)
@@ -479,6 +541,9 @@ class XdsClient:
         rejections: list[_Rejection] = []
         arrived: list[str] = []
         with self._state.batch():
+            for name in gone:
+                remove(name)
+                versions.pop(name, None)
             for name in response.removed_resources:
                 remove(name)
                 versions.pop(name, None)

@@ -8,8 +8,9 @@ domain `cluster.local`, empty service account `default`, empty cluster id `Kuber
 4 or 16 bytes, a `services` key without `/`, `LEGACY_ISTIO_MTLS`, a gateway without destination,
 `UNSPECIFIED_SCOPE` among the routing preferences. Ours, stricter: a port above 65535 (the reference
 truncates it to 16 bits, so 65616 would become 80, also in a policy), a prefix length longer than its
-address (a VIP too), and an empty key (workload uid, service name or hostname, policy name). The xDS
-client turns that into a NACK of the one resource.
+address (a VIP too), an empty key (workload uid, service name, namespace or hostname, policy name),
+and what could never be routed to: a gateway (waypoint or network gateway) on port 0 or named by a
+hostname without its name or namespace. The xDS client turns that into a NACK of the one resource.
 
 Model to wire: `workload_to_wire`, `service_to_wire`, `address_to_wire`, `authorization_to_wire`, for
 the development control plane that serves a local-config file over xDS.
@@ -127,17 +128,23 @@ def _network_address(pb: workload_pb2.NetworkAddress) -> NetworkAddress:
 
 
 def _gateway(pb: workload_pb2.GatewayAddress) -> GatewayAddress:
+    """A waypoint or network gateway; one that can never be reached (port 0, a hostname without
+    its name or namespace) is refused rather than routed to."""
     which = pb.WhichOneof("destination")
     destination: NetworkAddress | NamespacedHostname
     if which == "hostname":
-        destination = NamespacedHostname(pb.hostname.namespace, pb.hostname.hostname)
+        destination = NamespacedHostname(
+            _required(pb.hostname.namespace, "gateway hostname's namespace"),
+            _required(pb.hostname.hostname, "gateway hostname"),
+        )
     elif which == "address":
         destination = _network_address(pb.address)
     else:
         raise ConversionError("gateway address has no destination")
-    return GatewayAddress(
-        destination=destination, hbone_mtls_port=_port(pb.hbone_mtls_port, "gateway hbone_mtls_port")
-    )
+    port = _port(pb.hbone_mtls_port, "gateway hbone_mtls_port")
+    if port == 0:
+        raise ConversionError("gateway hbone_mtls_port is 0: the gateway can never be reached")
+    return GatewayAddress(destination=destination, hbone_mtls_port=port)
 
 
 def _optional_gateway(holder: object, field: str) -> GatewayAddress | None:
@@ -296,7 +303,7 @@ def service_from_wire(pb: workload_pb2.Service) -> Service:
         visibility = Visibility.PUBLIC  # as the reference: an unknown visibility is public
     return Service(
         name=_required(pb.name, "service name"),
-        namespace=pb.namespace,
+        namespace=_required(pb.namespace, "service namespace"),
         hostname=_required(pb.hostname, "service hostname"),
         vips=tuple(vips),
         cidr_vips=tuple(cidr_vips),
@@ -308,6 +315,7 @@ def service_from_wire(pb: workload_pb2.Service) -> Service:
         ip_families=_enum(IPFamilies, pb.ip_families, "ip_families"),
         canonical=pb.canonical,
         visibility=visibility,
+        ingress_use_waypoint=pb.ingress_use_waypoint,
     )
 
 
@@ -479,6 +487,7 @@ def service_to_wire(s: Service) -> workload_pb2.Service:
             for w in s.weighted_waypoints
         ],
         visibility=s.visibility.name,
+        ingress_use_waypoint=s.ingress_use_waypoint,
     )
     if s.waypoint is not None:
         pb.waypoint.CopyFrom(_gateway_to_wire(s.waypoint))

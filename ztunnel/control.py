@@ -42,9 +42,9 @@ from ztunnel.admin.server import (
 from ztunnel.config.settings import Config
 from ztunnel.identity.certhelper import CertHelper
 from ztunnel.identity.certificates import FakeCA, SecretManager
+from ztunnel.lifecycle import StartupError
 from ztunnel.metrics.certs import CertExpiry
 from ztunnel.metrics.families import Metrics
-from ztunnel.startup import StartupError
 from ztunnel.state.store import ProxyState
 
 if TYPE_CHECKING:
@@ -174,9 +174,13 @@ class ControlRuntime:
                 check_privileges(cfg.packet_mark)
             except OSError as e:
                 raise StartupError(f"PROXY_MODE=shared (in-pod mode): {e.strerror or e}") from None
-        token = self._auth_token()
+        ca_address = cfg.ca_address if self.secrets is None else None
+        note = plaintext_token_note(cfg, (cfg.xds_address, ca_address))
+        if note is not None:
+            warning, line = note
+            (log.warning if warning else log.info)(line)
         if self.secrets is None:
-            self.secrets = self._ca_secrets(token)
+            self.secrets = self._ca_secrets(self._auth_token(ca_address))
         self.static = load_static_config(cfg)
         if self.crl is not None:
             self.crl.start()
@@ -197,7 +201,7 @@ class ControlRuntime:
                 state_task.release()
                 self._settle_prefetch(own)
 
-            self._start_xds(cfg.xds_address, token, synced)
+            self._start_xds(cfg.xds_address, self._auth_token(cfg.xds_address), synced)
         else:
             state_task.release()
         await self._start_operator_servers()
@@ -226,13 +230,16 @@ class ControlRuntime:
         if prefetched is not None and self.secrets is not None and self._own_identity() != prefetched:
             self.secrets.forget(prefetched)
 
-    def _auth_token(self) -> AuthToken | None:
-        if not (self.config.xds_address or self.secrets is None):
+    def _auth_token(self, address: str | None) -> AuthToken | None:
+        """The token for the control plane at `address` (`token_for`: none over plaintext unless
+        AUTH_TOKEN says so)."""
+        setting = token_for(self.config, address) if address else None
+        if setting is None:
             return None
         # gRPC and the protocol modules cost ~15 MB of RSS: loaded only when a control plane is used.
         from xds.channel import AuthToken
 
-        return AuthToken.from_setting(self.config.auth_token)
+        return AuthToken.from_setting(setting)
 
     def _ca_secrets(self, token: AuthToken | None) -> SecretManager:
         cfg = self.config
@@ -360,3 +367,32 @@ class ControlRuntime:
         if self._ca is not None:
             await self._ca.close()
         await self.certwork.close()
+
+
+def plaintext(address: str | None) -> bool:
+    """Whether a control-plane address is plaintext gRPC (`http://`)."""
+    return address is not None and address[:7].lower() == "http://"
+
+
+def token_for(cfg: Config, address: str | None) -> str | None:
+    """The `AUTH_TOKEN` setting to present to the control plane at `address`: over TLS the token
+    there is; over plaintext only one set explicitly, never the token file merely found at its
+    default path (the pod's own credential, readable by anyone on the path)."""
+    if cfg.auth_token_found and plaintext(address):
+        return None
+    return cfg.auth_token
+
+
+def plaintext_token_note(cfg: Config, addresses: tuple[str | None, ...]) -> tuple[bool, str] | None:
+    """The one line to log about the token and the plaintext control planes among `addresses`:
+    (a warning?, the line), or None when there is nothing to say."""
+    clear = sorted({a for a in addresses if a is not None and plaintext(a)})
+    if cfg.auth_token is None or not clear:
+        return None
+    where = ", ".join(clear)
+    if cfg.auth_token_found:
+        return False, (
+            f"the token file {cfg.auth_token} is not sent over plaintext to {where}; "
+            "set AUTH_TOKEN to send it anyway"
+        )
+    return True, f"AUTH_TOKEN is sent over plaintext to {where}: anyone on the path can read it"

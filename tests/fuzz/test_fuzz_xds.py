@@ -25,7 +25,7 @@ from xds.client import XdsClient
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
 from xds.gen.istio.security import authorization_pb2
 from xds.gen.istio.workload import workload_pb2
-from xds.model import ConversionError, Service, Workload
+from xds.model import ConversionError, GatewayAddress, NamespacedHostname, Service, Workload
 from ztunnel.state.store import ProxyState
 
 TEXT = st.text(st.characters(codec="utf-8"), max_size=6)
@@ -249,11 +249,20 @@ def _check_workload(w: Workload) -> None:
     if w.application_tunnel is not None and w.application_tunnel.port is not None:
         assert 0 < w.application_tunnel.port <= 65535
     for gateway in (w.waypoint, w.network_gateway):
-        assert gateway is None or 0 <= gateway.hbone_mtls_port <= 65535
+        assert gateway is None or _reachable(gateway)
+
+
+def _reachable(gateway: GatewayAddress) -> bool:
+    """A gateway that routing could ever reach: a port, and a full name when it is named by one."""
+    named = gateway.destination
+    full = not isinstance(named, NamespacedHostname) or bool(named.namespace and named.hostname)
+    return 0 < gateway.hbone_mtls_port <= 65535 and full
 
 
 def _check_service(s: Service) -> None:
-    assert s.name and s.hostname
+    assert s.name and s.namespace and s.hostname
+    assert s.waypoint is None or _reachable(s.waypoint)
+    assert all(_reachable(w.destination) for w in s.weighted_waypoints)
     assert all(0 <= port <= 65535 for pair in s.ports for port in pair)
     assert all(vip.cidr.prefixlen < vip.cidr.max_prefixlen for vip in s.cidr_vips)
 
@@ -379,6 +388,7 @@ def test_a_vip_prefix_longer_than_its_address_is_refused() -> None:
         (workload_pb2.Address(workload=_workload(uid="")), "workload uid is empty"),
         (workload_pb2.Address(service=_service(name="")), "service name is empty"),
         (workload_pb2.Address(service=_service(hostname="")), "service hostname is empty"),
+        (workload_pb2.Address(service=_service(namespace="")), "service namespace is empty"),
     ],
 )
 def test_empty_keys_are_refused(message: workload_pb2.Address, reason: str) -> None:
@@ -416,3 +426,60 @@ def test_refusals_are_nacks_naming_the_resource_while_siblings_apply() -> None:
     ]
     assert [s.key for s in state.services()] == ["ns/good.ns"] and not state.workloads()
     assert state.services()[0].ports == ((80, 8080),)
+
+
+def _waypoint(
+    port: int = 15008, *, namespace: str = "ns", hostname: str = "wp.ns"
+) -> workload_pb2.GatewayAddress:
+    named = workload_pb2.NamespacedHostname(namespace=namespace, hostname=hostname)
+    return workload_pb2.GatewayAddress(hostname=named, hbone_mtls_port=port)
+
+
+def test_what_could_never_be_routed_to_is_nacked_by_name_while_siblings_apply() -> None:
+    """A waypoint or network gateway on port 0, or named by a hostname without its name or
+    namespace, and a service without a namespace: each NACKed with why, the valid ones applied."""
+    state = ProxyState()
+    client = XdsClient("http://127.0.0.1:1", state, node_from())
+    url = convert.ADDRESS_TYPE_URL
+    by_ip = workload_pb2.GatewayAddress(address=workload_pb2.NetworkAddress(address=bytes([10, 0, 0, 9])))
+    weighted = workload_pb2.WeightedWaypoint(destination=_waypoint(0), weight=1)
+    bad = {
+        "w-port-0": workload_pb2.Address(workload=_workload(uid="w-port-0", waypoint=_waypoint(0))),
+        "w-gateway-port-0": workload_pb2.Address(
+            workload=_workload(uid="w-gateway-port-0", network_gateway=by_ip)
+        ),
+        "w-no-namespace": workload_pb2.Address(
+            workload=_workload(uid="w-no-namespace", waypoint=_waypoint(namespace=""))
+        ),
+        "w-no-hostname": workload_pb2.Address(
+            workload=_workload(uid="w-no-hostname", waypoint=_waypoint(hostname=""))
+        ),
+        "/s.ns": workload_pb2.Address(service=_service(namespace="")),
+        "ns/port-0.ns": workload_pb2.Address(service=_service(hostname="port-0.ns", waypoint=_waypoint(0))),
+        "ns/weighted.ns": workload_pb2.Address(
+            service=_service(hostname="weighted.ns", weighted_waypoints=[weighted])
+        ),
+    }
+    good = {
+        "w-good": workload_pb2.Address(workload=_workload(uid="w-good", waypoint=_waypoint())),
+        "ns/good.ns": workload_pb2.Address(service=_service(hostname="good.ns", waypoint=_waypoint())),
+    }
+    reply = client.handle_response(
+        discovery_pb2.DeltaDiscoveryResponse(
+            type_url=url,
+            nonce="n1",
+            resources=[_resource(name, message, url) for name, message in {**bad, **good}.items()],
+        )
+    )
+    port_0 = "gateway hbone_mtls_port is 0: the gateway can never be reached"
+    assert reply.error_detail.message.split("; ") == [
+        f"w-port-0: {port_0}",
+        f"w-gateway-port-0: {port_0}",
+        "w-no-namespace: gateway hostname's namespace is empty",
+        "w-no-hostname: gateway hostname is empty",
+        "/s.ns: service namespace is empty",
+        f"ns/port-0.ns: {port_0}",
+        f"ns/weighted.ns: {port_0}",
+    ]
+    assert [w.uid for w in state.workloads()] == ["w-good"]
+    assert [s.key for s in state.services()] == ["ns/good.ns"]

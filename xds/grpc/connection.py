@@ -111,6 +111,16 @@ class Call:
 
     # -- from the connection ---------------------------------------------------------------------
 
+    def responded(self, headers: list[tuple[str, str]], end_stream: bool) -> None:
+        """The response's HEADERS. One that ends the call without ending the stream (an HTTP status
+        other than 200, not gRPC's content type) ends it here: the server is told to stop, and the
+        readers learn it now rather than whenever the stream ends, if ever."""
+        self.state.response(headers, end_stream)
+        status = self.state.status
+        if status is not None and not end_stream:
+            self._connection.reset(self.stream_id)
+            self.finish(status)
+
     def received(self, data: bytes, flow_length: int) -> None:
         messages = self.state.data(data)
         self._messages.extend(messages)
@@ -233,7 +243,7 @@ class GrpcConnection(asyncio.Protocol):
         elif isinstance(event, ev.ResponseReceived):
             call = self.calls.get(event.stream_id)
             if call is not None:
-                call.state.response(event.headers, event.end_stream)
+                call.responded(event.headers, event.end_stream)
         elif isinstance(event, ev.TrailersReceived):
             call = self.calls.get(event.stream_id)
             if call is not None:

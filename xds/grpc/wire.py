@@ -5,9 +5,10 @@ serialized protobuf. A response is HEADERS (`:status 200`, `content-type: applic
 messages as DATA, then trailers holding `grpc-status` and a percent-encoded `grpc-message`; or a
 "trailers-only" response, one HEADERS block ending the stream that holds all of it. `CallState`
 takes what the HTTP/2 core reports for one stream and returns the messages received and, once the
-call is over, its `Status`: from the trailers, from the HTTP status when there is no `grpc-status`,
-or from what ended the stream otherwise (RST_STREAM, GOAWAY, the connection's end), as gRPC's
-own clients map them.
+call is over, its `Status`: from the trailers, from the HTTP status when there is no `grpc-status`
+(one other than 200 ends the call on the response's HEADERS), or from what ended the stream
+otherwise (RST_STREAM, GOAWAY, the connection's end), as gRPC's own clients map them. A stream that
+ends inside a message ends the call with INTERNAL, OK trailers or not.
 """
 
 from __future__ import annotations
@@ -240,8 +241,13 @@ class CallState:
             return []
 
     def trailers(self, headers: Sequence[tuple[str, str]]) -> None:
-        if self.status is None:
-            self.status = status_from(headers, self.http_status)
+        """The trailers; an OK status after part of a message is an error: the message is cut."""
+        if self.status is not None:
+            return
+        status = status_from(headers, self.http_status)
+        if status.code is StatusCode.OK and self._reader.partial:
+            status = Status(StatusCode.INTERNAL, "the trailers arrived inside a message: it is cut short")
+        self.status = status
 
     def ended(self) -> None:
         """END_STREAM: a stream ended without trailers is an error."""

@@ -120,7 +120,8 @@ def positive_duration(value: str) -> float:
     return seconds
 
 
-def parse_ip(value: str) -> str:
+def ip_text(value: str) -> str:
+    """An IP address setting in its canonical text."""
     try:
         return str(ipaddress.ip_address(value.strip()))
     except ValueError:
@@ -148,19 +149,19 @@ def parse_address(value: str, *, allow_localhost: bool = False) -> Address:
     return host, int(port)
 
 
-def parse_compliance_policy(value: str) -> None:
-    """Only "no policy" can be honoured, and `pqc` is refused rather than silently ignored.
+def parse_compliance_policy(value: str) -> str:
+    """The policy named ("" for none). Only `pqc` changes the reference's TLS, and it is refused here
+    rather than silently ignored; any other value (Istio's `fips-140-2`, `fips-140-3`) is taken and
+    not enforced, as by the reference, and the proxy warns of it once at start.
 
     `pqc` restricts key exchange to X25519MLKEM768 alone. `cryptography`'s bundled OpenSSL (3.5 or
     later) has that group, and HBONE's TLS can run on it through pyOpenSSL, but no public pyOpenSSL
     API restricts a context's groups: `SSL.Context` has no `set_groups` (OpenSSL's
     `SSL_CTX_set1_groups_list`), and `set_tmp_ecdh` takes elliptic curves only. Python's `ssl`
     gains `SSLContext.set_groups` in 3.15, and runs on the system's OpenSSL."""
-    if value == "":
-        return None
     if value == "pqc":
         raise ValueError(pqc_unsupported())
-    raise ValueError("expected pqc or empty")
+    return value
 
 
 def pqc_unsupported() -> str:

@@ -24,12 +24,12 @@ from ztunnel.config.envvars import (
     env_error,
     grpc_headers,
     int_parser,
+    ip_text,
     parse_address,
     parse_bool,
     parse_compliance_policy,
     parse_control_plane_uri,
     parse_duration,
-    parse_ip,
     parse_log_level,
     positive_duration,
 )
@@ -85,6 +85,7 @@ class Config:
     ca_headers: tuple[tuple[str, str], ...] = ()
     fake_ca: bool = False
     auth_token: str | None = None
+    auth_token_found: bool = False  # the token file at its default path, AUTH_TOKEN unset
     secret_ttl: float = 86400.0
 
     cluster_id: str = "Kubernetes"
@@ -106,6 +107,7 @@ class Config:
     localhost_app_tunnel: bool = True
     enable_response_baggage: bool = True
     tls12_enabled: bool = False
+    compliance_policy: str = ""  # taken, not enforced (`pqc`, the one the reference enforces, is refused)
     crl_path: str | None = None
     authz_policy_info_logging: bool = False
     prefered_service_namespace: str | None = None
@@ -271,11 +273,12 @@ def _ca_address(env: Env, fake_ca: bool) -> str | None:
     return env.parse("CA_ADDRESS", parse_control_plane_uri, None) if ca_raw else None
 
 
-def _auth_token(env: Env) -> str | None:
+def _auth_token(env: Env) -> tuple[str | None, bool]:
+    """`AUTH_TOKEN`, else the token file at its default path if there is one (found: True)."""
     auth_token = env.text("AUTH_TOKEN")
     if auth_token is None and os.path.exists(DEFAULT_TOKEN_PATH):
-        return DEFAULT_TOKEN_PATH
-    return auth_token
+        return DEFAULT_TOKEN_PATH, True
+    return auth_token, False
 
 
 def _dns_proxy_addr(istio_meta: Mapping[str, str]) -> Address:
@@ -306,7 +309,7 @@ def _packet_mark(env: Env, proxy_mode: ProxyMode) -> int | None:
 
 
 def _bind_address(env: Env) -> str | None:
-    return env.parse("PROXY_BIND_ADDRESS", parse_ip, None) if env.text("PROXY_BIND_ADDRESS") else None
+    return env.parse("PROXY_BIND_ADDRESS", ip_text, None) if env.text("PROXY_BIND_ADDRESS") else None
 
 
 def _admin_default(pc: ProxyConfig) -> Address:
@@ -319,7 +322,6 @@ def _stats_default(pc: ProxyConfig) -> Address:
 
 def _checked(env: Env, cfg: Config) -> Config:
     """The checks across settings, once each is valid on its own."""
-    env.parse("COMPLIANCE_POLICY", parse_compliance_policy, None)
     if cfg.dns_capture and cfg.xds_on_demand:
         raise ConfigError("invalid configuration: the DNS proxy does not support XDS_ON_DEMAND=true")
     if not cfg.enable_proxy and not cfg.dns_capture:
@@ -337,6 +339,7 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
     local_xds_path, local_xds = _local_xds(env)
     fake_ca = env.parse("FAKE_CA", parse_bool, False)
     istio_meta, istio_meta_json = istio_metadata(env, pc)
+    auth_token, auth_token_found = _auth_token(env)
     cfg = Config(
         proxy_mode=proxy_mode,
         workload_info=workload_info,
@@ -353,7 +356,8 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
         alt_ca_hostname=env.text("ALT_CA_HOSTNAME"),
         ca_headers=grpc_headers(env, "CA_HEADER_"),
         fake_ca=fake_ca,
-        auth_token=_auth_token(env),
+        auth_token=auth_token,
+        auth_token_found=auth_token_found,
         secret_ttl=env.parse("SECRET_TTL", positive_duration, d.secret_ttl),
         cluster_id=istio_meta.get("CLUSTER_ID") or env.text("CLUSTER_ID") or d.cluster_id,
         trust_domain=env.text("TRUST_DOMAIN") or d.trust_domain,
@@ -363,7 +367,7 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
         pod_name=env.text("POD_NAME"),
         pod_namespace=env.text("POD_NAMESPACE"),
         service_account=env.text("SERVICE_ACCOUNT"),
-        instance_ip=env.parse("INSTANCE_IP", parse_ip, d.instance_ip),
+        instance_ip=env.parse("INSTANCE_IP", ip_text, d.instance_ip),
         enable_socks5=env.parse("UNSTABLE_ENABLE_SOCKS5", parse_bool, d.enable_socks5),
         inpod_uds=env.text("INPOD_UDS") or d.inpod_uds,
         inpod_port_reuse=env.parse("INPOD_PORT_REUSE", parse_bool, d.inpod_port_reuse),
@@ -373,6 +377,7 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
         localhost_app_tunnel=env.parse("LOCALHOST_APP_TUNNEL", parse_bool, d.localhost_app_tunnel),
         enable_response_baggage=env.parse("ENABLE_RESPONSE_BAGGAGE", parse_bool, d.enable_response_baggage),
         tls12_enabled=env.parse("TLS12_ENABLED", parse_bool, d.tls12_enabled),
+        compliance_policy=env.parse("COMPLIANCE_POLICY", parse_compliance_policy, d.compliance_policy),
         crl_path=env.text("CRL_PATH"),
         authz_policy_info_logging=env.parse(
             "AUTHZ_POLICY_INFO_LOGGING", parse_bool, d.authz_policy_info_logging

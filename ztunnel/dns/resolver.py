@@ -7,8 +7,9 @@ the reply message. This module needs no DNS library: a SOCKS5 listener resolves 
 in a proxy that runs no DNS server (and so never loads dnspython). Names are tried as asked, as their
 Kubernetes expansions for the client's namespace, and with a search domain stripped (then the reply
 carries a CNAME from the asked name to the stripped one); each candidate as a service's hostname,
-then as wildcards of decreasing specificity, then as `<pod>.<headless service's hostname>`. A known
-name never gets NXDOMAIN: no address of the asked family is NOERROR with an empty answer.
+then as wildcards of decreasing specificity, then as `<pod>.<svc>.<ns>.svc.<domain>` (a pod of `<ns>`
+in that headless service of `<ns>`, which the client sees). A known name never gets NXDOMAIN: no
+address of the asked family is NOERROR with an empty answer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from xds.model import IPAddress, IPFamilies, Service, Workload
-from ztunnel.state.store import ProxyState
+from ztunnel.state.store import ProxyState, visible_to
 
 # The record types answered here (RFC 1035's A, RFC 3596's AAAA).
 RDTYPE_A: Final = 1
@@ -137,32 +138,29 @@ def find_host(
 
 
 def find_pod(state: ProxyState, client: Workload, name: str, headless_suffix: str) -> Workload | None:
-    """`<pod>.<hostname>`: among the workloads named `<pod>` that list the service of that hostname
-    with no VIP and a cluster-local hostname (a headless Kubernetes service), the first of the
-    client's namespace and cluster, else of its cluster, else of its namespace, else the first."""
+    """`<pod>.<svc>.<ns>.svc.<domain>`: a workload named `<pod>` of namespace `<ns>` that is a member
+    of the service `<ns>/<svc>.<ns>.svc.<domain>` itself, when that service has no VIP (a headless
+    Kubernetes service) and is visible to the client; one of the client's cluster first, else the
+    first. No other service or namespace lends a pod this name."""
     pod, dot, hostname = name.partition(".")
     if not dot or not hostname.endswith(headless_suffix):
         return None
+    svc, dot, ns = hostname[: -len(headless_suffix)].partition(".")
+    if not svc or not dot or not ns or "." in ns:
+        return None
+    key = f"{ns}/{hostname}"
+    service = state.service_by_key(key)
+    if service is None or service.vips or not visible_to(service, client.namespace):
+        return None
     best: Workload | None = None
-    best_rank = -1
     for w in state.workloads_by_name(pod):
-        if not _lists_headless(state, w, hostname):
+        if w.namespace != ns or not any(k == key for k, _ in w.services):
             continue
-        rank = 2 * (w.cluster_id == client.cluster_id) + (w.namespace == client.namespace)
-        if rank > best_rank:
-            best, best_rank = w, rank
-            if rank == 3:
-                break
+        if w.cluster_id == client.cluster_id:
+            return w
+        if best is None:
+            best = w
     return best
-
-
-def _lists_headless(state: ProxyState, w: Workload, hostname: str) -> bool:
-    for key, _ in w.services:
-        if key.partition("/")[2] == hostname:
-            service = state.service_by_key(key)
-            if service is not None and not service.vips:
-                return True
-    return False
 
 
 def _family_ok(ip: IPAddress, rdtype: int) -> bool:

@@ -5,6 +5,7 @@ here)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,6 +33,20 @@ from xds.model import (
     cidr_from_bytes,
     ip_from_bytes,
 )
+
+# Bumped whenever a record is written otherwise with the same model (an enum by another value, a
+# field in another shape): `layout()` follows the model's fields by itself.
+FORMAT = 1
+
+
+def layout() -> str:
+    """The records' layout, spelled out: `FORMAT` and the fields (names and types, in order) of every
+    class of the model a record writes. An image names it (by its crc32), so a process of another
+    build never reads another layout's records as its own."""
+    classes: tuple[type, ...] = (Workload, Service, Endpoint, GatewayAddress, NetworkAddress)
+    classes += (NamespacedHostname, ApplicationTunnel, Locality, CidrVip, WeightedWaypoint, LoadBalancer)
+    fields = [(c.__name__, [(f.name, str(f.type)) for f in dataclasses.fields(c)]) for c in classes]
+    return repr((FORMAT, fields))
 
 
 def _gateway(g: GatewayAddress | None) -> tuple[Any, ...] | None:
@@ -94,12 +109,13 @@ def service_record(s: Service) -> tuple[Any, ...]:
         tuple((_gateway(w.destination), w.weight) for w in s.weighted_waypoints),
         None if lb is None else (tuple(int(p) for p in lb.routing_preferences), int(lb.mode), int(lb.health_policy)),
         int(s.ip_families), s.canonical, int(s.visibility), tuple(_endpoint(e) for e in s.endpoints),
+        s.ingress_use_waypoint,
     )  # fmt: skip
 
 
 def service_of(t: tuple[Any, ...]) -> Service:
     (name, namespace, hostname, vips, cidr_vips, ports, sans, waypoint, weighted, lb, ip_families,
-     canonical, visibility, endpoints) = t  # fmt: skip
+     canonical, visibility, endpoints, ingress_use_waypoint) = t  # fmt: skip
     return Service(
         name, namespace, hostname, tuple(NetworkAddress(n, ip_from_bytes(a)) for n, a in vips),
         tuple(CidrVip(n, cidr_from_bytes(a, length)) for n, a, length in cidr_vips), ports, sans,
@@ -108,6 +124,7 @@ def service_of(t: tuple[Any, ...]) -> Service:
             tuple(LoadBalancingScope(p) for p in lb[0]), LoadBalancingMode(lb[1]), HealthPolicy(lb[2])
         ),
         IPFamilies(ip_families), canonical, Visibility(visibility), tuple(_endpoint_of(e) for e in endpoints),
+        ingress_use_waypoint,
     )  # fmt: skip
 
 

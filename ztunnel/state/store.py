@@ -399,7 +399,7 @@ class ProxyState:
         best: Service | None = None
         best_rank: tuple[bool, int, bool] | None = None
         for service in self._cidr_services():
-            if not _visible(service, client_namespace):
+            if not visible_to(service, client_namespace):
                 continue
             for vip in service.cidr_vips:
                 if vip.network != network or ip not in vip.cidr:
@@ -502,6 +502,7 @@ class ProxyState:
             self._workloads,
             self._workloads_by_addr,
             self._workloads_by_hostname,
+            self._workloads_by_name,
             self._services,
             self._services_by_vip,
             self._services_by_hostname,
@@ -571,7 +572,8 @@ def _unlist(index: dict[Any, list[str]], where: Any, key: str) -> None:
         del index[where]
 
 
-def _visible(service: Service, client_namespace: str | None) -> bool:
+def visible_to(service: Service, client_namespace: str | None) -> bool:
+    """Whether a client of `client_namespace` may see `service` (its exportTo, as `visibility`)."""
     return service.visibility is Visibility.PUBLIC or service.namespace == client_namespace
 
 
@@ -580,7 +582,7 @@ def _preferred(
 ) -> Service | None:
     """Among services sharing a VIP or hostname: the client's namespace, then a canonical one, then the
     preferred namespace, then the first seen."""
-    visible = [s for s in candidates if _visible(s, client_namespace)]
+    visible = [s for s in candidates if visible_to(s, client_namespace)]
     for s in visible:
         if s.namespace == client_namespace:
             return s
