@@ -105,7 +105,7 @@ def test_other_netns_replaces_the_proxy(fds: Fds) -> None:
     add(sm, "u1", fds.new("a"))
     other = fds.new("b")
     actions = add(sm, "u1", other)
-    assert actions[0] == StopProxy("u1") and isinstance(actions[1], StartProxy)
+    assert actions[0] == StopProxy("u1", deleted=False) and isinstance(actions[1], StartProxy)
 
 
 def test_snapshot_sent_stops_proxies_not_named_in_this_connection(fds: Fds) -> None:
@@ -120,7 +120,7 @@ def test_snapshot_sent_stops_proxies_not_named_in_this_connection(fds: Fds) -> N
     step = sm.receive(zds.add("re-added", "pod-re-added", "ns", "sa"), [fds.new("c")])
     assert (step.reply, step.actions) == (ACK, [])  # same namespace: nothing to do
     step = sm.receive(zds.snapshot_sent(), [])
-    assert step.actions == [StopProxy("gone")] and step.reply == ACK
+    assert step.actions == [StopProxy("gone", deleted=True)] and step.reply == ACK
     assert set(sm.running) == {"kept", "re-added"}
 
 
@@ -129,7 +129,7 @@ def test_delete_after_snapshot_stops_and_unknown_uid_is_acked(fds: Fds) -> None:
     sm.receive(zds.snapshot_sent(), [])
     add(sm, "u1", fds.new())
     step = sm.receive(zds.delete("u1"), [])
-    assert (step.actions, step.reply) == ([StopProxy("u1")], ACK)
+    assert (step.actions, step.reply) == ([StopProxy("u1", deleted=True)], ACK)
     step = sm.receive(zds.delete("u1"), [])
     assert (step.actions, step.reply) == ([], ACK)
 
@@ -139,7 +139,7 @@ def test_delete_before_snapshot_only_forgets_the_name(fds: Fds) -> None:
     add(sm, "u1", fds.new())
     step = sm.receive(zds.delete("u1"), [])
     assert (step.actions, step.reply) == ([], ACK)
-    assert sm.receive(zds.snapshot_sent(), []).actions == [StopProxy("u1")]
+    assert sm.receive(zds.snapshot_sent(), []).actions == [StopProxy("u1", deleted=True)]
 
 
 def test_delete_of_a_pending_pod_drops_it(fds: Fds) -> None:
@@ -149,7 +149,7 @@ def test_delete_of_a_pending_pod_drops_it(fds: Fds) -> None:
     sm.start_failed(step.actions[0].pod, "boom")  # type: ignore[union-attr]
     assert not sm.ready
     step = sm.receive(zds.delete("u1"), [])
-    assert step.actions == [StopProxy("u1")] and sm.ready
+    assert step.actions == [StopProxy("u1", deleted=True)] and sm.ready
 
 
 @pytest.mark.parametrize(

@@ -331,7 +331,11 @@ class ControlRuntime:
         from ztunnel.inpod.manager import WorkloadProxyManager
 
         self.inpod = WorkloadProxyManager(
-            self.config.inpod_uds, pods, self.readiness, self.metrics.workload_manager()
+            self.config.inpod_uds,
+            pods,
+            self.readiness,
+            self.metrics.workload_manager(),
+            drain_deadline=self.config.connection_termination_deadline,
         )
         self._inpod_task = asyncio.get_running_loop().create_task(self._run_inpod(self.inpod))
 

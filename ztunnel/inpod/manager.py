@@ -3,7 +3,12 @@
 It connects to the node agent on `INPOD_UDS` (AF_UNIX, SOCK_SEQPACKET), says hello, and then answers
 each request of the agent, one at a time, driving `ZdsStateMachine`: for an `AddWorkload` it has the
 pod's proxy started (its listeners bound inside the pod's namespace and accepting) before
-acknowledging; for a delete (or a pod missing from a snapshot) it drains that proxy at once. Where the
+acknowledging; for a delete (or a pod missing from a snapshot) it drains that proxy before it answers,
+so before the agent lets the pod's namespace go: listeners closed, HBONE peers sent a GOAWAY, every
+connection ended gracefully at once (its peer reads what was in flight, then a FIN or END_STREAM),
+the pod's pooled HBONE connections closed once idle (GOAWAY), and those whose peer has not ended its
+side within the pod drain deadline cut (the termination deadline, at most `POD_DRAIN_MAX`: the agent
+waits 5 s for each answer, istio-cni as ours). Where the
 proxies run is the `PodRuntime` given at construction: the supervisor's (`ztunnel/workers/`), with
 which every data-plane worker runs one proxy per pod and the ACK waits for all of them. A
 pod whose proxy fails to start is NACKed and retried every 5 s. The connection is made again with
@@ -45,6 +50,9 @@ RECONNECT_MAX = 1.0
 # Before its snapshot is complete the agent sends its messages back to back: this much silence means
 # it is not serving this connection.
 SNAPSHOT_SILENCE = 10.0
+# A deleted pod's drain ends within this (and the termination deadline): with the cut after it and
+# the workers' answers, the reply stays inside the 4 s the supervisor and the 5 s the agent wait.
+POD_DRAIN_MAX = 2.5
 
 
 class PodRuntime(Protocol):
@@ -54,8 +62,9 @@ class PodRuntime(Protocol):
         """Bind and serve the pod's listeners inside `netns`; the error text if that failed."""
         ...
 
-    async def stop(self, uid: str, deadline: float) -> None:
-        """Drain the pod's proxy: gracefully for up to `deadline` seconds, at once when 0."""
+    async def stop(self, uid: str, deadline: float, *, deleted: bool = False) -> None:
+        """Drain the pod's proxy: gracefully for up to `deadline` seconds, at once when 0; `deleted`:
+        the pod is gone, its connections are ended at once, gracefully."""
         ...
 
     def describe(self, uid: str) -> dict[str, Any]:
@@ -84,8 +93,12 @@ class WorkloadProxyManager:
         metrics: WorkloadManagerMetrics,
         *,
         retry_interval: float | None = None,
+        drain_deadline: float = 0.0,
     ) -> None:
+        """`drain_deadline`: the termination deadline; a deleted pod's drain takes at most that (and
+        `POD_DRAIN_MAX`)."""
         self.uds_path = uds_path
+        self._pod_drain = min(drain_deadline, POD_DRAIN_MAX)
         self._pods = pods
         self._readiness = readiness
         self._ready_handle: ReadinessHandle | None = readiness.register(READINESS_TASK)
@@ -180,10 +193,17 @@ class WorkloadProxyManager:
                 return "the node agent closed the connection; reconnecting"
             step = self.sm.receive(*packet)
             reply = step.reply
+            # Pods left out of a snapshot drain together; an Add's old proxy stops before it starts.
+            stops = [a for a in step.actions if isinstance(a, StopProxy)]
+            if stops:
+                await asyncio.gather(
+                    *(
+                        self._stop(a.uid, deadline=self._pod_drain if a.deleted else 0.0, deleted=a.deleted)
+                        for a in stops
+                    )
+                )
             for action in step.actions:
-                if isinstance(action, StopProxy):
-                    await self._stop(action.uid)
-                elif isinstance(action, StartProxy):
+                if isinstance(action, StartProxy):
                     reply = await self._start(action.pod, PodNetns(action.netns_fd, action.netns_key))
             assert reply is not None
             await _send(sock, reply)
@@ -227,7 +247,7 @@ class WorkloadProxyManager:
         self._metrics.active.set(len(self.proxies))
         return None
 
-    async def _stop(self, uid: str, *, deadline: float = 0.0) -> None:
+    async def _stop(self, uid: str, *, deadline: float = 0.0, deleted: bool = False) -> None:
         entry = self.proxies.pop(uid, None)
         if entry is None:
             pending = self.pending.pop(uid, None)
@@ -237,7 +257,7 @@ class WorkloadProxyManager:
             return
         log.info("pod deleted, stopping proxy: uid=%s", uid)
         if entry.running:
-            await self._pods.stop(uid, deadline)
+            await self._pods.stop(uid, deadline, deleted=deleted)
         entry.netns.close()
         self._metrics.stopped.inc()
         self._metrics.active.set(len(self.proxies))

@@ -49,9 +49,12 @@ class StartProxy:
 
 @dataclass(frozen=True)
 class StopProxy:
-    """Drain the pod's proxy at once (or forget the pod if it is only pending)."""
+    """Stop the pod's proxy (or forget the pod if it is only pending). `deleted`: the pod is gone
+    (a delete, or left out of a snapshot), its connections are drained before the reply; else (its
+    Add names another namespace) the old proxy is cut at once."""
 
     uid: str
+    deleted: bool = False
 
 
 Action = StartProxy | StopProxy
@@ -153,13 +156,13 @@ class ZdsStateMachine:
         actions: list[Action] = []
         if uid in self.pending:
             del self.pending[uid]
-            actions.append(StopProxy(uid))
+            actions.append(StopProxy(uid, deleted=True))
         if not self.snapshot_received:
             # Before the snapshot ends, leaving it out of the snapshot is what stops it.
             self.snapshot_names.discard(uid)
         elif uid in self.running:
             del self.running[uid]
-            actions.append(StopProxy(uid))
+            actions.append(StopProxy(uid, deleted=True))
         return Step(actions=actions, reply=zds.ack())
 
     def _snapshot_sent(self) -> Step:
@@ -171,7 +174,7 @@ class ZdsStateMachine:
             if uid not in self.snapshot_names:
                 self.running.pop(uid, None)
                 self.pending.pop(uid, None)
-                actions.append(StopProxy(uid))
+                actions.append(StopProxy(uid, deleted=True))
         return Step(actions=actions, reply=zds.ack())
 
     @staticmethod

@@ -18,9 +18,17 @@ from ztunnel.logs import lines as logs
 from ztunnel.metrics.crl import CrlCounters
 from ztunnel.metrics.dns import DnsMetrics
 from ztunnel.metrics.exposition import render_negotiated
-from ztunnel.metrics.inpod import WorkloadManagerMetrics
+from ztunnel.metrics.inpod import WorkloadManagerMetrics, pod_drain_family
 from ztunnel.metrics.processes import ProcessTreeCollector
-from ztunnel.metrics.registry import CollectorRegistry, CounterMetricFamily, Gauge, GaugeCell, Metric
+from ztunnel.metrics.registry import (
+    CollectorRegistry,
+    CounterFamily,
+    CounterMetricFamily,
+    Families,
+    Gauge,
+    GaugeCell,
+    Metric,
+)
 from ztunnel.metrics.traffic import UNKNOWN, ConnectionMetrics, TrafficLabels, TrafficMetrics, WorkloadKey
 from ztunnel.metrics.xds import XdsCounters
 
@@ -57,6 +65,7 @@ class Metrics:
         self._workload_manager: WorkloadManagerMetrics | None = None
         self._dns: DnsMetrics | None = None
         self._crl: CrlCounters | None = None
+        self._pod_drain: CounterFamily | None = None
         build = Gauge(
             "istio_build", "Istio component build info", ["component", "tag"], registry=self.registry
         )
@@ -96,6 +105,14 @@ class Metrics:
             self._crl = CrlCounters()
             self.registry.register(self._crl.collector())
         return self._crl
+
+    def pod_drain(self) -> CounterFamily:
+        """In-pod mode's drain of deleted pods (`metrics.inpod.pod_drain_family`), registered on
+        first use (a pod's deletion)."""
+        if self._pod_drain is None:
+            self._pod_drain = pod_drain_family()
+            self.registry.register(Families((self._pod_drain,)))
+        return self._pod_drain
 
     def sockets_open(self, reporter: Reporter) -> GaugeCell:
         """The `istio_tcp_sockets_open` gauge of one reporter: `source` for the sockets accepted on

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ztunnel.metrics.registry import CollectorRegistry, Counter, Gauge
+from ztunnel.metrics.registry import CollectorRegistry, Counter, CounterFamily, Gauge
 
 
 class WorkloadManagerMetrics:
@@ -29,3 +29,13 @@ class WorkloadManagerMetrics:
             "The total number of workload proxies stopped",
             registry=registry,
         )
+
+
+def pod_drain_family() -> CounterFamily:
+    """`ztunnel_pod_drain_connections_total` (not in the reference): the connections of deleted pods,
+    by `direction` and `outcome`: `closed` gracefully within the drain deadline, or `cut` at it."""
+    return CounterFamily(
+        "ztunnel_pod_drain_connections",
+        "The total number of connections of deleted pods ended by their drain",
+        ("direction", "outcome"),
+    )

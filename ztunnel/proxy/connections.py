@@ -1,7 +1,9 @@
 """Carrying a connection to its end, and the open inbound connections a policy change may close.
 
 `carry` relays the two sides until both are done and completes the connection's record (metrics and
-the access log). Every allowed inbound connection is registered with the `ConnectionTracker` with
+the access log). A drain may end a carried connection gracefully (`_Carried.end`, a deleted pod's):
+its app's side is read to its end, so that the relay half-closes towards the peer after what is in
+flight, as if the app had closed. Every allowed inbound connection is registered with the `ConnectionTracker` with
 what authorization saw of it. When the policy store changes, each one is authorized again against
 its workload's current policies; those now denied are cut, logged with `connection closed due to
 policy change` and recorded as `DENY` (a late rejection, as the reference's).
@@ -12,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,6 +107,7 @@ def carry(
         counts=record.counts,
     )
     done.add_done_callback(carried, context=NO_CONTEXT)
+    record.carrier = carried
     return done
 
 
@@ -114,13 +119,14 @@ NO_CONTEXT = contextvars.Context()
 class _Carried:
     """What completes a carried connection's record when its relay ends (one small object)."""
 
-    __slots__ = ("downstream", "record", "rejected", "tracked", "tracker", "upstream")
+    __slots__ = ("downstream", "ending", "record", "rejected", "tracked", "tracker", "upstream")
 
     def __init__(self, downstream: asyncio.Transport, upstream: asyncio.Transport, record: ConnectionRecord):
         self.downstream = downstream
         self.upstream = upstream
         self.record = record
         self.rejected: str | None = None
+        self.ending: str | None = None  # why a drain ends it (`end`)
         self.tracked: Tracked | None = None
         self.tracker: ConnectionTracker | None = None
 
@@ -130,6 +136,26 @@ class _Carried:
         self.downstream.abort()
         self.upstream.abort()
 
+    def end(self, reason: str) -> None:
+        """End the connection gracefully, for `reason` (its access log says it): no more is read of
+        the local app's side once what it has sent is read, so the relay writes that to the peer, then
+        the end of it (FIN, END_STREAM), as when the app closes; the peer's own end closes both sides.
+
+        The app's side is a TCP socket in either direction (outbound: the accepted one; inbound: the
+        one to the app), ended for reading under its transport, which then reads the end of it."""
+        if self.ending is not None or self.rejected is not None:
+            return
+        self.ending = reason
+        app_side = self.downstream if self.record.direction == "outbound" else self.upstream
+        sock = app_side.get_extra_info("socket")
+        if sock is None or app_side.is_closing():
+            return
+        try:
+            with socket.socket(fileno=os.dup(sock.fileno())) as dup:
+                dup.shutdown(socket.SHUT_RD)
+        except OSError as e:  # already gone: the relay is ending anyway
+            log.debug("ending a connection for %s: %s", reason, e)
+
     def __call__(self, done: asyncio.Future[RelayResult]) -> None:
         if self.tracked is not None and self.tracker is not None:
             self.tracker.unregister(self.tracked)
@@ -137,7 +163,7 @@ class _Carried:
         if done.cancelled():  # a drain deadline
             self.downstream.abort()
             self.upstream.abort()
-            record.finish(received=0, sent=0, error="connection closed: drain deadline")
+            record.finish(received=0, sent=0, error="connection closed: drain deadline", reason=self.ending)
             return
         result = done.result()
         revoked = _revoked(self.downstream, self.upstream)
@@ -149,7 +175,7 @@ class _Carried:
             record.finish(received=result.a_to_b, sent=result.b_to_a, error=self.rejected, flags="DENY")
         else:
             # Resets and broken pipes during the copy are normal TCP endings.
-            record.finish(received=result.a_to_b, sent=result.b_to_a)
+            record.finish(received=result.a_to_b, sent=result.b_to_a, reason=self.ending)
 
 
 def _revoked(*transports: asyncio.Transport) -> object | None:

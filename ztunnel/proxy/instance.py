@@ -49,6 +49,7 @@ from ztunnel.proxy.plan import (
 )
 from ztunnel.proxy.socks5_listener import Socks5Listener
 from ztunnel.proxy.tasks import TaskSet
+from ztunnel.proxy.telemetry import ConnectionRecord
 from ztunnel.proxy.upstream import Upstreams
 from ztunnel.sockets import SocketFactory, is_transparent
 from ztunnel.state.store import ProxyState
@@ -273,9 +274,16 @@ class ProxyInstance:
                 await loop.create_server(lambda h=handler, g=gauge: _Accepted(tasks, h, g), sock=sock)  # type: ignore[misc]
             )
 
-    async def drain(self, deadline: float, *, graceful: bool = True) -> None:
+    async def drain(self, deadline: float, *, graceful: bool = True, end: str | None = None) -> Drained:
         """Stop accepting, let connections finish for up to `deadline` seconds, then cut the rest.
-        HBONE peers get a GOAWAY; a non-graceful drain cuts everything at once."""
+        HBONE peers get a GOAWAY; a non-graceful drain cuts everything at once.
+
+        `end` (a deleted pod's drain: the reason its access-log lines give): every carried connection
+        is also ended at once, gracefully, each peer reading what was in flight, then the end of it
+        (`ConnectionRecord.carrier`), as is one carried later while the drain runs, and the pool's
+        HBONE connections close once their streams have ended (GOAWAY); the deadline then bounds the
+        peers' own ends. What that did is counted (`ztunnel_pod_drain_connections_total`) and
+        returned."""
         for sock in self._listening.values():
             sock.close()  # bound but never served
         self._listening = {}
@@ -284,13 +292,19 @@ class ProxyInstance:
         for server in self._servers:
             server.close()
         self._upstreams.drain()
-        pending = self.ctx.tasks.pending()
         inbound = self._inbound.server
+        drained = Drained()
         if graceful:
             goaway = asyncio.ensure_future(inbound.shutdown(graceful=True))
-            await asyncio.wait([*pending, goaway], timeout=deadline)
+            if end is None:
+                await asyncio.wait([*self.ctx.tasks.pending(), goaway], timeout=deadline)
+            else:
+                await asyncio.sleep(0)  # the inbound GOAWAYs go out before the streams' ends
+                drained = await self._end_all(end, goaway, deadline)
             goaway.cancel()
         await inbound.shutdown(graceful=False)
+        # Every task still running now, also connections carried since the drain began.
+        pending = self.ctx.tasks.pending()
         for t in pending:
             t.cancel()
         if pending:
@@ -298,3 +312,49 @@ class ProxyInstance:
         await self._upstreams.close()
         self.ctx.tracker.close()
         self.ctx.local.close()
+        return drained
+
+    async def _end_all(self, reason: str, goaway: asyncio.Future[None], deadline: float) -> Drained:
+        """End every carried connection gracefully, and those carried later on (their handlers were
+        under way), and close the pool's HBONE connections once idle, until all is done or the
+        deadline; then count what closed and what is left to cut."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + deadline
+        ended: list[ConnectionRecord] = []
+        seen: set[ConnectionRecord] = set()
+        while True:
+            for record in list(self.ctx.connections):
+                if record.carrier is not None and record not in seen:
+                    seen.add(record)
+                    ended.append(record)
+                    record.carrier.end(reason)
+            self._upstreams.close_gracefully()
+            waits = self.ctx.tasks.pending()
+            if not goaway.done():
+                waits.append(goaway)
+            left = until - loop.time()
+            if left <= 0 or not waits:
+                break
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        return self._count_ended(ended)
+
+    def _count_ended(self, ending: list[ConnectionRecord]) -> Drained:
+        """Of the connections a drain ended, those closed by now and those still open (to be cut)."""
+        counts = self.ctx.metrics.pod_drain()
+        drained = Drained()
+        for record in ending:
+            cut = record in self.ctx.connections
+            counts.cell((record.direction, "cut" if cut else "closed")).inc()
+            if cut:
+                drained.cut += 1
+            else:
+                drained.closed += 1
+        return drained
+
+
+@dataclass
+class Drained:
+    """What a drain that ended the connections did: closed within the deadline, cut at it."""
+
+    closed: int = 0
+    cut: int = 0

@@ -8,6 +8,7 @@ import operator
 import random
 import time
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 from hbone.relay import RelayCounts
 from xds.model import Service, Workload
@@ -45,6 +46,12 @@ def new_span_id() -> str:
 
 def _v(value: str | None) -> str:
     return value or UNKNOWN
+
+
+class Carrier(Protocol):
+    def end(self, reason: str) -> None:
+        """End the connection gracefully, for `reason` (which its access-log line gives)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +196,7 @@ class ConnectionRecord:
         "_metrics",
         "_peers",
         "_registry",
+        "carrier",
         "counts",
         "direction",
         "dst",
@@ -232,6 +240,8 @@ class ConnectionRecord:
         self.hbone_addr = hbone_addr
         self.spans = spans
         self.dump_as = dump_as
+        # What carries it, once it is carried (`connections.carry`): a drain ends it through it.
+        self.carrier: Carrier | None = None
         self._registry = registry
         if registry is not None:
             registry.add(self)
@@ -267,7 +277,17 @@ class ConnectionRecord:
         items.append(("", self._peers.dst_fields))
         return items
 
-    def finish(self, *, received: int, sent: int, error: str | None = None, flags: str = "-") -> None:
+    def finish(
+        self,
+        *,
+        received: int,
+        sent: int,
+        error: str | None = None,
+        flags: str = "-",
+        reason: str | None = None,
+    ) -> None:
+        """Count and log the end of it; `reason`: why the proxy ended it (a deleted pod's drain)."""
+        self.carrier = None  # it and its record refer to each other until now: no cycle left behind
         self._metrics.close(flags)
         if self._registry is not None:
             self._registry.discard(self)
@@ -286,6 +306,8 @@ class ConnectionRecord:
             ("bytes_recv", bytes_recv),
             ("duration", f"{round((time.monotonic() - self.start) * 1000)}ms"),
         )
+        if reason is not None:
+            items.append(("reason", reason))
         if error is not None:
             items.append(("error", error))
         access_items(level, "connection complete", items, self.spans)

@@ -19,6 +19,7 @@ import functools
 import ipaddress
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
@@ -166,8 +167,10 @@ class Upstreams:
         self.ctx = ctx
         config = ctx.config
         self.tunnels = tunnels if tunnels is not None else HboneTunnels(ctx)
+        # Every HBONE connection dialled for the pool, while it lives (`close_gracefully`).
+        self._dialed: weakref.WeakSet[PooledConnection] = weakref.WeakSet()
         self.pool: Pool[PooledConnection] = Pool(
-            self.tunnels.dial,
+            self._dial,
             max_streams=config.pool_max_streams_per_connection,
             idle_timeout=config.pool_unused_release_timeout,
             clock=clock,
@@ -301,9 +304,20 @@ class Upstreams:
             raise OSError(f"no addresses for {hostname}")
         return chosen
 
+    async def _dial(self, key: PoolKey) -> PooledConnection:
+        conn = await self.tunnels.dial(key)
+        self._dialed.add(conn)
+        return conn
+
     def drain(self) -> None:
         """No new HBONE connections: connections still being established use the pooled ones."""
         self.pool.drain()
+
+    def close_gracefully(self) -> None:
+        """Every HBONE connection of the pool takes no new stream and closes (GOAWAY) once its
+        streams have ended (a deleted pod's: they carry its identity)."""
+        for conn in list(self._dialed):
+            conn.close()
 
     async def close(self) -> None:
         await self.pool.close()

@@ -28,6 +28,7 @@ DATA_PLANE_PREFIXES = (
     "istio_crl_",
     "ztunnel_log_",
     "ztunnel_event_loop_",
+    "ztunnel_pod_drain_",
 )
 KINDS = ("counter", "histogram", "gauge")
 

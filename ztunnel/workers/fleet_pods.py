@@ -58,11 +58,11 @@ class WorkerPods:
             return next(iter(failed.values()))
         return "; ".join(f"worker {i}: {e}" for i, e in failed.items())
 
-    async def stop(self, uid: str, deadline: float) -> None:
+    async def stop(self, uid: str, deadline: float, *, deleted: bool = False) -> None:
         entry = self._pods.pop(uid, None)
         if entry is None:
             return
-        await self._workers.ask_all(PodDel(uid, deadline))
+        await self._workers.ask_all(PodDel(uid, deadline, deleted=deleted))
         identity = self._identity(entry[0])
         if all(self._identity(m) != identity for m, _ in self._pods.values()):
             self._workers.forget_identity(identity)

@@ -167,9 +167,13 @@ class PodAdd:
 
 @dataclass(frozen=True)
 class PodDel:
+    """Supervisor -> worker: drain this pod's proxy (gracefully for up to `deadline`, at once when
+    0); `deleted`: the pod is gone, its connections are ended at once, gracefully."""
+
     uid: str
     deadline: float = 0.0
     seq: int = 0
+    deleted: bool = False
 
 
 @dataclass(frozen=True)

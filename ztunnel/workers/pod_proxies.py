@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from ztunnel.config.settings import WorkloadInfo
@@ -9,7 +10,11 @@ from ztunnel.inpod.netns import PodNetns
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.workers.messages import PodConnections
 
+log = logging.getLogger("ztunnel.inpod")
+
 BuildPodProxy = Callable[[WorkloadInfo, PodNetns], ProxyInstance]
+# Why a deleted pod's connections end, as their access-log lines say.
+POD_DELETED = "pod deleted"
 
 
 class PodProxies:
@@ -40,16 +45,24 @@ class PodProxies:
         self.instances[uid] = (instance, netns)
         return None
 
-    async def stop(self, uid: str, deadline: float) -> None:
-        """Drain the pod's proxy (gracefully for up to `deadline`, at once when 0)."""
+    async def stop(self, uid: str, deadline: float, *, deleted: bool = False) -> None:
+        """Drain the pod's proxy (gracefully for up to `deadline`, at once when 0). `deleted`: the pod
+        is gone; its connections are ended at once, gracefully (GOAWAY, FIN after what is in flight),
+        the deadline bounding their peers' own ends, before its namespace is let go."""
         entry = self.instances.pop(uid, None)
         if entry is None:
             return
         instance, netns = entry
         try:
-            await instance.drain(deadline, graceful=deadline > 0)
+            drained = await instance.drain(
+                deadline, graceful=deadline > 0, end=POD_DELETED if deleted and deadline > 0 else None
+            )
         finally:
             netns.close()
+        if deleted and (drained.closed or drained.cut):
+            log.info(
+                "pod deleted, connections drained: uid=%s closed=%d cut=%d", uid, drained.closed, drained.cut
+            )
         self._release_identity(instance)
 
     def _release_identity(self, stopped: ProxyInstance) -> None:

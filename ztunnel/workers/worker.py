@@ -347,7 +347,7 @@ class WorkerRuntime:
             await self.channel.send(await self._pod_add(message, fds))
         elif isinstance(message, PodDel):
             if self.pods is not None:
-                await self.pods.stop(message.uid, message.deadline)
+                await self.pods.stop(message.uid, message.deadline, deleted=message.deleted)
             await self.channel.send(PodResult(message.uid, seq=message.seq))
         else:
             close_fds(fds)
@@ -371,7 +371,9 @@ class WorkerRuntime:
         return PodResult(message.uid, error or "", message.seq)
 
     async def _drain(self, deadline: float) -> None:
-        drains = [proxy.drain(deadline, graceful=deadline > 0) for proxy in self.proxies]
+        drains: list[Awaitable[object]] = [
+            proxy.drain(deadline, graceful=deadline > 0) for proxy in self.proxies
+        ]
         if self.pods is not None:
             drains += [self.pods.stop(uid, deadline) for uid in list(self.pods.instances)]
         await asyncio.gather(*drains, return_exceptions=True)
