@@ -550,70 +550,71 @@ class H2Core:
 
     def _walk(self) -> bool:
         """Walk the input until a DATA payload is handed out (True) or it is spent; stop before
-        the next frame while events wait to be taken."""
+        the next frame while events wait to be taken. (A connection error raised here ends the
+        input: where it stopped does not matter.)"""
         data = self._input
         n = len(data)
         pos = self._pos
         events = self._events
-        try:
-            while pos < n and not events:
-                if self._data_left:
-                    take = min(self._data_left, n - pos)
-                    self._data_left -= take
-                    sid = self._data_sid
-                    pos += take
-                    if not sid:
-                        self._ack_connection(take)
-                        continue
-                    self.data = data[pos - take : pos]
-                    self.data_stream_id = sid
-                    self.data_flow = take
-                    if not self._data_left and self._data_end:
-                        self._remote_end(sid)
+        while pos < n and not events:
+            if self._data_left:
+                take = min(self._data_left, n - pos)
+                self._data_left -= take
+                sid = self._data_sid
+                pos += take
+                if not sid:
+                    self._ack_connection(take)
+                    continue
+                self.data = data[pos - take : pos]
+                self.data_stream_id = sid
+                self.data_flow = take
+                if not self._data_left and self._data_end:
+                    self._remote_end(sid)
+                self._pos = pos
+                return True
+            if self._fleft:
+                take = min(self._fleft, n - pos)
+                if not self._skip:
+                    self._fbody += data[pos : pos + take]
+                pos += take
+                self._fleft -= take
+                if not self._fleft:
+                    self._complete()
+                continue
+            if self._preface_left:
+                take = min(self._preface_left, n - pos)
+                at = len(PREFACE) - self._preface_left
+                if data[pos : pos + take] != PREFACE[at : at + take]:
+                    raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "invalid connection preface")
+                pos += take
+                self._preface_left -= take
+                continue
+            head = self._head
+            if head or n - pos < 9:
+                take = min(9 - len(head), n - pos)
+                head += data[pos : pos + take]
+                pos += take
+                if len(head) < 9:
+                    break
+                hi, lo, ftype, flags, sid = FRAME_HEADER.unpack(head)
+                head.clear()
+            else:
+                hi, lo, ftype, flags, sid = FRAME_HEADER.unpack_from(data, pos)
+                pos += 9
+            length = (hi << 8) | lo
+            sid &= 0x7FFFFFFF
+            if (
+                ftype == TYPE_DATA
+                and length <= n - pos
+                and (not flags & FLAG_PADDED or (length and data[pos] < length))
+            ):
+                pos += length
+                if self._whole_data(data, pos - length, length, flags, sid):
+                    self._pos = pos
                     return True
-                if self._fleft:
-                    take = min(self._fleft, n - pos)
-                    if not self._skip:
-                        self._fbody += data[pos : pos + take]
-                    pos += take
-                    self._fleft -= take
-                    if not self._fleft:
-                        self._complete()
-                    continue
-                if self._preface_left:
-                    take = min(self._preface_left, n - pos)
-                    at = len(PREFACE) - self._preface_left
-                    if data[pos : pos + take] != PREFACE[at : at + take]:
-                        raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "invalid connection preface")
-                    pos += take
-                    self._preface_left -= take
-                    continue
-                head = self._head
-                if head or n - pos < 9:
-                    take = min(9 - len(head), n - pos)
-                    head += data[pos : pos + take]
-                    pos += take
-                    if len(head) < 9:
-                        break
-                    hi, lo, ftype, flags, sid = FRAME_HEADER.unpack(head)
-                    head.clear()
-                else:
-                    hi, lo, ftype, flags, sid = FRAME_HEADER.unpack_from(data, pos)
-                    pos += 9
-                length = (hi << 8) | lo
-                sid &= 0x7FFFFFFF
-                if (
-                    ftype == TYPE_DATA
-                    and length <= n - pos
-                    and (not flags & FLAG_PADDED or (length and data[pos] < length))
-                ):
-                    pos += length
-                    if self._whole_data(data, pos - length, length, flags, sid):
-                        return True
-                    continue
-                self._frame_header(length, ftype, flags, sid)
-        finally:
-            self._pos = pos
+                continue
+            self._frame_header(length, ftype, flags, sid)
+        self._pos = pos
         return False
 
     def _frame_header(self, length: int, ftype: int, flags: int, sid: int) -> None:
