@@ -31,7 +31,7 @@ acknowledge ours) within `handshake_timeout` is cut (SETTINGS_TIMEOUT).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from hpack import Decoder, HPACKError, OversizedHeaderListError
 from hyperframe.frame import (
@@ -110,9 +110,9 @@ _KNOWN_TYPES = frozenset(range(10))
 _NOTHING = memoryview(b"")
 
 # What `H2Core.step` reports.
-STEP_DONE = 0
-STEP_EVENTS = 1
-STEP_DATA = 2
+STEP_DONE: Final = 0
+STEP_EVENTS: Final = 1
+STEP_DATA: Final = 2
 
 
 class H2Core:

@@ -4,6 +4,7 @@ the parse of a buffered control frame."""
 from __future__ import annotations
 
 import struct
+from typing import Final
 
 from hyperframe.exceptions import HyperframeError, InvalidDataError, InvalidPaddingError
 from hyperframe.frame import Frame
@@ -11,31 +12,31 @@ from hyperframe.frame import Frame
 from hbone.h2core.codes import ErrorCode, H2ConnectionError, H2StreamError
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DEFAULT_WINDOW = 65535
-DEFAULT_FRAME_SIZE = 16384
-MAX_WINDOW = 2**31 - 1
+DEFAULT_WINDOW: Final = 65535
+DEFAULT_FRAME_SIZE: Final = 16384
+MAX_WINDOW: Final = 2**31 - 1
 # DATA payloads from this size on are queued as they are (a separate buffer for `writelines`).
-LARGE_DATA = 16 * 1024
+LARGE_DATA: Final = 16 * 1024
 # The most plaintext one TLS record carries (RFC 8446 §5.1).
-TLS_RECORD = 16 * 1024
+TLS_RECORD: Final = 16 * 1024
 
 FRAME_HEADER = struct.Struct(">HBBBL")  # length (24 bits as 16+8), type, flags, stream id
 WINDOW_UPDATE_FRAME = struct.Struct(">HBBBLL")  # a frame header, then the increment
-TYPE_DATA = 0x0
-TYPE_HEADERS = 0x1
-TYPE_PRIORITY = 0x2
-TYPE_RST_STREAM = 0x3
-TYPE_SETTINGS = 0x4
-TYPE_PUSH_PROMISE = 0x5
-TYPE_PING = 0x6
-TYPE_GOAWAY = 0x7
-TYPE_WINDOW_UPDATE = 0x8
-TYPE_CONTINUATION = 0x9
-FLAG_END_STREAM = 0x1
-FLAG_ACK = 0x1
-FLAG_END_HEADERS = 0x4
-FLAG_PADDED = 0x8
-FLAG_PRIORITY = 0x20
+TYPE_DATA: Final = 0x0
+TYPE_HEADERS: Final = 0x1
+TYPE_PRIORITY: Final = 0x2
+TYPE_RST_STREAM: Final = 0x3
+TYPE_SETTINGS: Final = 0x4
+TYPE_PUSH_PROMISE: Final = 0x5
+TYPE_PING: Final = 0x6
+TYPE_GOAWAY: Final = 0x7
+TYPE_WINDOW_UPDATE: Final = 0x8
+TYPE_CONTINUATION: Final = 0x9
+FLAG_END_STREAM: Final = 0x1
+FLAG_ACK: Final = 0x1
+FLAG_END_HEADERS: Final = 0x4
+FLAG_PADDED: Final = 0x8
+FLAG_PRIORITY: Final = 0x20
 
 
 def parse_frame(ftype: int, flags: int, sid: int, body: memoryview) -> Frame:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 # Closed streams remembered, to judge frames still in flight on them (RFC 9113 §5.1 "closed").
-MAX_CLOSED_STREAMS = 4096
+MAX_CLOSED_STREAMS: Final = 4096
 
 # How a closed stream ended, as remembered.
-CLOSED_BY_US = 1  # we sent RST_STREAM (or it was refused by GOAWAY): the peer's late frames are ignored
-CLOSED_BY_PEER = 2  # the peer's RST_STREAM
-CLOSED_ENDED = 3  # END_STREAM both ways
-CLOSED_UNKNOWN = 4  # below the highest id, not remembered (forgotten, or skipped by the peer)
+CLOSED_BY_US: Final = 1  # we reset it (or GOAWAY refused it): the peer's late frames are ignored
+CLOSED_BY_PEER: Final = 2  # the peer's RST_STREAM
+CLOSED_ENDED: Final = 3  # END_STREAM both ways
+CLOSED_UNKNOWN: Final = 4  # below the highest id, not remembered (forgotten, or skipped by the peer)
 
 
 class Stream:
