@@ -9,9 +9,11 @@ closing the transport once a drained connection's last stream is over, and teari
 
 * receiving: the session is a `BufferedProtocol`, so the TLS layer decrypts straight into a buffer
   of ours (one per thread and nesting level, reused: no allocation per read); the core hands a DATA
-  payload to its stream as it arrives, piece by piece (one copy, out of that buffer).
-* sending: the core frames DATA around the payload itself (payloads from 16 KiB on are not copied:
-  the transport gets them in a `writelines`); received batches are answered with one write.
+  payload out in place (`H2Core.step`: a view of that buffer, no event object), and it goes to its
+  stream as it arrives, piece by piece (one copy, out of that buffer).
+* sending: the core frames DATA around the payload itself (payloads from 16 KiB on are copied
+  only to fill the TLS record of their frame header: the transport gets the rest in a
+  `writelines`); received batches are answered with one write.
 * window updates: what the streams consumed is given back through the core (`ack`), which sends a
   WINDOW_UPDATE once half a window is consumed; they leave with the next flush.
 
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from hbone.errors import ConnectionClosed, HboneError
-from hbone.h2core import ErrorCode, H2Core, H2UsageError, error_name
+from hbone.h2core import STEP_DATA, STEP_EVENTS, ErrorCode, H2Core, H2UsageError, error_name
 from hbone.h2core import events as ev
 from hbone.hpack import HeaderFieldError
 from hbone.identity import Identity
@@ -102,7 +104,8 @@ class H2Session(asyncio.BufferedProtocol):
         self.client_side = client_side
         self.settings = settings
         self._on_request = on_request
-        self._core = H2Core(client_side=client_side, settings=settings, now=self.loop.time())
+        loop = self.loop
+        self._core = H2Core(client_side=client_side, settings=settings, now=loop.time(), clock=loop.time)
         self.transport: asyncio.Transport | None = None
         self.extra: dict[str, Any] = {}
         self.peer_identity: Identity | None = None
@@ -305,10 +308,24 @@ class H2Session(asyncio.BufferedProtocol):
         core = self._core
         self._in_batch = True
         try:
-            events = core.receive(data, self.loop.time())
+            core.feed(data)  # no clock read: the core reads `loop.time` if a reset is counted
             dispatch = self._dispatch
-            for event in events:
-                dispatch[type(event)](event)
+            streams = self.streams
+            while True:
+                step = core.step()
+                if step == STEP_DATA:  # a DATA payload, in place: no event object
+                    stream = streams.get(core.data_stream_id)
+                    if stream is None:
+                        core.ack(core.data_stream_id, core.data_flow)
+                    else:
+                        stream.received_data(core.data.tobytes(), core.data_flow)
+                elif step == STEP_EVENTS:
+                    for event in core.take_events():
+                        dispatch[type(event)](event)
+                        if self._dead:
+                            return
+                else:
+                    break
                 if self._dead:
                     return
             if self._new_requests:

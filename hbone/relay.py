@@ -8,7 +8,8 @@ reading until it drains. The copy is done when both directions have ended or eit
 `Inbox` is the protocol of a connection that is accepted but not yet relayed: it holds what arrives
 (so a handshake such as SOCKS5 can read from it) until `start_relay` takes the transport over. What
 was taken out of it to be sent on ahead of the relay (`forward_early`: an HBONE CONNECT's early data)
-is counted by the relay as if it had carried it.
+is counted by the relay as if it had carried it. The counts are kept in a `RelayCounts` the caller
+may give, and read when it likes (the metrics read them when scraped): nothing is called per read.
 """
 
 from __future__ import annotations
@@ -93,6 +94,16 @@ class Inbox(asyncio.Protocol):
         return data
 
 
+class RelayCounts:
+    """Bytes copied so far each way, as the relay copies them: `a_to_b` from side a to side b."""
+
+    __slots__ = ("a_to_b", "b_to_a")
+
+    def __init__(self) -> None:
+        self.a_to_b = 0
+        self.b_to_a = 0
+
+
 @dataclass(slots=True)
 class RelayResult:
     """Bytes copied each way. A reset or a broken pipe ends a copy as normally as an EOF does (TCP
@@ -105,25 +116,31 @@ class RelayResult:
 class _End(asyncio.Protocol):
     """The protocol installed on one side of a relay."""
 
-    __slots__ = ("count", "eof", "lost", "on_bytes", "peer", "relay", "transport", "write_peer")
+    __slots__ = ("counts", "eof", "from_a", "lost", "peer", "relay", "transport", "write_peer")
 
-    def __init__(self, relay: _Relay, transport: asyncio.Transport, on_bytes: Callable[[int], None] | None):
+    def __init__(self, relay: _Relay, transport: asyncio.Transport, counts: RelayCounts, from_a: bool):
         self.relay = relay
         self.transport = transport
         self.peer: _End
         self.write_peer: Callable[[bytes], None]  # the other side's `transport.write`, bound once
-        self.on_bytes = on_bytes
-        self.count = 0
+        self.counts = counts
+        self.from_a = from_a  # which of the counts this side's bytes add to
         self.eof = False
         self.lost = False
 
     def data_received(self, data: bytes) -> None:
-        # The hot path of the relay: one write through, one counter update; nothing per chunk else.
-        n = len(data)
-        self.count += n
+        # The hot path of the relay: one write through, one count; nothing per chunk else.
+        if self.from_a:
+            self.counts.a_to_b += len(data)
+        else:
+            self.counts.b_to_a += len(data)
         self.write_peer(data)
-        if self.on_bytes is not None:
-            self.on_bytes(n)
+
+    def count(self, n: int) -> None:
+        if self.from_a:
+            self.counts.a_to_b += n
+        else:
+            self.counts.b_to_a += n
 
     def eof_received(self) -> bool:
         self.eof = True
@@ -148,16 +165,17 @@ class _End(asyncio.Protocol):
 
 
 class _Relay:
-    __slots__ = ("a", "b", "done")
+    __slots__ = ("a", "b", "counts", "done")
 
-    def __init__(self) -> None:
+    def __init__(self, counts: RelayCounts) -> None:
         self.done: asyncio.Future[RelayResult] = asyncio.get_running_loop().create_future()
+        self.counts = counts
         self.a: _End
         self.b: _End
 
     def _finish(self) -> None:
         if not self.done.done():
-            self.done.set_result(RelayResult(self.a.count, self.b.count))
+            self.done.set_result(RelayResult(self.counts.a_to_b, self.counts.b_to_a))
 
     def maybe_done(self) -> None:
         if self.a.eof and self.b.eof:
@@ -188,20 +206,21 @@ def start_relay(
     *,
     a_inbox: Inbox | None = None,
     b_inbox: Inbox | None = None,
-    on_a_to_b: Callable[[int], None] | None = None,
-    on_b_to_a: Callable[[int], None] | None = None,
+    counts: RelayCounts | None = None,
 ) -> asyncio.Future[RelayResult]:
     """Start copying bytes between two transports until both directions end; the future's result is
-    the byte counts.
+    the byte counts, which `counts` (if given) holds live meanwhile.
 
     An `Inbox` given for a side is the protocol that side had until now: what it holds (bytes, an
     EOF, the loss of the connection) is replayed first. Both transports are closed when the copy
     ends. Nothing waits in a coroutine meanwhile: a held connection is this future and two
     protocols. Cancelling the future ends the copy; the caller then aborts both transports.
     """
-    r = _Relay()
-    end_a = _End(r, a, on_a_to_b)
-    end_b = _End(r, b, on_b_to_a)
+    if counts is None:
+        counts = RelayCounts()
+    r = _Relay(counts)
+    end_a = _End(r, a, counts, True)
+    end_b = _End(r, b, counts, False)
     end_a.peer, end_b.peer = end_b, end_a
     end_a.write_peer, end_b.write_peer = b.write, a.write
     r.a, r.b = end_a, end_b
@@ -211,9 +230,7 @@ def start_relay(
         if inbox is None:
             continue
         if inbox.forwarded:
-            end.count += inbox.forwarded
-            if end.on_bytes is not None:
-                end.on_bytes(inbox.forwarded)
+            end.count(inbox.forwarded)
         if inbox.buffer:
             end.data_received(inbox.take())
         if inbox.eof:

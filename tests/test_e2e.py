@@ -356,3 +356,40 @@ async def test_cert_expiry_of_each_identity_held(mesh: Mesh) -> None:
             for identity, c in held.items()
         }
         assert shown == expected
+
+
+async def test_the_bytes_of_an_open_connection_are_in_the_metrics_as_it_carries_them(mesh: Mesh) -> None:
+    """Both proxies' byte counters include an open connection's bytes at each scrape (the relay's
+    own counts, read then), and end exact once it closes."""
+    code, reader, writer = await socks5_connect((FRONTEND, 15080), SERVER, 8080)
+    assert code == 0
+    principal = "spiffe://cluster.local/ns/demo/sa/frontend"
+    counted = {"frontend": "source", "server": "destination"}
+    total = 0
+    try:
+        for size in (1000, 70_000):
+            payload = os.urandom(size)
+            writer.write(payload)
+            assert await asyncio.wait_for(reader.readexactly(size), 10) == payload
+            total += size
+            for proxy in (mesh.frontend, mesh.server):
+                for name in ("istio_tcp_received_bytes_total", "istio_tcp_sent_bytes_total"):
+                    await eventually_async(
+                        lambda p=proxy, n=name, t=total: (
+                            mesh.count(p, n, reporter=counted[p.name], source_principal=principal) == t
+                        ),
+                        f"{proxy.name}'s {name} at {total} while the connection is open",
+                        10.0,
+                        blocking=True,
+                    )
+    finally:
+        writer.close()
+    await eventually_async(
+        lambda: mesh.count(mesh.server, "istio_tcp_connections_closed_total", reporter="destination") >= 1,
+        "the connection closed",
+        10.0,
+        blocking=True,
+    )
+    for proxy in (mesh.frontend, mesh.server):
+        for name in ("istio_tcp_received_bytes_total", "istio_tcp_sent_bytes_total"):
+            assert mesh.count(proxy, name, reporter=counted[proxy.name], source_principal=principal) == total

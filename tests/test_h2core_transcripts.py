@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from hbone.h2core import ErrorCode
+from hbone.h2core import STEP_DONE, ErrorCode, H2Core
 from hbone.h2core import events as ev
 from hbone.settings import H2Settings
 from tests.h2core_util import Server, frames, of
@@ -65,6 +65,39 @@ def test_resets_spread_over_windows_are_no_attack() -> None:
         s.now = n * 0.2  # 5 per second
         s.feed(s.request(1 + 2 * n) + rst(1 + 2 * n, ErrorCode.CANCEL))
     assert not s.core.terminated
+
+
+def test_fed_without_the_time_the_core_reads_its_clock_only_to_count_a_reset() -> None:
+    """A session feeds its batches without the time: a batch of DATA reads no clock; a reset reads
+    it once for its batch, and rapid reset is judged by it as by the time given."""
+    reads: list[float] = []
+    now = [0.0]
+
+    def clock() -> float:
+        reads.append(now[0])
+        return now[0]
+
+    settings = H2Settings(max_resets=10, reset_window=1.0)
+    core = H2Core(client_side=False, settings=settings, now=0.0, clock=clock)
+    core.initiate(settings.local_settings(client_side=False), 0.0)
+    s = Server(settings)
+    s.core = core
+
+    def feed(data: bytes) -> None:
+        core.feed(data)
+        while core.step() != STEP_DONE:
+            core.take_events()
+
+    feed(PREFACE + frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0) + s.request(1))
+    feed(b"".join(frame(DATA, 0, 1, b"x" * 100) for _ in range(50)))
+    assert reads == []
+    for n in range(40):  # 5 resets a second: within the limit, the windows roll over
+        now[0] = n * 0.2
+        feed(s.request(3 + 2 * n) + rst(3 + 2 * n, ErrorCode.CANCEL))
+    assert len(reads) == 40 and not core.terminated
+    feed(b"".join(s.request(83 + 2 * n) + rst(83 + 2 * n, ErrorCode.CANCEL) for n in range(11)))
+    assert len(reads) == 41  # one read for the batch
+    assert core.terminated
 
 
 def test_resets_of_answered_streams_are_not_counted() -> None:

@@ -64,7 +64,8 @@ class Sink(asyncio.Protocol):
 
 
 class Target:
-    """An HBONE server whose handler echoes, holds ("hold:") or never answers ("forever:")."""
+    """An HBONE server whose handler echoes, holds ("hold:"), never answers ("forever:") or keeps
+    what arrives ("sink:", in `sinks`)."""
 
     def __init__(self, settings: H2Settings) -> None:
         ca = make_ca()
@@ -74,6 +75,7 @@ class Target:
         self.cancelled: list[str] = []
         self.tls_errors: list[Exception] = []
         self.release = asyncio.Event()
+        self.sinks: dict[str, Sink] = {}
         self.server = HboneServer(
             TlsCredentials.build(self.server_cert),
             self._handle,
@@ -102,6 +104,9 @@ class Target:
             self.cancelled.append(req.authority)
             raise
         req.respond(200)
+        if req.authority.startswith("sink:"):
+            req.stream.set_protocol(self.sinks.setdefault(req.authority, Sink()))
+            return
         req.stream.set_protocol(Echo(req.stream))
 
     async def connect(self) -> HboneConnection:
@@ -367,3 +372,47 @@ async def test_early_data_goes_with_the_connect_and_is_dropped_on_refusal(target
     stream, sink = await open_echo(conn)
     stream.write(b"still fine")
     await sink.wait_for(10)
+
+
+ONE_BYTE_FRAMES = 100_000
+
+
+async def test_100000_one_byte_data_frames_all_arrive_from_a_raw_peer(target) -> None:
+    """No budget on small DATA frames: a peer that frames every byte alone (100,000 frames on one
+    stream, 1 MB on the wire for 100 kB) is legitimate traffic, not an attack: every byte reaches
+    the app in order, and the connection is not sent a GOAWAY or a reset."""
+    peer = await target.raw()
+    peer.send(peer.connect_headers(1, "sink:raw"))
+    await peer.read_until(lambda f: f.type == h2peer.HEADERS and f.stream_id == 1, 10.0)
+    payload = bytes(i % 251 for i in range(ONE_BYTE_FRAMES))
+    wire = b"".join(frame(h2peer.DATA, 0, 1, payload[i : i + 1]) for i in range(ONE_BYTE_FRAMES))
+    for at in range(0, len(wire), 64 * 1024):
+        peer.send(wire[at : at + 64 * 1024])
+        await asyncio.wait_for(peer.writer.drain(), 10.0)
+    peer.send(frame(h2peer.DATA, h2peer.END_STREAM, 1) + ping(b"all-sent"))
+    await eventually_async(lambda: "sink:raw" in target.sinks, "the stream's sink")
+    sink = target.sinks["sink:raw"]
+    await sink.wait_for(ONE_BYTE_FRAMES, timeout=30.0)
+    await peer.read_until(lambda f: f.type == h2peer.PING and f.flags & h2peer.ACK, 10.0)
+    assert bytes(sink.data) == payload
+    assert not [f for f in peer.received if f.type in (h2peer.GOAWAY, h2peer.RST_STREAM)], peer.summary()
+    # the window they used came back (WINDOW_UPDATE past half a window, stream and connection)
+    assert any(f.type == h2peer.WINDOW_UPDATE and f.stream_id == 0 for f in peer.received)
+
+
+async def test_100000_one_byte_writes_of_our_client_all_arrive(target) -> None:
+    """The same through our own client, a DATA frame (and a TLS record) per one-byte write."""
+    conn = await target.connect()
+    stream = await conn.connect("sink:client")
+    stream.set_protocol(Sink())
+    payload = bytes(i % 251 for i in range(ONE_BYTE_FRAMES))
+    for i in range(ONE_BYTE_FRAMES):
+        stream.write(payload[i : i + 1])
+        if i % 1000 == 999:
+            await asyncio.sleep(0)  # let the loop carry what is written, as an app's loop does
+    stream.write_eof()
+    await eventually_async(lambda: "sink:client" in target.sinks, "the stream's sink")
+    sink = target.sinks["sink:client"]
+    await sink.wait_for(ONE_BYTE_FRAMES, timeout=40.0)
+    assert bytes(sink.data) == payload
+    assert conn.is_usable()

@@ -6,6 +6,7 @@ import re
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+from hbone.relay import RelayCounts
 from ztunnel.metrics.exposition import OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE
 from ztunnel.metrics.families import Metrics
 from ztunnel.metrics.traffic import TrafficLabels
@@ -135,6 +136,28 @@ def test_open_bytes_close_counts() -> None:
     body = text(m)
     assert value(body, "istio_tcp_connections_closed_total", response_flags="-") == 1
     assert "istio_tcp_connections_failed_total" not in body
+
+
+def test_bytes_a_relay_counts_are_read_when_scraped_and_kept_at_close() -> None:
+    """A carried connection's bytes are its relay's counts: nothing is called per read; each scrape
+    reads them, and its close adds them to the series for good."""
+    m = Metrics(process_metrics=False)
+    done = m.open_connection(OUTBOUND)
+    done.received(10)
+    live = m.open_connection(OUTBOUND)
+    counts = RelayCounts()
+    live.count_live(counts)
+    counts.a_to_b, counts.b_to_a = 300, 7
+    body = text(m)
+    assert value(body, "istio_tcp_received_bytes_total", response_flags="-") == 310
+    assert value(body, "istio_tcp_sent_bytes_total", response_flags="-") == 7
+    counts.a_to_b += 5
+    assert value(text(m), "istio_tcp_received_bytes_total", response_flags="-") == 315
+    live.close()
+    counts.a_to_b += 1000  # after the close: not this connection's any more
+    body = text(m)
+    assert value(body, "istio_tcp_received_bytes_total", response_flags="-") == 315
+    assert value(body, "istio_tcp_sent_bytes_total", response_flags="-") == 7
 
 
 def test_failed_connection_counts_closed_and_failed_with_the_flag() -> None:

@@ -8,9 +8,12 @@ from hbone.h2core.codes import (
     SettingCode,
     error_name,
 )
-from hbone.h2core.connection import H2Core
+from hbone.h2core.connection import STEP_DATA, STEP_DONE, STEP_EVENTS, H2Core
 
 __all__ = [
+    "STEP_DATA",
+    "STEP_DONE",
+    "STEP_EVENTS",
     "ErrorCode",
     "H2ConnectionError",
     "H2Core",

@@ -59,3 +59,7 @@ class H2StreamError(Exception):
 
 class H2UsageError(Exception):
     """A command the connection cannot carry out in its state (e.g. a new stream after GOAWAY)."""
+
+
+class LimitBroken(H2ConnectionError):
+    """The peer broke one of our abuse limits (`hbone.settings.H2Settings`)."""

@@ -14,7 +14,7 @@ and add to on the hot path; `Families` collects those that have samples.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 
@@ -208,7 +208,7 @@ class Counter(_Labelled):
 
 
 class CounterCell:
-    """One labelled counter value; `inc` is the hot-path operation."""
+    """One labelled counter value; `read` is what a scrape shows."""
 
     __slots__ = ("value",)
 
@@ -218,20 +218,30 @@ class CounterCell:
     def inc(self, n: int = 1) -> None:
         self.value += n
 
+    def read(self) -> int:
+        return self.value
+
 
 class CounterFamily:
-    """A counter's cells by label values, without `_created` samples."""
+    """A counter's cells by label values (made by `make`), without `_created` samples."""
 
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: tuple[str, ...],
+        make: Callable[[], CounterCell] = CounterCell,
+    ) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = labelnames
         self.cells: dict[tuple[str, ...], CounterCell] = {}
+        self._make = make
 
     def cell(self, values: tuple[str, ...]) -> CounterCell:
         cell = self.cells.get(values)
         if cell is None:
-            cell = self.cells[values] = CounterCell()
+            cell = self.cells[values] = self._make()
         return cell
 
     def forget(self, values: tuple[str, ...]) -> None:
@@ -240,7 +250,7 @@ class CounterFamily:
     def family(self) -> CounterMetricFamily:
         fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, cell in list(self.cells.items()):
-            fam.add_metric(values, cell.value)
+            fam.add_metric(values, cell.read())
         return fam
 
 

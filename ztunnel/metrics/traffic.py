@@ -1,9 +1,10 @@
 """The `istio_tcp_*` traffic families: their label set, a connection's counters, and the series of
 workloads gone from the state.
 
-A connection resolves its counter cells once per label set and then adds to a plain attribute per
-chunk (no lock, no label lookup), which is safe because each data-plane event loop owns its
-families; no family emits `_created` samples (the reference does not).
+A connection resolves its counter cells once per label set; its bytes are counted by its relay
+alone (`ByteCounts`), and the byte cells read the open connections' counts when scraped and add
+them up at close: nothing per chunk here (no lock is needed: each data-plane event loop owns its
+families); no family emits `_created` samples (the reference does not).
 
 The series of a workload gone from the state are forgotten by `drop_series` (never one that counts
 an open connection: each series keeps a count of those); `ztunnel.metrics.series` decides when.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Protocol, cast
 
 from ztunnel.metrics.registry import CounterCell, CounterFamily, Families
 
@@ -101,6 +103,31 @@ def _values(labels: TrafficLabels, flags: str) -> tuple[str, ...]:
     return (*vals[:_FLAGS_AT], flags, *vals[_FLAGS_AT:])
 
 
+class ByteCounts(Protocol):
+    """A carried connection's bytes, as its relay counts them (`hbone.relay.RelayCounts`): `a_to_b`
+    from the downstream side (received), `b_to_a` back to it (sent)."""
+
+    a_to_b: int
+    b_to_a: int
+
+
+class _ByteCell(CounterCell):
+    """A byte counter: the bytes of the connections closed, plus, when read, the counts of the open
+    ones (`ConnectionMetrics.count_live`)."""
+
+    __slots__ = ("live", "sent")
+
+    def __init__(self, sent: bool) -> None:
+        super().__init__()
+        self.sent = sent  # b_to_a, else a_to_b
+        self.live: set[ByteCounts] = set()
+
+    def read(self) -> int:
+        if self.sent:
+            return self.value + sum(c.b_to_a for c in self.live)
+        return self.value + sum(c.a_to_b for c in self.live)
+
+
 class _Series:
     """The cells of one traffic label set: its fresh-connection series (opened, bytes) and, per
     final flags, its closed and failed series; and how many open connections count on it."""
@@ -111,8 +138,8 @@ class _Series:
         self.values = values
         self.carried = 0
         self.opened = traffic.opened.cell(values)
-        self.received = traffic.received.cell(values)
-        self.sent = traffic.sent.cell(values)
+        self.received = cast(_ByteCell, traffic.received.cell(values))
+        self.sent = cast(_ByteCell, traffic.sent.cell(values))
         self.closed: dict[str, CounterCell] = {}
         self.failed: dict[str, CounterCell] = {}
 
@@ -130,7 +157,7 @@ class _Series:
 class ConnectionMetrics:
     """The counters of one connection, resolved when it opened."""
 
-    __slots__ = ("_closed", "_series", "_traffic", "received_cell", "sent_cell")
+    __slots__ = ("_closed", "_live", "_series", "_traffic", "received_cell", "sent_cell")
 
     def __init__(self, traffic: TrafficMetrics, labels: TrafficLabels) -> None:
         self._traffic = traffic
@@ -142,13 +169,21 @@ class ConnectionMetrics:
         series.carried += 1
         self.received_cell = series.received
         self.sent_cell = series.sent
+        self._live: ByteCounts | None = None
+
+    def count_live(self, counts: ByteCounts) -> None:
+        """The connection's bytes are `counts`, kept by its relay: read when scraped, added to the
+        series at close."""
+        self._live = counts
+        self.received_cell.live.add(counts)
+        self.sent_cell.live.add(counts)
 
     def received(self, n: int) -> None:
-        """Bytes read from downstream and written upstream."""
+        """Bytes read from downstream and written upstream (besides those of `count_live`)."""
         self.received_cell.value += n
 
     def sent(self, n: int) -> None:
-        """Bytes from upstream written back downstream."""
+        """Bytes from upstream written back downstream (besides those of `count_live`)."""
         self.sent_cell.value += n
 
     def close(self, response_flags: str = NO_FLAGS) -> None:
@@ -156,6 +191,13 @@ class ConnectionMetrics:
         if self._closed:
             return
         self._closed = True
+        live = self._live
+        if live is not None:
+            self._live = None
+            self.received_cell.live.discard(live)
+            self.sent_cell.live.discard(live)
+            self.received_cell.value += live.a_to_b
+            self.sent_cell.value += live.b_to_a
         series = self._series
         series.carried -= 1
         closed, failed = series.closed_cells(self._traffic, response_flags)
@@ -181,11 +223,13 @@ class TrafficMetrics:
             "istio_tcp_received_bytes",
             "The size of total bytes received during request in case of a TCP connection",
             TRAFFIC_LABEL_NAMES,
+            lambda: _ByteCell(sent=False),
         )
         self.sent = CounterFamily(
             "istio_tcp_sent_bytes",
             "The size of total bytes sent during response in case of a TCP connection",
             TRAFFIC_LABEL_NAMES,
+            lambda: _ByteCell(sent=True),
         )
         self.failed = CounterFamily(
             "istio_tcp_connections_failed",

@@ -104,8 +104,7 @@ def carry(
         upstream,
         a_inbox=down_inbox,
         b_inbox=up_inbox,
-        on_a_to_b=record.received,
-        on_b_to_a=record.sent,
+        counts=record.counts,
     )
     done.add_done_callback(carried, context=NO_CONTEXT)
     record.carrier = carried

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Protocol
 
+from hbone.relay import RelayCounts
 from xds.model import Service, Workload
 from ztunnel.decisions.admission import Admit, Reject
 from ztunnel.logs.lines import ACCESS, Bare, FieldRun, Item, Spans, access_items, access_log
@@ -196,13 +197,12 @@ class ConnectionRecord:
         "_peers",
         "_registry",
         "carrier",
+        "counts",
         "direction",
         "dst",
         "dst_addr",
         "dump_as",
         "hbone_addr",
-        "received",
-        "sent",
         "service",
         "spans",
         "src",
@@ -249,9 +249,10 @@ class ConnectionRecord:
         reporter = "source" if direction == "outbound" else "destination"
         self._peers = peers = peer_telemetry(reporter, src, dst, service, "mutual_tls" if mtls else UNKNOWN)
         self._metrics: ConnectionMetrics = metrics.open_connection(peers.labels)
-        # Bytes from the downstream side and back to it, live: the relay calls the cells directly.
-        self.received = self._metrics.received_cell.inc
-        self.sent = self._metrics.sent_cell.inc
+        # Bytes from the downstream side (a) and back to it, as the relay counts them: the metrics
+        # read them when scraped.
+        self.counts = RelayCounts()
+        self._metrics.count_live(self.counts)
         if ACCESS.isEnabledFor(logging.DEBUG):
             items = self._endpoints()
             items.append(("direction", direction))
