@@ -24,9 +24,9 @@ from controlplane.auth import CallerCheck
 from controlplane.ca import CaDirectoryError, CertificateAuthority, CertificateService, default_ca_dir
 from controlplane.kube.cluster import Options
 from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
+from mesh.localconfig import LocalConfigError
 from xds.client import MAX_MESSAGE_BYTES  # the client's limit: a large file fails on neither side
 from xds.gen.istio.v1.auth import ca_pb2_grpc
-from xds.localconfig import LocalConfigError
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
+from mesh.localconfig import LocalConfig, LocalConfigError
+from mesh.model import Service, Workload
 from policy.model import Authorization
 from xds.convert import (
     ADDRESS_TYPE_URL,
@@ -26,8 +28,6 @@ from xds.convert import (
     authorization_to_wire,
 )
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
-from xds.localconfig import LocalConfig, LocalConfigError
-from xds.model import Service, Workload
 
 log = logging.getLogger(__name__)
 

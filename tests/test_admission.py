@@ -20,7 +20,7 @@ from hbone.errors import (
     TlsHandshakeError,
 )
 from hbone.identity import Identity
-from xds.localconfig import parse_local_config
+from mesh.localconfig import parse_local_config
 from ztunnel.proxy.socks5_codec import Reply
 from ztunnel.proxy.socks5_listener import reply_for
 from ztunnel.proxy.upstream import DUMP_PROTOCOL, NETWORK_POLICY_HINT, FailureKind, classify_upstream_error

@@ -17,8 +17,8 @@ import random
 
 import pytest
 
-from xds.localconfig import LocalConfig
-from xds.model import (
+from mesh.localconfig import LocalConfig
+from mesh.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     CidrVip,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from xds.localconfig import parse_local_config
+from mesh.localconfig import parse_local_config
 from ztunnel.state.shared import SharedState
 from ztunnel.state.store import ProxyState
 from ztunnel.workers.messages import StateChanges, StateImageReady, ToWorker

@@ -12,6 +12,7 @@ from typing import Any
 
 from google.protobuf import any_pb2
 
+from mesh.model import NetworkAddress, Service, TunnelProtocol, Workload
 from policy.model import Authorization, Scope
 from tests.ads import (
     TIMEOUT,
@@ -42,7 +43,6 @@ from xds.client import (
 )
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
 from xds.gen.istio.security import authorization_pb2
-from xds.model import NetworkAddress, Service, TunnelProtocol, Workload
 from ztunnel.state.store import ProxyState
 
 

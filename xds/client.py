@@ -26,6 +26,7 @@ from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
+from mesh.model import Service, Workload
 from policy.model import Authorization
 from xds.channel import (
     CONNECT_TIMEOUT,
@@ -52,7 +53,6 @@ from xds.gen.istio.security import authorization_pb2
 from xds.gen.istio.workload import workload_pb2
 from xds.grpc.connection import Call
 from xds.grpc.wire import RpcError, Status, StatusCode
-from xds.model import Service, Workload
 
 log = logging.getLogger(__name__)
 

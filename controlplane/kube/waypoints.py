@@ -33,7 +33,7 @@ from controlplane.kube.cluster import (
     string_map,
 )
 from controlplane.kube.manifests import Obj
-from xds.model import (
+from mesh.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     GatewayAddress,

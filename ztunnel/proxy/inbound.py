@@ -16,7 +16,7 @@ from hbone.address import format_addr
 from hbone.h2conn import H2Session
 from hbone.identity import Identity
 from hbone.server import ConnectRequest, HboneServer
-from xds.model import Workload
+from mesh.model import Workload
 from ztunnel.logs.lines import Bare
 from ztunnel.proxy import baggage
 from ztunnel.proxy.connections import carry

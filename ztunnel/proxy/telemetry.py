@@ -8,7 +8,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from xds.model import Service, Workload
+from mesh.model import Service, Workload
 from ztunnel.logs.lines import ACCESS, Bare, FieldRun, Item, Spans, access_items, access_log
 from ztunnel.metrics.families import UNKNOWN, ConnectionMetrics, Metrics, TrafficLabels
 from ztunnel.state.admission import Admit, Reject

@@ -41,7 +41,7 @@ from hbone.pool import Pool, PooledConnection, PoolKey
 from hbone.relay import Inbox
 from hbone.stream import HboneStream
 from hbone.tls import TlsCredentials
-from xds.model import IPAddress, Workload
+from mesh.model import IPAddress, Workload
 from ztunnel.metrics.families import UNKNOWN
 from ztunnel.proxy import baggage
 from ztunnel.proxy.context import CONNECT_TIMEOUT, ProxyContext

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hbone.identity import Identity
+from mesh.model import AppTunnelProtocol, IPAddress, Service, Workload
 from policy import Authorization, Connection, Deny, authorize
-from xds.model import AppTunnelProtocol, IPAddress, Service, Workload
 from ztunnel.state.route import State, hostname_target, is_waypoint_for
 
 RECURSIVE_CALL = "attempted recursive call to ourselves"

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from xds.model import Endpoint, IPAddress, NamespacedHostname, NetworkAddress, Service, Workload
+from mesh.model import Endpoint, IPAddress, NamespacedHostname, NetworkAddress, Service, Workload
 from ztunnel.state.records import (
     members_of,
     members_record,

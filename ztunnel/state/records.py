@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from xds.model import (
+from mesh.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     CidrVip,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from xds.model import Endpoint, IPAddress, Service, Workload
+from mesh.model import Endpoint, IPAddress, Service, Workload
 from ztunnel.state.image import StateImage, addr_key, text_key
 from ztunnel.state.store import Demander, ProxyState
 

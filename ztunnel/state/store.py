@@ -11,11 +11,10 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from policy.model import Authorization, Scope
-from xds.localconfig import (
+from mesh.localconfig import (
     LocalConfig,
 )
-from xds.model import (
+from mesh.model import (
     Endpoint,
     GatewayAddress,
     HealthPolicy,
@@ -29,12 +28,13 @@ from xds.model import (
     Workload,
     WorkloadStatus,
 )
-from xds.render import (
+from mesh.render import (
     endpoint_to_dict,
     policy_to_dict,
     service_to_dict,
     workload_to_dict,
 )
+from policy.model import Authorization, Scope
 from ztunnel.state.image import Tables, Touched, encode_image
 from ztunnel.state.names import NameIndex
 

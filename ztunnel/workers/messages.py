@@ -18,8 +18,8 @@ from typing import Any
 
 from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
+from mesh.model import Service, Workload
 from policy.model import Authorization
-from xds.model import Service, Workload
 
 # -- a worker's start ---------------------------------------------------------------------------
 

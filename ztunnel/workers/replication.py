@@ -19,9 +19,9 @@ import mmap
 import os
 from collections.abc import Callable, Sequence
 
+from mesh.localconfig import LocalConfig
+from mesh.model import Service, Workload
 from policy.model import Authorization
-from xds.localconfig import LocalConfig
-from xds.model import Service, Workload
 from ztunnel.state.image import StateImage, Touched
 from ztunnel.state.store import Demander, ProxyState
 from ztunnel.workers.messages import (
