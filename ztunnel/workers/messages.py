@@ -18,7 +18,6 @@ from typing import Any
 
 from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
-from mesh.model import Service, Workload
 from policy.model import Authorization
 
 # -- a worker's start ---------------------------------------------------------------------------
@@ -40,26 +39,6 @@ class Clear:
 
 
 @dataclass(frozen=True)
-class UpsertWorkload:
-    workload: Workload
-
-
-@dataclass(frozen=True)
-class RemoveWorkload:
-    name: str
-
-
-@dataclass(frozen=True)
-class UpsertService:
-    service: Service
-
-
-@dataclass(frozen=True)
-class RemoveService:
-    key: str
-
-
-@dataclass(frozen=True)
 class UpsertPolicy:
     policy: Authorization
 
@@ -69,14 +48,14 @@ class RemovePolicy:
     key: str
 
 
-StateOp = (
-    Clear | UpsertWorkload | RemoveWorkload | UpsertService | RemoveService | UpsertPolicy | RemovePolicy
-)
+# The workloads and services travel as images (`StateImageReady`), never as changes.
+StateOp = Clear | UpsertPolicy | RemovePolicy
 
 
 @dataclass(frozen=True)
 class StateChanges:
-    """Supervisor -> worker: one committed change of the store (a whole snapshot starts with Clear)."""
+    """Supervisor -> worker: one committed change of the store's policies (a whole snapshot starts
+    with Clear)."""
 
     ops: tuple[StateOp, ...]
 

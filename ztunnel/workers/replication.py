@@ -27,15 +27,11 @@ from ztunnel.state.store import Demander, ProxyState
 from ztunnel.workers.messages import (
     Clear,
     RemovePolicy,
-    RemoveService,
-    RemoveWorkload,
     StateChanges,
     StateImageReady,
     StateOp,
     ToWorker,
     UpsertPolicy,
-    UpsertService,
-    UpsertWorkload,
 )
 
 # A message for every worker, with the fds that go with it (the receiver of an image's fd owns a dup).
@@ -235,21 +231,12 @@ class ReplicatedState(ProxyState):
 
 
 def apply_changes(state: ProxyState, changes: StateChanges) -> None:
-    """A worker applies one change of the supervisor's store, with one notification (in a worker:
-    the policies; a `ProxyState` of its own takes the workloads and services too)."""
+    """A worker applies one change of the supervisor's policies, with one notification."""
     with state.batch():
         for op in changes.ops:
             if isinstance(op, Clear):
                 state.apply_local_config(LocalConfig())
-            elif isinstance(op, UpsertWorkload):
-                state.upsert_workload(op.workload)
-            elif isinstance(op, UpsertService):
-                state.upsert_service(op.service)
             elif isinstance(op, UpsertPolicy):
                 state.upsert_policy(op.policy)
-            elif isinstance(op, RemoveWorkload):
-                state.remove(op.name)
-            elif isinstance(op, RemoveService):
-                state.remove_service(op.key)
-            elif isinstance(op, RemovePolicy):
+            else:
                 state.remove_policy(op.key)
