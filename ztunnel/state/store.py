@@ -1,7 +1,8 @@
 """The proxy's view of the mesh: workloads, services, their endpoints, and policies.
 
 `ProxyState` is fed by the xDS client and the local config file and read by routing, the listeners and
-the admin server. It is mutated only on the event loop's thread, so it takes no locks; listeners are
+the admin server. It composes one store per kind (`WorkloadStore`, `ServiceStore`, `PolicyStore`:
+each value and its indexes) and holds the rules of the lookups over them. It is mutated only on the event loop's thread, so it takes no locks; listeners are
 called synchronously once a change (or a `batch()` of changes) is complete.
 """
 
@@ -47,23 +48,187 @@ Listener = Callable[[], None]
 Demander = Callable[[str, Callable[[], bool]], Awaitable[bool]]
 
 
+class WorkloadStore:
+    """The workloads, by uid in first-seen order, with their indexes: by address, by hostname, by pod
+    name, and the service memberships they declare (by service key then uid; those of a service not
+    known yet are staged: they count once it arrives)."""
+
+    def __init__(self) -> None:
+        self.by_uid: dict[str, Workload] = {}
+        self.by_addr: dict[NetworkAddress, list[str]] = {}
+        self.by_hostname: dict[NamespacedHostname, list[str]] = {}
+        self.by_name = NameIndex()  # the DNS proxy's per-pod names
+        self.memberships: dict[str, dict[str, Endpoint]] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_uid)
+
+    def upsert(self, w: Workload) -> None:
+        previous = self.by_uid.get(w.uid)
+        if previous is not None:
+            self._unindex(previous)
+        self.by_uid[w.uid] = w
+        # A host-network workload shares the node's IP, which must not resolve to it.
+        if w.network_mode is not NetworkMode.HOST_NETWORK:
+            for ip in w.addresses:
+                uids = self.by_addr.setdefault(NetworkAddress(w.network, ip), [])
+                if w.uid not in uids:
+                    uids.append(w.uid)
+        if w.hostname:
+            uids = self.by_hostname.setdefault(NamespacedHostname(w.namespace, w.hostname), [])
+            if w.uid not in uids:
+                uids.append(w.uid)
+        if w.name:
+            self.by_name.add(w.name, w.uid)
+        for service_key, ports in w.services:
+            self.memberships.setdefault(service_key, {})[w.uid] = Endpoint(w.uid, ports, w.status)
+
+    def remove(self, uid: str) -> bool:
+        workload = self.by_uid.pop(uid, None)
+        if workload is None:
+            return False
+        self._unindex(workload)
+        return True
+
+    def _unindex(self, w: Workload) -> None:
+        for ip in w.addresses:
+            _unlist(self.by_addr, NetworkAddress(w.network, ip), w.uid)
+        if w.hostname:
+            _unlist(self.by_hostname, NamespacedHostname(w.namespace, w.hostname), w.uid)
+        if w.name:
+            self.by_name.remove(w.name, w.uid)
+        for service_key, _ in w.services:
+            endpoints = self.memberships.get(service_key)
+            if endpoints is not None:
+                endpoints.pop(w.uid, None)
+                if not endpoints:
+                    del self.memberships[service_key]
+
+    def clear(self) -> None:
+        self.by_uid.clear()
+        self.by_addr.clear()
+        self.by_hostname.clear()
+        self.by_name.clear()
+        self.memberships.clear()
+
+    def at(self, network: str, ip: IPAddress) -> list[Workload]:
+        return [self.by_uid[uid] for uid in self.by_addr.get(NetworkAddress(network, ip), ())]
+
+
+class ServiceStore:
+    """The services, by `namespace/hostname` key in first-seen order, with their indexes: by VIP, by
+    hostname, and those with CIDR VIPs."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, Service] = {}
+        self.by_vip: dict[NetworkAddress, list[str]] = {}
+        self.by_hostname: dict[str, list[str]] = {}
+        self.with_cidr_vips: dict[str, Service] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def upsert(self, s: Service) -> None:
+        key = s.key
+        previous = self.by_key.get(key)
+        if previous is not None:
+            for vip in set(previous.vips) - set(s.vips):
+                _unlist(self.by_vip, vip, key)
+        self.by_key[key] = s
+        # An updated service keeps its place among those sharing a VIP or hostname.
+        for vip in s.vips:
+            keys = self.by_vip.setdefault(vip, [])
+            if key not in keys:
+                keys.append(key)
+        keys = self.by_hostname.setdefault(s.hostname, [])
+        if key not in keys:
+            keys.append(key)
+        if s.cidr_vips:
+            self.with_cidr_vips[key] = s
+        else:
+            self.with_cidr_vips.pop(key, None)
+
+    def remove(self, key: str) -> bool:
+        service = self.by_key.pop(key, None)
+        if service is None:
+            return False
+        for vip in service.vips:
+            _unlist(self.by_vip, vip, key)
+        _unlist(self.by_hostname, service.hostname, key)
+        self.with_cidr_vips.pop(key, None)
+        return True
+
+    def clear(self) -> None:
+        self.by_key.clear()
+        self.by_vip.clear()
+        self.by_hostname.clear()
+        self.with_cidr_vips.clear()
+
+    def at(self, network: str, ip: IPAddress) -> list[Service]:
+        return [self.by_key[key] for key in self.by_vip.get(NetworkAddress(network, ip), ())]
+
+    def named(self, hostname: str) -> list[Service]:
+        return [self.by_key[key] for key in self.by_hostname.get(hostname, ())]
+
+
+class PolicyStore:
+    """The authorization policies, by key, with the global ones and each namespace's, in order."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, Authorization] = {}
+        self.by_namespace: dict[str, dict[str, None]] = {}  # namespace -> ordered set of keys
+        self.global_keys: dict[str, None] = {}
+
+    def upsert(self, p: Authorization) -> None:
+        # The same key may come back with another scope or namespace.
+        self._unindex(p.key)
+        self.by_key[p.key] = p
+        if p.scope is Scope.GLOBAL:
+            self.global_keys[p.key] = None
+        elif p.scope is Scope.NAMESPACE:
+            self.by_namespace.setdefault(p.namespace, {})[p.key] = None
+
+    def remove(self, key: str) -> bool:
+        if key not in self.by_key:
+            return False
+        self._unindex(key)
+        del self.by_key[key]
+        return True
+
+    def _unindex(self, key: str) -> None:
+        previous = self.by_key.get(key)
+        if previous is None:
+            return
+        self.global_keys.pop(key, None)
+        keys = self.by_namespace.get(previous.namespace)
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self.by_namespace[previous.namespace]
+
+    def clear(self) -> None:
+        self.by_key.clear()
+        self.by_namespace.clear()
+        self.global_keys.clear()
+
+    def candidate_keys(self, w: Workload) -> dict[str, None]:
+        """The keys of the policies that may apply to `w`, in order: its namespace's, the global
+        ones, then those it names."""
+        keys = dict.fromkeys(self.by_namespace.get(w.namespace, ()))
+        keys.update(dict.fromkeys(self.global_keys))
+        keys.update(dict.fromkeys(w.authorization_policies))
+        return keys
+
+
 class ProxyState:
+    """The store: one store per kind (`WorkloadStore`, `ServiceStore`, `PolicyStore`) composed, the
+    rules of the lookups over them, and the listeners told of each committed change."""
+
     def __init__(self, demander: Demander | None = None) -> None:
-        self._workloads: dict[str, Workload] = {}  # by uid, in first-seen order
-        self._workloads_by_addr: dict[NetworkAddress, list[str]] = {}
-        self._workloads_by_hostname: dict[NamespacedHostname, list[str]] = {}
-        self._workloads_by_name = NameIndex()  # the DNS proxy's per-pod names
-        self._services: dict[str, Service] = {}  # by namespace/hostname, in first-seen order
-        self._services_by_vip: dict[NetworkAddress, list[str]] = {}
-        self._services_by_hostname: dict[str, list[str]] = {}
-        self._services_with_cidr_vips: dict[str, Service] = {}
-        # Endpoints from the workloads' `services` memberships, by service key then workload uid. Those
-        # of a service not known yet are the staged ones: they count once the service arrives.
-        self._memberships: dict[str, dict[str, Endpoint]] = {}
-        self._policies: dict[str, Authorization] = {}
+        self.workload_store = WorkloadStore()
+        self.service_store = ServiceStore()
+        self.policy_store = PolicyStore()
         self._warned_unknown: set[tuple[str, str]] = set()  # (workload uid, policy key) warned about
-        self._namespace_policies: dict[str, dict[str, None]] = {}  # namespace -> ordered set of keys
-        self._global_policies: dict[str, None] = {}
         self._listeners: list[Listener] = []
         self._policy_listeners: list[Listener] = []
         self._batch_depth = 0
@@ -179,33 +344,14 @@ class ProxyState:
 
     def upsert_workload(self, w: Workload) -> None:
         with self.batch():
-            previous = self._workloads.get(w.uid)
-            if previous is not None:
-                self._unindex_workload(previous)
-            self._workloads[w.uid] = w
-            # A host-network workload shares the node's IP, which must not resolve to it.
-            if w.network_mode is not NetworkMode.HOST_NETWORK:
-                for ip in w.addresses:
-                    uids = self._workloads_by_addr.setdefault(NetworkAddress(w.network, ip), [])
-                    if w.uid not in uids:
-                        uids.append(w.uid)
-            if w.hostname:
-                uids = self._workloads_by_hostname.setdefault(NamespacedHostname(w.namespace, w.hostname), [])
-                if w.uid not in uids:
-                    uids.append(w.uid)
-            if w.name:
-                self._workloads_by_name.add(w.name, w.uid)
-            for service_key, ports in w.services:
-                self._memberships.setdefault(service_key, {})[w.uid] = Endpoint(w.uid, ports, w.status)
+            self.workload_store.upsert(w)
             self._changed = True
 
     def remove(self, name: str) -> bool:
         """Remove by xDS resource name: a workload uid, else a `namespace/hostname` service."""
-        workload = self._workloads.get(name)
-        if workload is not None:
+        if name in self.workload_store.by_uid:
             with self.batch():
-                self._unindex_workload(workload)
-                del self._workloads[name]
+                self.workload_store.remove(name)
                 self._changed = True
             return True
         _, slash, hostname = name.partition("/")
@@ -213,55 +359,19 @@ class ProxyState:
             return False
         return self.remove_service(name)
 
-    def _unindex_workload(self, w: Workload) -> None:
-        for ip in w.addresses:
-            addr = NetworkAddress(w.network, ip)
-            _unlist(self._workloads_by_addr, addr, w.uid)
-        if w.hostname:
-            _unlist(self._workloads_by_hostname, NamespacedHostname(w.namespace, w.hostname), w.uid)
-        if w.name:
-            self._workloads_by_name.remove(w.name, w.uid)
-        for service_key, _ in w.services:
-            endpoints = self._memberships.get(service_key)
-            if endpoints is not None:
-                endpoints.pop(w.uid, None)
-                if not endpoints:
-                    del self._memberships[service_key]
-
     # --- services ----------------------------------------------------------------------------------
 
     def upsert_service(self, s: Service) -> None:
         with self.batch():
-            key = s.key
-            previous = self._services.get(key)
-            if previous is not None:
-                for vip in set(previous.vips) - set(s.vips):
-                    _unlist(self._services_by_vip, vip, key)
-            self._services[key] = s
-            # An updated service keeps its place among those sharing a VIP or hostname.
-            for vip in s.vips:
-                keys = self._services_by_vip.setdefault(vip, [])
-                if key not in keys:
-                    keys.append(key)
-            keys = self._services_by_hostname.setdefault(s.hostname, [])
-            if key not in keys:
-                keys.append(key)
-            if s.cidr_vips:
-                self._services_with_cidr_vips[key] = s
-            else:
-                self._services_with_cidr_vips.pop(key, None)
+            self.service_store.upsert(s)
             self._changed = True
 
     def remove_service(self, key: str) -> bool:
         """Remove a service; its workloads' memberships stay, staged until it comes back."""
-        service = self._services.pop(key, None)
-        if service is None:
+        if key not in self.service_store.by_key:
             return False
         with self.batch():
-            for vip in service.vips:
-                _unlist(self._services_by_vip, vip, key)
-            _unlist(self._services_by_hostname, service.hostname, key)
-            self._services_with_cidr_vips.pop(key, None)
+            self.service_store.remove(key)
             self._changed = True
         return True
 
@@ -269,52 +379,25 @@ class ProxyState:
 
     def upsert_policy(self, p: Authorization) -> None:
         with self.batch():
-            # The same key may come back with another scope or namespace.
-            self._unindex_policy(p.key)
-            self._policies[p.key] = p
-            if p.scope is Scope.GLOBAL:
-                self._global_policies[p.key] = None
-            elif p.scope is Scope.NAMESPACE:
-                self._namespace_policies.setdefault(p.namespace, {})[p.key] = None
+            self.policy_store.upsert(p)
             self._changed = self._policies_changed = True
 
     def remove_policy(self, key: str) -> bool:
-        if key not in self._policies:
+        if key not in self.policy_store.by_key:
             return False
         with self.batch():
-            self._unindex_policy(key)
-            del self._policies[key]
+            self.policy_store.remove(key)
             self._changed = self._policies_changed = True
         return True
-
-    def _unindex_policy(self, key: str) -> None:
-        previous = self._policies.get(key)
-        if previous is None:
-            return
-        self._global_policies.pop(key, None)
-        keys = self._namespace_policies.get(previous.namespace)
-        if keys is not None:
-            keys.pop(key, None)
-            if not keys:
-                del self._namespace_policies[previous.namespace]
 
     # --- the local config file ---------------------------------------------------------------------
 
     def apply_local_config(self, cfg: LocalConfig) -> None:
         """Replace every workload and service and drop every policy, then insert the file's."""
         with self.batch():
-            self._workloads.clear()
-            self._workloads_by_addr.clear()
-            self._workloads_by_hostname.clear()
-            self._workloads_by_name.clear()
-            self._memberships.clear()
-            self._services.clear()
-            self._services_by_vip.clear()
-            self._services_by_hostname.clear()
-            self._services_with_cidr_vips.clear()
-            self._policies.clear()
-            self._namespace_policies.clear()
-            self._global_policies.clear()
+            self.workload_store.clear()
+            self.service_store.clear()
+            self.policy_store.clear()
             self._changed = self._policies_changed = True
             for w in cfg.workloads:
                 self.upsert_workload(w)
@@ -326,16 +409,16 @@ class ProxyState:
     # --- lookups -----------------------------------------------------------------------------------
 
     def workloads(self) -> list[Workload]:
-        return list(self._workloads.values())
+        return list(self.workload_store.by_uid.values())
 
     def services(self) -> list[Service]:
-        return list(self._services.values())
+        return list(self.service_store.by_key.values())
 
     def policies(self) -> list[Authorization]:
-        return list(self._policies.values())
+        return list(self.policy_store.by_key.values())
 
     def workload_by_uid(self, uid: str) -> Workload | None:
-        return self._workloads.get(uid)
+        return self.workload_store.by_uid.get(uid)
 
     def workload_by_addr(self, network: str, ip: IPAddress) -> Workload | None:
         """When workloads share an address, a pod wins, then an HBONE one, then the first seen."""
@@ -357,39 +440,41 @@ class ProxyState:
 
     def workload_by_hostname(self, namespace: str, hostname: str) -> Workload | None:
         """A workload named by `namespace/hostname` (a waypoint or gateway given by hostname)."""
-        uids = self._workloads_by_hostname.get(NamespacedHostname(namespace, hostname))
-        return self._workloads[uids[0]] if uids else None
+        store = self.workload_store
+        uids = store.by_hostname.get(NamespacedHostname(namespace, hostname))
+        return store.by_uid[uids[0]] if uids else None
 
     def workloads_by_name(self, name: str) -> list[Workload]:
         """Every workload of this name (a pod's name, in any namespace or cluster), in the order
         they were last updated: the DNS proxy's per-pod names of headless services."""
-        return [self._workloads[uid] for uid in self._workloads_by_name.uids(name)]
+        store = self.workload_store
+        return [store.by_uid[uid] for uid in store.by_name.uids(name)]
 
     # The tables' reads the rules above and below build on (`SharedState` answers them from an image).
 
     def _workloads_at(self, network: str, ip: IPAddress) -> list[Workload]:
-        return [self._workloads[uid] for uid in self._workloads_by_addr.get(NetworkAddress(network, ip), ())]
+        return self.workload_store.at(network, ip)
 
     def _services_named(self, hostname: str) -> list[Service]:
-        return [self._services[key] for key in self._services_by_hostname.get(hostname, ())]
+        return self.service_store.named(hostname)
 
     def _cidr_services(self) -> Iterable[Service]:
-        return self._services_with_cidr_vips.values()
+        return self.service_store.with_cidr_vips.values()
 
     def _memberships_of(self, service_key: str) -> Iterable[Endpoint]:
-        return self._memberships.get(service_key, {}).values()
+        return self.workload_store.memberships.get(service_key, {}).values()
 
     def _local_candidates(self, name: str, namespace: str) -> Iterable[Workload]:
-        return self._workloads.values()
+        return self.workload_store.by_uid.values()
 
     def series_names_present(self, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
         """Which of `keys` (namespace, workload name as metric series name it: `workload_name`, else
         the name) some workload of the store has."""
-        return keys & {(w.namespace, w.workload_name or w.name) for w in self._workloads.values()}
+        return keys & {(w.namespace, w.workload_name or w.name) for w in self.workload_store.by_uid.values()}
 
     def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
         """Every service with this exact VIP, whatever its visibility, in first-seen order."""
-        return [self._services[key] for key in self._services_by_vip.get(NetworkAddress(network, ip), ())]
+        return self.service_store.at(network, ip)
 
     def service_for_vip(self, network: str, ip: IPAddress, client_namespace: str | None) -> Service | None:
         """The service a client addressing `ip` reaches: by exact VIP, else by the best CIDR VIP."""
@@ -424,7 +509,7 @@ class ProxyState:
         return _preferred(services, client_namespace, preferred_namespace)
 
     def service_by_key(self, key: str) -> Service | None:
-        return self._services.get(key)
+        return self.service_store.by_key.get(key)
 
     def endpoints(self, service_key: str) -> list[Endpoint]:
         """The endpoints in use: the service's own and its workloads', unhealthy ones only under
@@ -459,7 +544,7 @@ class ProxyState:
         return min(found, key=lambda w: w.uid) if found else None
 
     def policy(self, key: str) -> Authorization | None:
-        return self._policies.get(key)
+        return self.policy_store.by_key.get(key)
 
     def policies_for(self, w: Workload) -> list[Authorization]:
         """The candidate policies of a destination workload (a list kept until the store changes:
@@ -474,12 +559,10 @@ class ProxyState:
         return policies
 
     def _find_policies(self, w: Workload) -> list[Authorization]:
-        keys = dict.fromkeys(self._namespace_policies.get(w.namespace, ()))
-        keys.update(dict.fromkeys(self._global_policies))
-        keys.update(dict.fromkeys(w.authorization_policies))
         policies = []
-        for key in keys:
-            policy = self._policies.get(key)
+        by_key = self.policy_store.by_key
+        for key in self.policy_store.candidate_keys(w):
+            policy = by_key.get(key)
             if policy is None:
                 # Once per (workload, key): this runs for every connection.
                 if (w.uid, key) not in self._warned_unknown:
@@ -498,15 +581,16 @@ class ProxyState:
     def image(self, touched: Touched | None = None) -> list[bytes]:
         """The workloads and services as a compact image (`ztunnel.state.image`), in chunks: all of
         them, or a delta image of the `touched` keys."""
+        workloads, services = self.workload_store, self.service_store
         tables = Tables(
-            self._workloads,
-            self._workloads_by_addr,
-            self._workloads_by_hostname,
-            self._services,
-            self._services_by_vip,
-            self._services_by_hostname,
-            self._services_with_cidr_vips,
-            self._memberships,
+            workloads.by_uid,
+            workloads.by_addr,
+            workloads.by_hostname,
+            services.by_key,
+            services.by_vip,
+            services.by_hostname,
+            services.with_cidr_vips,
+            workloads.memberships,
         )
         return encode_image(tables, touched)
 
@@ -522,9 +606,12 @@ class ProxyState:
         anywhere, later (off the loop: 100,000 workloads take a second)."""
         workloads = self.workloads()
         services = [(s, tuple(self.endpoints(s.key))) for s in self.services()]
-        policies = list(self._policies.values())
+        policies = self.policies()
+        services_known = self.service_store.by_key
         staged = {
-            key: list(eps.values()) for key, eps in self._memberships.items() if key not in self._services
+            key: list(eps.values())
+            for key, eps in self.workload_store.memberships.items()
+            if key not in services_known
         }
         return {
             "workloads": lambda: [workload_to_dict(w) for w in workloads],

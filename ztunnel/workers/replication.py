@@ -122,7 +122,7 @@ class ReplicatedState(ProxyState):
             self._publish_image()
 
     def _delta_limit(self) -> int:
-        return max(DELTA_MIN, (len(self._workloads) + len(self._services)) // 16)
+        return max(DELTA_MIN, (len(self.workload_store) + len(self.service_store)) // 16)
 
     def _tracking(self) -> bool:
         """Whether the next image may be a delta, so what changes is worth noting."""
