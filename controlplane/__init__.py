@@ -46,3 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="require every call to carry the `clusterid: ID` header; the cluster --kube workloads are named in"
         " (default Kubernetes)",
     )
+    parser.add_argument(
+        "--max-recv-msg-size",
+        metavar="BYTES",
+        help="the largest gRPC message taken from a proxy (default: $ISTIO_GPRC_MAXRECVMSGSIZE, else 4194304,"
+        " as istiod); a larger one ends its stream with RESOURCE_EXHAUSTED",
+    )

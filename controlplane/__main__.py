@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
             auth_token=args.auth_token,
             cluster_id=args.cluster_id,
             kube=args.kube,
+            max_recv_msg_size=args.max_recv_msg_size,
         )
     except ControlPlaneStartError as e:
         print(f"control-plane: {e}", file=sys.stderr)

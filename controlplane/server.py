@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -25,12 +27,17 @@ from controlplane.ca import CaDirectoryError, CertificateAuthority, CertificateS
 from controlplane.kube.cluster import Options
 from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
 from mesh.localconfig import LocalConfigError
-from xds.client import MAX_MESSAGE_BYTES  # the client's limit: a large file fails on neither side
+from xds.client import MAX_MESSAGE_BYTES  # what the proxy receives: a large file is sent whole
 from xds.gen.istio.v1.auth import ca_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE = 1.0
+# What istiod receives in one gRPC message, and the variable that changes it there: a proxy's
+# request larger than this ends its stream with RESOURCE_EXHAUSTED, as istiod's does.
+MAX_RECV_MSG_SIZE_ENV = "ISTIO_GPRC_MAXRECVMSGSIZE"
+DEFAULT_MAX_RECV_MSG_SIZE = 4 * 1024 * 1024
+_GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC's limits are C ints
 
 
 class ControlPlaneStartError(Exception):
@@ -76,6 +83,24 @@ def _check_bindable(host: str, port: int) -> None:
         ) from None
 
 
+def receive_limit(flag: str | None, environ: Mapping[str, str]) -> int:
+    """`--max-recv-msg-size`, else `ISTIO_GPRC_MAXRECVMSGSIZE`, else istiod's 4 MiB; raise
+    ControlPlaneStartError naming the one that is not a number of bytes gRPC takes."""
+    if flag is not None:
+        value, named = flag, f"--max-recv-msg-size {flag!r}"
+    elif MAX_RECV_MSG_SIZE_ENV in environ:
+        value = environ[MAX_RECV_MSG_SIZE_ENV]
+        named = f"env var {MAX_RECV_MSG_SIZE_ENV}={value}"
+    else:
+        return DEFAULT_MAX_RECV_MSG_SIZE
+    size = int(value) if value.isascii() and value.isdigit() else 0
+    if not 0 < size <= _GRPC_MAX_MESSAGE:
+        raise ControlPlaneStartError(
+            f"invalid {named} (expected a number of bytes, 1 to {_GRPC_MAX_MESSAGE})"
+        )
+    return size
+
+
 class ControlPlane:
     """The running control plane: `await start()`, then `address` and `root_cert_path`; `await stop()`."""
 
@@ -90,16 +115,19 @@ class ControlPlane:
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         auth_token: Path | None = None,
         cluster_id: str | None = None,
+        max_recv_msg_size: int = DEFAULT_MAX_RECV_MSG_SIZE,
     ) -> None:
         """`config_path`, `kube_path`: the local-config file, the Kubernetes manifests, or both.
         `auth_token`, `cluster_id`: what every caller must present (`controlplane.auth`); the cluster
-        id is also the one the manifests' workloads are named in."""
+        id is also the one the manifests' workloads are named in. `max_recv_msg_size`: the largest
+        request taken, in bytes."""
         if config_path is None and kube_path is None:
             raise ControlPlaneStartError("nothing to serve: give --config FILE, --kube PATH, or both")
         options = Options(cluster_id=cluster_id) if cluster_id else Options()
         self.source = ConfigSource(config_path, poll_interval, kube=kube_path, kube_options=options)
         self.host, self._port = parse_listen(listen)
         self.tls = tls
+        self.max_recv_msg_size = max_recv_msg_size
         # Absolute, so the printed root path works from any directory.
         self.ca_dir = (ca_dir if ca_dir is not None else default_ca_dir()).absolute()
         self._server: grpc.aio.Server | None = None
@@ -138,7 +166,7 @@ class ControlPlane:
         server = grpc.aio.server(
             interceptors=[self.caller_check] if self.caller_check is not None else None,
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", self.max_recv_msg_size),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 # gRPC sets SO_REUSEPORT by default: a second control plane would share the port silently.
                 ("grpc.so_reuseport", 0),
@@ -205,8 +233,10 @@ def run(
     auth_token: str | None = None,
     cluster_id: str | None = None,
     kube: str | None = None,
+    max_recv_msg_size: str | None = None,
 ) -> int:
-    """Serve until SIGINT or SIGTERM, then exit 0; raise ControlPlaneStartError if it cannot start."""
+    """Serve until SIGINT or SIGTERM, then exit 0; raise ControlPlaneStartError if it cannot start.
+    `max_recv_msg_size`: the flag's value, if given (`receive_limit`)."""
     control_plane = ControlPlane(
         Path(config) if config is not None else None,
         kube_path=Path(kube) if kube is not None else None,
@@ -215,6 +245,7 @@ def run(
         ca_dir=Path(ca_dir) if ca_dir is not None else None,
         auth_token=Path(auth_token) if auth_token is not None else None,
         cluster_id=cluster_id,
+        max_recv_msg_size=receive_limit(max_recv_msg_size, os.environ),
     )
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(_serve(control_plane))

@@ -203,6 +203,9 @@ class Service:
     # Endpoints listed in the service itself (local config `endpoints`); the store merges the
     # workloads' `services` memberships into its own endpoint sets.
     endpoints: tuple[Endpoint, ...] = ()
+    # For ingress gateways (their traffic to go through the waypoint): kept as received, used by no
+    # decision of ztunnel's.
+    ingress_use_waypoint: bool = False
 
     @property
     def key(self) -> str:

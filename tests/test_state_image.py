@@ -101,6 +101,7 @@ FULL_SERVICE = Service(
     canonical=True,
     visibility=Visibility.NAMESPACE,
     endpoints=(Endpoint("c//v1/Pod/ns/full", ((80, 8080),), WorkloadStatus.UNHEALTHY),),
+    ingress_use_waypoint=True,
 )
 
 

@@ -102,6 +102,7 @@ FULL_SERVICE = Service(
     ip_families=IPFamilies.DUAL,
     canonical=True,
     visibility=Visibility.NAMESPACE,
+    ingress_use_waypoint=True,
 )
 
 FULL_POLICY = Authorization(

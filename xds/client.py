@@ -4,8 +4,10 @@ and node identity, shared with the CA client, are `xds.channel`'s).
 `XdsClient.run()` keeps one `DeltaAggregatedResources` stream open, reconnecting with the reference's
 backoff (from 10 ms, doubling up to 15 s on errors, reset when the stream ended cleanly), until `close()`. On every (re)connect it subscribes, wildcard, to each type of
 `xds.resources` in turn (Address then Authorization), listing the resources it holds in
-`initial_resource_versions`. Each response is decoded and converted by its type's registration (from
-64 KiB of payload on a thread, so that a huge push does not stall
+`initial_resource_versions` as far as the request stays within the control plane's message limit
+(`xds.resume`: 4 MiB, or less when the control plane said so refusing one; what it leaves out comes
+again, and is removed if the first answer does not carry it). Each response is decoded and converted
+by its type's registration (from 64 KiB of payload on a thread, so that a huge push does not stall
 the loop), applied to the store, on the loop, as one batch (the resources that fail are left out
 and named in the NACK, the rest are applied), and answered with an ACK or a NACK carrying only the type
 URL and nonce. Readiness: once the first response of each watched type has been answered,
@@ -43,6 +45,7 @@ from xds.gen.google.rpc import status_pb2
 from xds.grpc.connection import Call
 from xds.grpc.wire import RpcError, Status, StatusCode
 from xds.resources import ADDRESS, BY_URL, TYPES, Rejection, ResourceType, XdsStore
+from xds.resume import MAX_REQUEST_BYTES, InitialRequest, initial_request, refused_limit, stale
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +173,11 @@ class XdsClient:
         on_synced: Callable[[], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         connect_timeout: float = CONNECT_TIMEOUT,
+        request_limit: int = MAX_REQUEST_BYTES,
     ) -> None:
         """`address`: `http://host:port` or `https://host:port` (raises ControlPlaneError when
-        invalid); `root_ca`: the `XDS_ROOT_CA` setting (path, `SYSTEM` or PEM) for https."""
+        invalid); `root_ca`: the `XDS_ROOT_CA` setting (path, `SYSTEM` or PEM) for https;
+        `request_limit`: the largest initial request sent (`xds.resume`)."""
         self.address = ControlPlaneAddress.parse(address)
         self._state = state
         self._node = node
@@ -186,6 +191,10 @@ class XdsClient:
         self._on_synced = on_synced
         self._sleep = sleep
         self._connect_timeout = connect_timeout
+        self._request_limit = request_limit
+        # Type URL -> the held resources the current stream's initial request did not list, until
+        # the answer to it is applied (`xds.resume`).
+        self._unlisted: dict[str, frozenset[str]] = {}
         # name -> version of the resources applied, by type: sent on reconnect.
         self._versions: dict[str, dict[str, str]] = {t.type_url: {} for t in TYPES}
         # A type subscribed by name may never be answered: readiness waits for the wildcard ones.
@@ -295,19 +304,21 @@ class XdsClient:
     # --- one stream ---
 
     def initial_requests(self) -> list[discovery_pb2.DeltaDiscoveryRequest]:
-        """What a new stream starts with: each type in turn, Address then Authorization."""
-        requests = []
-        for rtype in TYPES:
-            request = discovery_pb2.DeltaDiscoveryRequest(
-                node=self._node,
-                type_url=rtype.type_url,
-                initial_resource_versions=self._versions.get(rtype.type_url, {}),
+        """What a new stream starts with: each type in turn, Address then Authorization, each listing
+        what it holds as far as the request stays within the limit (`xds.resume`)."""
+        return [opening.request for opening in self._openings()]
+
+    def _openings(self) -> list[InitialRequest]:
+        return [
+            initial_request(
+                self._node,
+                rtype.type_url,
+                self._versions.get(rtype.type_url, {}),
+                on_demand=self._on_demand and rtype.on_demand,
+                limit=self._request_limit,
             )
-            if self._on_demand and rtype.on_demand:
-                request.resource_names_subscribe.append("*")
-                request.resource_names_unsubscribe.append("*")
-            requests.append(request)
-        return requests
+            for rtype in TYPES
+        ]
 
     async def _stream_once(self) -> None:
         try:
@@ -325,6 +336,7 @@ class XdsClient:
             try:
                 await self._converse(call)
             except RpcError as e:
+                self._heed_refusal(e)
                 raise StreamStatus(e.code, e.details) from None
             finally:
                 self._call = None
@@ -332,19 +344,32 @@ class XdsClient:
         finally:
             await channel.close()
 
+    def _heed_refusal(self, error: RpcError) -> None:
+        """A control plane that refused a request as over its receive limit: stay within it."""
+        limit = refused_limit(error.code, error.details)
+        if limit is None or limit >= self._request_limit:
+            return
+        self._request_limit = limit
+        log.warning(
+            "the control plane refused a request over its message limit: initial requests now stay within it",
+            extra={"fields": {"limit": limit}},
+        )
+
     async def _converse(self, call: Call) -> None:
         self.connections += 1
         self._call = call
-        for request in self.initial_requests():
-            log.debug(
-                "sending initial request",
-                extra={
-                    "fields": {
-                        "type_url": request.type_url,
-                        "resources": len(request.initial_resource_versions),
-                    }
-                },
-            )
+        self._unlisted.clear()
+        for opening in self._openings():
+            request = opening.request
+            fields = {"type_url": request.type_url, "resources": len(request.initial_resource_versions)}
+            if opening.cut:
+                log.info(
+                    "initial request cut to the message limit: the resources left out are sent again",
+                    extra={"fields": {**fields, "held": opening.held, "limit": self._request_limit}},
+                )
+                self._left_out(request.type_url, opening.unlisted)
+            else:
+                log.debug("sending initial request", extra={"fields": fields})
             await self._write(call, request)
         log.info("Stream established", extra={"fields": {"address": self.address.target}})
         while True:
@@ -409,7 +434,7 @@ class XdsClient:
         )
         rtype = BY_URL.get(type_url)
         if rtype is not None:
-            rejections = self._apply(rtype, response, converted)
+            rejections = self._apply(rtype, response, converted, self._gone(response))
         else:
             log.error("unknown type", extra={"fields": {"type_url": type_url}})
             rejections = []
@@ -425,11 +450,40 @@ class XdsClient:
             log.debug("sending ACK", extra={"fields": {"type_url": type_url, "nonce": response.nonce}})
         return reply
 
+    def _left_out(self, type_url: str, unlisted: frozenset[str]) -> None:
+        """Held resources a new stream's initial request did not list: a wildcard subscription's
+        first answer says which are gone; a by-name one no longer holds them, so they go now."""
+        rtype = BY_URL[type_url]
+        if not (self._on_demand and rtype.on_demand):
+            self._unlisted[type_url] = unlisted
+            return
+        versions = self._versions[type_url]
+        state = self._state
+        with state.batch():
+            for name in unlisted:
+                rtype.remove(state, name)
+                versions.pop(name, None)
+
+    def _gone(self, response: discovery_pb2.DeltaDiscoveryResponse) -> list[str]:
+        """On the answer to a cut initial request: the resources it left out that are gone."""
+        unlisted = self._unlisted.pop(response.type_url, None)
+        if not unlisted:
+            return []
+        gone = stale(unlisted, response)
+        log.info(
+            "removing resources left out of the initial request that the control plane no longer has",
+            extra={
+                "fields": {"type_url": response.type_url, "unlisted": len(unlisted), "removed": len(gone)}
+            },
+        )
+        return gone
+
     def _apply(
         self,
         rtype: ResourceType[Any],
         response: discovery_pb2.DeltaDiscoveryResponse,
         converted: list[Converted] | None,
+        gone: Iterable[str] = (),
     ) -> list[Rejection]:
         if converted is None:
             converted = _convert_all(rtype, response)
@@ -438,6 +492,9 @@ class XdsClient:
         arrived: list[str] = []
         state = self._state
         with state.batch():
+            for name in gone:
+                rtype.remove(state, name)
+                versions.pop(name, None)
             for name in response.removed_resources:
                 rtype.remove(state, name)
                 versions.pop(name, None)

@@ -315,6 +315,7 @@ def service_from_wire(pb: workload_pb2.Service) -> Service:
         ip_families=_enum(IPFamilies, pb.ip_families, "ip_families"),
         canonical=pb.canonical,
         visibility=visibility,
+        ingress_use_waypoint=pb.ingress_use_waypoint,
     )
 
 
@@ -486,6 +487,7 @@ def service_to_wire(s: Service) -> workload_pb2.Service:
             for w in s.weighted_waypoints
         ],
         visibility=s.visibility.name,
+        ingress_use_waypoint=s.ingress_use_waypoint,
     )
     if s.waypoint is not None:
         pb.waypoint.CopyFrom(_gateway_to_wire(s.waypoint))

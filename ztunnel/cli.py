@@ -97,6 +97,7 @@ def _control_plane(args: argparse.Namespace) -> int:
             auth_token=args.auth_token,
             cluster_id=args.cluster_id,
             kube=args.kube,
+            max_recv_msg_size=args.max_recv_msg_size,
         )
     except ControlPlaneStartError as e:
         return _fatal(f"ztunnel: control-plane: {e}")

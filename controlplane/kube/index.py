@@ -1,7 +1,8 @@
 """The ambient index: a cluster's objects to the workloads, services and policies istiod would send.
 
 `build` converts every object it reads in the order istiod's collections depend on each other:
-waypoints (Gateways), services (Services and ServiceEntries, then one per hostname), policies
+the mesh config, waypoints (Gateways), services (Services and ServiceEntries, the latter scoped by
+the mesh config's visibility, then one per hostname), policies
 (AuthorizationPolicies, PeerAuthentications), then workloads (Pods, WorkloadEntries, ServiceEntry
 and EndpointSlice endpoints), which name the services that select them and the policies that apply
 to them. An object that cannot be converted is refused, with its kind, namespace, name and reason,
@@ -11,12 +12,13 @@ and left out; everything else is served.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from controlplane.kube.cluster import Cluster, Options, SelectorIndex
 from controlplane.kube.endpointslices import slice_workloads
 from controlplane.kube.manifests import Obj, Refusal, Refused
+from controlplane.kube.meshconfig import MESH_CONFIG_MAP, MeshConfig, SEVisibility, mesh_config
 from controlplane.kube.policies import (
     authorization_policy,
     oldest,
@@ -35,7 +37,7 @@ from controlplane.kube.workloads import (
     workload_entry_workload,
 )
 from mesh.localconfig import LocalConfig
-from mesh.model import Service, Workload
+from mesh.model import Service, Visibility, Workload
 from policy.model import Authorization
 from xds.convert import address_to_wire, authorization_to_wire
 
@@ -149,18 +151,73 @@ def _pa_selects(pa: Obj, labels: Mapping[str, str]) -> bool:
     return isinstance(match, dict) and all(labels.get(k) == v for k, v in match.items())
 
 
-def _services(build: _Build, waypoints: Waypoints) -> list[ServiceInfo]:
+def _mesh_config(build: _Build) -> MeshConfig:
+    """The mesh config of the system namespace's `istio` ConfigMap; the defaults without one."""
+    cluster = build.cluster
+    config_map = cluster.get("ConfigMap", f"{cluster.options.system_namespace}/{MESH_CONFIG_MAP}")
+    found = build.attempt(config_map, mesh_config) if config_map is not None else None
+    return found or MeshConfig()
+
+
+EXPORT_TO_ANNOTATION = "networking.istio.io/exportTo"
+EXPORT_TO_IGNORED = (
+    "{} is not read for ztunnel (istiod's ambient index ignores it): every namespace sees it; "
+    "scope a ServiceEntry with the mesh config's serviceEntryVisibility"
+)
+
+
+def _export_to(obj: Obj) -> str | None:
+    """The `exportTo` that narrows an object's audience, which ztunnel's mesh does not honour."""
+    if obj.kind == "ServiceEntry":
+        value = obj.spec.get("exportTo")
+        if isinstance(value, list) and value and value != ["*"]:
+            return "spec.exportTo"
+    elif obj.annotations.get(EXPORT_TO_ANNOTATION, "*").replace(" ", "") not in ("", "*"):
+        return f"the {EXPORT_TO_ANNOTATION} annotation"
+    return None
+
+
+def _services(build: _Build, waypoints: Waypoints, mesh: MeshConfig) -> list[ServiceInfo]:
     infos: list[ServiceInfo] = []
+    for obj in build.cluster.of("Service") + build.cluster.of("ServiceEntry"):
+        export_to = _export_to(obj)
+        if export_to is not None:
+            build.warn(obj, EXPORT_TO_IGNORED.format(export_to))
     for obj in build.cluster.of("Service"):
-        waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
-        info = build.attempt(obj, service_of, build.cluster, waypoint)
+        who = f"{obj.kind} {obj.key}"
+        waypoint = waypoints.for_service(who, obj.namespace, obj.labels)
+        info = build.attempt(
+            obj,
+            service_of,
+            build.cluster,
+            waypoint,
+            waypoints.canary_of(who, obj, waypoint),
+            waypoints.ingress_use(who, obj, waypoint),
+        )
         if info is not None and build.sendable(obj, info.service):
             infos.append(info)
         elif obj.spec.get("type") == "ExternalName":
             build.warn(obj, "type ExternalName is not sent to ztunnel (as by istiod)")
     for obj in build.cluster.of("ServiceEntry"):
-        waypoint = waypoints.for_service(f"{obj.kind} {obj.key}", obj.namespace, obj.labels)
-        entries = build.attempt(obj, service_entries_of, build.cluster, waypoint) or []
+        visibility = mesh.service_entry_visibility(build.cluster.namespace_labels(obj.namespace))
+        if visibility is SEVisibility.NONE:
+            build.warn(obj, "the mesh config's serviceEntryVisibility is NONE for its namespace: not sent")
+            continue
+        local = visibility is SEVisibility.NAMESPACE
+        who = f"{obj.kind} {obj.key}"
+        waypoint = waypoints.for_service(who, obj.namespace, obj.labels, namespace_only=local)
+        entries = (
+            build.attempt(
+                obj,
+                service_entries_of,
+                build.cluster,
+                waypoint,
+                Visibility.NAMESPACE if local else Visibility.PUBLIC,
+                waypoints.canary_of(who, obj, waypoint),
+                waypoints.ingress_use(who, obj, waypoint),
+            )
+            or []
+        )
         if all(build.sendable(obj, e.service) for e in entries):
             infos.extend(entries)
     return select_services(infos)
@@ -199,6 +256,9 @@ def _workloads(build: _Build, ctx: Context) -> list[Workload]:
 def build(objects: Iterable[Obj], options: Options | None = None) -> Index:
     cluster = Cluster(objects, options or Options())
     b = _Build(cluster)
+    mesh = _mesh_config(b)
+    if mesh.trust_domain:
+        cluster.options = replace(cluster.options, trust_domain=mesh.trust_domain)
     gateways = []
     for gateway in cluster.of("Gateway"):
         if is_waypoint_gateway(gateway, cluster):
@@ -206,7 +266,7 @@ def build(objects: Iterable[Obj], options: Options | None = None) -> Index:
             if waypoint is not None:
                 gateways.append(waypoint)
     waypoints = Waypoints(cluster, gateways)
-    services = _services(b, waypoints)
+    services = _services(b, waypoints, mesh)
     policies, selecting = _policies(b)
     ctx = Context(cluster, services, waypoints, service_index(services), _policy_lookup(cluster, selecting))
     workloads = _workloads(b, ctx)

@@ -7,7 +7,7 @@ or a `kind: List` (as `kubectl get -o yaml` prints several) whose `items` are ob
 Kubernetes refuses, and so do we.
 
 Objects are kept as they are written, wrapped in `Obj` for their identity and metadata. Only the
-kinds the ambient index reads are kept (`READ_KINDS`); the others (Deployments, ConfigMaps, ...) are
+kinds the ambient index reads are kept (`READ_KINDS`); the others (Deployments, Secrets, ...) are
 counted and reported once. An object without a name, or with metadata Kubernetes would refuse, is a
 `Refusal` naming its kind, namespace, name and the reason.
 """
@@ -28,6 +28,7 @@ from mesh.localconfig import describe_value
 
 # (API group, kind) of every object the index reads. The core group is "".
 READ_KINDS = {
+    ("", "ConfigMap"),  # the mesh config's; other ConfigMaps are read and left alone
     ("", "Namespace"),
     ("", "Node"),
     ("", "Pod"),

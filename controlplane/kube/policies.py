@@ -6,6 +6,8 @@ CUSTOM are not for ztunnel); a policy with `targetRef(s)` is for a waypoint or g
 rule is a group of clauses: the `to` operations (ports, notPorts) OR-ed, the `from` sources
 (principals, namespaces, serviceAccounts, ipBlocks and their `not`s) OR-ed, then one clause per `when`
 on `source.ip`, `source.namespace`, `source.principal`, `destination.ip`, `destination.port`.
+Principals are sent as written: no trust-domain alias is added and `cluster.local` stands for no other
+trust domain. A source's `trustDomains`/`notTrustDomains` are not sent (a warning says what that does).
 HTTP attributes (hosts, methods, paths, remoteIpBlocks, requestPrincipals, other `when` keys) are
 left out of the match; in an ALLOW policy the rule holding them is dropped (it can never match), in a
 DENY policy the rule is kept without them, so it denies more than asked, or, when nothing is left of
@@ -52,6 +54,10 @@ DENY_NO_EFFECT = (
 )
 DENY_MIXED = "DENY policy with HTTP attributes is enforced without the HTTP rules. This will be more restrictive than requested."
 ALLOW_RULE = "Within an ALLOW policy, rules matching HTTP attributes are omitted. This will be more restrictive than requested."
+TRUST_DOMAINS = (
+    "ztunnel does not enforce {} (istiod leaves them out of the policy it sends): a source with "
+    "nothing else matches no connection, and one with other fields matches them from any trust domain"
+)
 
 T = TypeVar("T")
 _NOT_MATCH = StringMatch(StringMatchKind.PRESENCE)
@@ -185,6 +191,18 @@ def _rule(
     return tuple(clauses), http
 
 
+def _trust_domain_fields(rules: list[Any]) -> list[str]:
+    """`trustDomains`/`notTrustDomains` of the policy's sources, which istiod's ambient conversion
+    does not read (its sidecars and waypoints enforce them)."""
+    found: set[str] = set()
+    for rule in rules:
+        for entry in (rule.get("from") or []) if isinstance(rule, dict) else []:
+            source = entry.get("source") if isinstance(entry, dict) else None
+            if isinstance(source, dict):
+                found.update(n for n in ("trustDomains", "notTrustDomains") if source.get(n))
+    return sorted(found)
+
+
 def _effective(rules: Sequence[tuple[tuple[Match, ...], ...]]) -> bool:
     """Whether some group can match at ztunnel, which skips empty matches."""
     return any(all(any(m != Match() for m in clause) for clause in rule) for rule in rules)
@@ -222,11 +240,14 @@ def authorization_policy(obj: Obj, root_namespace: str) -> Converted:
         if rule is not None:
             rules.append(rule)
     policy = Authorization(obj.name, obj.namespace, scope, action, tuple(rules))
-    warning = ""
+    warnings = []
     if http:
         tail = (DENY_MIXED if _effective(rules) else DENY_NO_EFFECT) if action is Action.DENY else ALLOW_RULE
-        warning = HTTP_RULE.format(", ".join(sorted(http)), tail)
-    return Converted(policy, selector, warning)
+        warnings.append(HTTP_RULE.format(", ".join(sorted(http)), tail))
+    trust_domains = _trust_domain_fields(items(spec.get("rules"), "spec.rules"))
+    if trust_domains:
+        warnings.append(TRUST_DOMAINS.format(" and ".join(trust_domains)))
+    return Converted(policy, selector, "; ".join(warnings))
 
 
 # --- PeerAuthentication -------------------------------------------------------------------------

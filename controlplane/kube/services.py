@@ -9,10 +9,12 @@ Service then its namespace) `PreferClose`/`PreferSameZone` is failover by networ
 An `ExternalName` Service is not sent, as by istiod.
 
 A ServiceEntry becomes one service per host: its `addresses` (IPs or CIDRs), its ports (target port
-defaulting to the port), its subject alt names; `resolution: NONE` is passthrough to any endpoint.
+defaulting to the port), its subject alt names; `resolution: NONE` is passthrough to any endpoint; the
+visibility the mesh config gives it (`meshconfig.py`).
 
 Where a Service and ServiceEntries share a hostname in one namespace, the Service wins, else the
-oldest ServiceEntry; the one marked `canonical` across namespaces is the Service, else the oldest.
+oldest ServiceEntry; the one marked `canonical` across namespaces is the Service, else the oldest
+ServiceEntry visible to every namespace.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from mesh.model import (
     LoadBalancingScope,
     NetworkAddress,
     Service,
+    Visibility,
+    WeightedWaypoint,
 )
 
 PREFER_SAME_ZONE = LoadBalancer(
@@ -121,7 +125,13 @@ def _service_ports(spec: Mapping[str, object]) -> tuple[tuple[tuple[int, int], .
     return tuple(ports), names
 
 
-def service_of(obj: Obj, cluster: Cluster, waypoint: Waypoint | None) -> ServiceInfo | None:
+def service_of(
+    obj: Obj,
+    cluster: Cluster,
+    waypoint: Waypoint | None,
+    weighted: tuple[WeightedWaypoint, ...] = (),
+    ingress_use_waypoint: bool = False,
+) -> ServiceInfo | None:
     """A Service's service; None for an ExternalName Service (not sent, as by istiod)."""
     spec = obj.spec
     if spec.get("type") == "ExternalName":
@@ -155,9 +165,11 @@ def service_of(obj: Obj, cluster: Cluster, waypoint: Waypoint | None) -> Service
         vips=vips,
         ports=ports,
         waypoint=waypoint.address if waypoint is not None else None,
+        weighted_waypoints=weighted,
         load_balancer=balancer,
         ip_families=ip_families,
         canonical=True,
+        ingress_use_waypoint=ingress_use_waypoint,
     )
     return ServiceInfo(service, obj, string_map(spec.get("selector"), "spec.selector"), names)
 
@@ -171,7 +183,14 @@ def _auto_allocated(obj: Obj) -> dict[str, list[str]]:
     return out
 
 
-def service_entries_of(obj: Obj, cluster: Cluster, waypoint: Waypoint | None) -> list[ServiceInfo]:
+def service_entries_of(
+    obj: Obj,
+    cluster: Cluster,
+    waypoint: Waypoint | None,
+    visibility: Visibility = Visibility.PUBLIC,
+    weighted: tuple[WeightedWaypoint, ...] = (),
+    ingress_use_waypoint: bool = False,
+) -> list[ServiceInfo]:
     spec = obj.spec
     hosts = strings(spec.get("hosts"), "spec.hosts")
     if not hosts:
@@ -218,7 +237,10 @@ def service_entries_of(obj: Obj, cluster: Cluster, waypoint: Waypoint | None) ->
             ports=tuple(ports),
             subject_alt_names=tuple(strings(spec.get("subjectAltNames"), "spec.subjectAltNames")),
             waypoint=waypoint.address if waypoint is not None else None,
+            weighted_waypoints=weighted,
             load_balancer=balancer,
+            visibility=visibility,
+            ingress_use_waypoint=ingress_use_waypoint,
         )
         out.append(ServiceInfo(service, obj, selector, names))
     return out
@@ -226,7 +248,7 @@ def service_entries_of(obj: Obj, cluster: Cluster, waypoint: Waypoint | None) ->
 
 def select_services(infos: list[ServiceInfo]) -> list[ServiceInfo]:
     """One service per hostname and namespace (the Service, else the oldest ServiceEntry), and the
-    canonical mark on the Service, else on the oldest ServiceEntry (file order breaks ties)."""
+    canonical mark on the Service, else on the oldest public ServiceEntry (file order breaks ties)."""
     by_host: dict[str, dict[str, ServiceInfo]] = {}
     for info in infos:
         best = by_host.setdefault(info.service.hostname, {})
@@ -241,8 +263,9 @@ def select_services(infos: list[ServiceInfo]) -> list[ServiceInfo]:
     for per_namespace in by_host.values():
         chosen = list(per_namespace.values())
         services = [i for i in chosen if i.from_service]
-        if not services:
-            oldest = min(chosen, key=lambda i: i.source.created)
+        public = [i for i in chosen if i.service.visibility is Visibility.PUBLIC]
+        if not services and public:
+            oldest = min(public, key=lambda i: i.source.created)
             chosen = [
                 replace(i, service=replace(i.service, canonical=True)) if i is oldest else i for i in chosen
             ]

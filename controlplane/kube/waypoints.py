@@ -12,19 +12,36 @@ namespace's; `istio.io/use-waypoint-namespace` names another namespace. The wayp
 routes from the object's namespace (its HBONE 15008 listener's `allowedRoutes`; the same namespace
 by default). A Service takes a waypoint for `service` or `all` traffic, a Pod or WorkloadEntry one
 for `workload` or `all`.
+
+A Service or ServiceEntry with a waypoint may name a canary beside it: `istio.io/use-waypoint-canary`
+(`istio.io/use-waypoint-canary-namespace` for another namespace) and the share of connections it
+takes, the annotation `istio.io/use-waypoint-canary-weight` (0 to 100, 0 when absent). Both come from
+the level the primary waypoint came from: the object's own labels, or its namespace's when the
+object names no waypoint of its own. It becomes `weighted_waypoints`: the primary at 100 - weight,
+the canary at weight. A canary that is the primary, has an invalid weight, or cannot serve the
+service as a primary could not is a warning, and the primary takes everything.
+
+A Service or ServiceEntry with a waypoint carries `ingress_use_waypoint` (for ingress gateways; ztunnel
+ignores it) from its `istio.io/ingress-use-waypoint` label, else its namespace's, read as Go's
+`strconv.ParseBool` reads it; another value is a warning and false.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from controlplane.kube.cluster import (
+    CANARY_WEIGHT_ANNOTATION,
     GATEWAY_MANAGED_LABEL,
     GATEWAY_NAME_LABEL,
     INBOUND_BINDING_ANNOTATION,
+    INGRESS_USE_WAYPOINT,
     USE_WAYPOINT,
+    USE_WAYPOINT_CANARY,
+    USE_WAYPOINT_CANARY_NAMESPACE,
     USE_WAYPOINT_NAMESPACE,
     WAYPOINT_FOR,
     Cluster,
@@ -39,6 +56,7 @@ from mesh.model import (
     GatewayAddress,
     NamespacedHostname,
     NetworkAddress,
+    WeightedWaypoint,
 )
 
 WAYPOINT_CLASS = "istio-waypoint"
@@ -46,6 +64,10 @@ MESH_CONTROLLER = "istio.io/mesh-controller"
 MANAGED_BY_MESH = "istio.io-mesh-controller"
 MANAGED_BY_EAST_WEST = "istio.io-eastwest-controller"
 HBONE_PORT = 15008
+_WEIGHT = re.compile(r"[+-]?[0-9]+")  # what Go's strconv.Atoi reads
+# What Go's strconv.ParseBool reads.
+_TRUE = ("1", "t", "T", "TRUE", "true", "True")
+_FALSE = ("0", "f", "F", "FALSE", "false", "False")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,19 +221,87 @@ class Waypoints:
             return self._lookup(ns, namespace)
         return None
 
-    def for_service(self, who: str, namespace: str, labels: Mapping[str, str]) -> Waypoint | None:
+    def for_service(
+        self, who: str, namespace: str, labels: Mapping[str, str], *, namespace_only: bool = False
+    ) -> Waypoint | None:
+        """`namespace_only`: a ServiceEntry of NAMESPACE visibility, which no waypoint of another
+        namespace may serve (that would show it to the waypoint's namespace)."""
         if labels.get(GATEWAY_MANAGED_LABEL) in (MANAGED_BY_MESH, MANAGED_BY_EAST_WEST):
             return None  # the waypoint's (or an east-west gateway's) own Service
 
         def find() -> Waypoint | None:
             waypoint = self.for_target(namespace, labels)
-            if waypoint is None or waypoint.traffic_type in ("service", "all"):
-                return waypoint
-            raise WaypointError(
-                f"waypoint {waypoint.key} is for {waypoint.traffic_type} traffic, not service"
-            )
+            if waypoint is None:
+                return None
+            if waypoint.traffic_type not in ("service", "all"):
+                raise WaypointError(
+                    f"waypoint {waypoint.key} is for {waypoint.traffic_type} traffic, not service"
+                )
+            if namespace_only and waypoint.namespace != namespace:
+                raise WaypointError(
+                    f"cannot bind to waypoint {waypoint.key} in another namespace: not permitted for a "
+                    "ServiceEntry with NAMESPACE visibility"
+                )
+            return waypoint
 
         return self._warned(who, find)
+
+    def canary_of(self, who: str, obj: Obj, primary: Waypoint | None) -> tuple[WeightedWaypoint, ...]:
+        """A Service's or ServiceEntry's `weighted_waypoints`: none without a primary or a canary."""
+        if primary is None:
+            return ()
+        labels, annotations = obj.labels, obj.annotations
+        if USE_WAYPOINT not in labels:  # the primary is the namespace's: so is the canary
+            ns = self.cluster.namespace(obj.namespace)
+            ns_labels = ns.labels if ns is not None else {}
+            ns_annotations = ns.annotations if ns is not None else {}
+            if USE_WAYPOINT_CANARY not in labels and USE_WAYPOINT_CANARY in ns_labels:
+                labels = ns_labels
+            if CANARY_WEIGHT_ANNOTATION not in annotations:
+                annotations = ns_annotations
+        name = labels.get(USE_WAYPOINT_CANARY, "")
+        if name in ("", "none"):
+            return ()
+        named = (labels.get(USE_WAYPOINT_CANARY_NAMESPACE, obj.namespace), name)
+
+        def find() -> Waypoint:
+            key = f"{named[0]}/{named[1]}"
+            if key == primary.key:
+                raise WaypointError(f"canary waypoint {key} must differ from the primary waypoint")
+            raw = annotations.get(CANARY_WEIGHT_ANNOTATION, "0")
+            if not _WEIGHT.fullmatch(raw) or not 0 <= int(raw) <= 100:
+                raise WaypointError(
+                    f"canary waypoint {key} has an invalid weight {raw!r}; must be an integer in [0,100]"
+                )
+            canary = self._lookup(named, obj.namespace)
+            if canary.traffic_type not in ("service", "all"):
+                raise WaypointError(
+                    f"canary waypoint {key} is for {canary.traffic_type} traffic, not service"
+                )
+            return canary
+
+        try:
+            canary = find()
+        except WaypointError as e:
+            self.warnings.append(f"{who}: {e}; the primary waypoint takes all its traffic")
+            return ()
+        weight = int(annotations.get(CANARY_WEIGHT_ANNOTATION, "0"))
+        return (WeightedWaypoint(primary.address, 100 - weight), WeightedWaypoint(canary.address, weight))
+
+    def ingress_use(self, who: str, obj: Obj, waypoint: Waypoint | None) -> bool:
+        """A Service's or ServiceEntry's `ingress_use_waypoint`: only with a waypoint."""
+        if waypoint is None:
+            return False
+        value = obj.labels.get(INGRESS_USE_WAYPOINT)
+        if value is None:
+            value = self.cluster.namespace_labels(obj.namespace).get(INGRESS_USE_WAYPOINT)
+        if value is None:
+            return False
+        if value not in _TRUE + _FALSE:
+            self.warnings.append(
+                f"{who}: invalid value for label {INGRESS_USE_WAYPOINT}: {value!r}, defaulting to false"
+            )
+        return value in _TRUE
 
     def for_workload(self, who: str, namespace: str, labels: Mapping[str, str]) -> Waypoint | None:
         def find() -> Waypoint | None:

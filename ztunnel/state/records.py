@@ -94,12 +94,13 @@ def service_record(s: Service) -> tuple[Any, ...]:
         tuple((_gateway(w.destination), w.weight) for w in s.weighted_waypoints),
         None if lb is None else (tuple(int(p) for p in lb.routing_preferences), int(lb.mode), int(lb.health_policy)),
         int(s.ip_families), s.canonical, int(s.visibility), tuple(_endpoint(e) for e in s.endpoints),
+        s.ingress_use_waypoint,
     )  # fmt: skip
 
 
 def service_of(t: tuple[Any, ...]) -> Service:
     (name, namespace, hostname, vips, cidr_vips, ports, sans, waypoint, weighted, lb, ip_families,
-     canonical, visibility, endpoints) = t  # fmt: skip
+     canonical, visibility, endpoints, ingress_use_waypoint) = t  # fmt: skip
     return Service(
         name, namespace, hostname, tuple(NetworkAddress(n, ip_from_bytes(a)) for n, a in vips),
         tuple(CidrVip(n, cidr_from_bytes(a, length)) for n, a, length in cidr_vips), ports, sans,
@@ -108,6 +109,7 @@ def service_of(t: tuple[Any, ...]) -> Service:
             tuple(LoadBalancingScope(p) for p in lb[0]), LoadBalancingMode(lb[1]), HealthPolicy(lb[2])
         ),
         IPFamilies(ip_families), canonical, Visibility(visibility), tuple(_endpoint_of(e) for e in endpoints),
+        ingress_use_waypoint,
     )  # fmt: skip
 
 
