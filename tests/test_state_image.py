@@ -47,7 +47,7 @@ from ztunnel.state.shared import SharedState
 from ztunnel.state.store import ProxyState
 from ztunnel.workers import replication
 from ztunnel.workers.messages import StateImageReady, ToWorker
-from ztunnel.workers.replication import ReplicatedState, map_image
+from ztunnel.workers.replication import Replication, map_image
 
 FULL_WORKLOAD = Workload(
     uid="c//v1/Pod/ns/full",
@@ -287,7 +287,8 @@ def test_pushes_reach_a_worker_as_delta_images_over_a_base_and_a_new_base_now_an
     rng = random.Random(7)
     workloads, services = _mesh(rng, 3000)
     sent: list[tuple[ToWorker, list[int]]] = []
-    parent = ReplicatedState(lambda message, fds: sent.append((message, [os.dup(fd) for fd in fds])))
+    parent = ProxyState()
+    publisher = Replication(parent, lambda message, fds: sent.append((message, [os.dup(fd) for fd in fds])))
     worker = SharedState()
 
     def deliver() -> list[bool]:
@@ -334,7 +335,7 @@ def test_pushes_reach_a_worker_as_delta_images_over_a_base_and_a_new_base_now_an
     assert False in kinds  # past a sixteenth of the store changed: a new base, the delta let go
     parent.apply_local_config(LocalConfig())  # the store replaced: a base at once
     assert deliver() == [False] and worker.workloads() == [] and worker.delta is None
-    parent.close()
+    publisher.close()
 
 
 def test_the_decoded_records_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from ztunnel.state.shared import SharedState
 from ztunnel.state.store import ProxyState
 from ztunnel.workers.messages import StateChanges, StateImageReady, ToWorker
 from ztunnel.workers.replication import (
-    ReplicatedState,
+    Replication,
     apply_changes,
     demand_arrived,
     map_image,
@@ -85,7 +85,8 @@ def same(worker: ProxyState, parent: ProxyState) -> None:
 
 def test_a_worker_store_follows_the_parent_change_by_change() -> None:
     sent: list[tuple[ToWorker, Sequence[int]]] = []
-    parent = ReplicatedState(lambda message, fds: sent.append((message, list(fds))))
+    parent = ProxyState()
+    replication = Replication(parent, lambda message, fds: sent.append((message, list(fds))))
     worker = Worker()
     notified: list[int] = []
     worker.state.subscribe(lambda: notified.append(len(sent)))
@@ -121,12 +122,12 @@ def test_a_worker_store_follows_the_parent_change_by_change() -> None:
 
     parent.upsert_policy(config.policies[0])
     late = Worker()  # a worker started now gets the whole store at once: policies, then the image
-    for message, fds in parent.snapshot():
+    for message, fds in replication.snapshot():
         late.take(message, fds)
     same(late.state, parent)
     replay()
     same(worker.state, late.state)
-    parent.close()
+    replication.close()
 
 
 def test_an_image_is_sealed_shared_memory_and_a_worker_refuses_another() -> None:
@@ -176,8 +177,10 @@ def _images_held() -> int:
 def test_the_parent_holds_at_most_a_base_and_a_delta_and_a_smaller_mesh_a_smaller_image() -> None:
     before = _images_held()
     sizes: list[int] = []
-    parent = ReplicatedState(
-        lambda message, fds: sizes.append(message.size) if isinstance(message, StateImageReady) else None
+    parent = ProxyState()
+    replication = Replication(
+        parent,
+        lambda message, fds: sizes.append(message.size) if isinstance(message, StateImageReady) else None,
     )
     config = parse_local_config(FILE)
     parent.apply_local_config(config)
@@ -186,13 +189,14 @@ def test_the_parent_holds_at_most_a_base_and_a_delta_and_a_smaller_mesh_a_smalle
         assert _images_held() - before <= 2  # the previous images are let go as they are replaced
     parent.apply_local_config(parse_local_config("workloads: []\n"))  # the mesh shrinks: a new base
     assert sizes[-1] < sizes[0]
-    parent.close()
+    replication.close()
     assert _images_held() == before
 
 
 def test_a_worker_refuses_a_delta_over_a_base_it_does_not_hold() -> None:
     sent: list[tuple[ToWorker, Sequence[int]]] = []
-    parent = ReplicatedState(lambda message, fds: sent.append((message, list(fds))))
+    parent = ProxyState()
+    replication = Replication(parent, lambda message, fds: sent.append((message, list(fds))))
     config = parse_local_config(FILE)
     parent.apply_local_config(config)
     parent.remove(config.workloads[1].uid)  # a delta over the first base
@@ -208,4 +212,4 @@ def test_a_worker_refuses_a_delta_over_a_base_it_does_not_hold() -> None:
         if isinstance(message, StateChanges):
             apply_changes(worker, message)
     same(worker, parent)
-    parent.close()
+    replication.close()

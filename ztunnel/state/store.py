@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from mesh.localconfig import (
     LocalConfig,
@@ -46,6 +46,18 @@ Listener = Callable[[], None]
 # return once it answered (True) or gave up waiting (False); `arrived` says whether the store now
 # holds what was missing.
 Demander = Callable[[str, Callable[[], bool]], Awaitable[bool]]
+
+
+class ChangeObserver(Protocol):
+    """Told of each change as the store makes it (the value before and after; None: absent), of the
+    store replaced, and of each committed batch after the listeners: the parent's replication to its
+    workers (`ztunnel.workers.replication.Replication`)."""
+
+    def workload_changed(self, before: Workload | None, after: Workload | None) -> None: ...
+    def service_changed(self, before: Service | None, after: Service | None) -> None: ...
+    def policy_changed(self, key: str, after: Authorization | None) -> None: ...
+    def replaced(self) -> None: ...
+    def committed(self) -> None: ...
 
 
 class WorkloadStore:
@@ -240,6 +252,12 @@ class ProxyState:
         self._policies_changed = False
         self._batch = Batch(self)
         self.demander = demander  # with XDS_ON_DEMAND=true: asks the control plane for a key
+        self._observer: ChangeObserver | None = None
+
+    def observe(self, observer: ChangeObserver) -> None:
+        """Tell `observer` of every change from now on (one at most: the parent's replication)."""
+        assert self._observer is None
+        self._observer = observer
 
     # --- on demand ---------------------------------------------------------------------------------
 
@@ -318,8 +336,10 @@ class ProxyState:
         return self._batch
 
     def _committed(self) -> None:
-        """The outermost batch ended: tell the listeners."""
+        """The outermost batch ended: tell the listeners, then the observer."""
         self._notify()
+        if self._observer is not None:
+            self._observer.committed()
 
     def _forget_lookups(self) -> None:
         # Called twice per change (a first push makes some 200,000): clearing only what holds answers.
@@ -344,13 +364,19 @@ class ProxyState:
 
     def upsert_workload(self, w: Workload) -> None:
         with self.batch():
-            self.workload_store.upsert(w)
+            store = self.workload_store
+            if self._observer is not None:
+                self._observer.workload_changed(store.by_uid.get(w.uid), w)
+            store.upsert(w)
             self._changed = True
 
     def remove(self, name: str) -> bool:
         """Remove by xDS resource name: a workload uid, else a `namespace/hostname` service."""
-        if name in self.workload_store.by_uid:
+        workload = self.workload_store.by_uid.get(name)
+        if workload is not None:
             with self.batch():
+                if self._observer is not None:
+                    self._observer.workload_changed(workload, None)
                 self.workload_store.remove(name)
                 self._changed = True
             return True
@@ -363,14 +389,20 @@ class ProxyState:
 
     def upsert_service(self, s: Service) -> None:
         with self.batch():
-            self.service_store.upsert(s)
+            store = self.service_store
+            if self._observer is not None:
+                self._observer.service_changed(store.by_key.get(s.key), s)
+            store.upsert(s)
             self._changed = True
 
     def remove_service(self, key: str) -> bool:
         """Remove a service; its workloads' memberships stay, staged until it comes back."""
-        if key not in self.service_store.by_key:
+        service = self.service_store.by_key.get(key)
+        if service is None:
             return False
         with self.batch():
+            if self._observer is not None:
+                self._observer.service_changed(service, None)
             self.service_store.remove(key)
             self._changed = True
         return True
@@ -379,6 +411,8 @@ class ProxyState:
 
     def upsert_policy(self, p: Authorization) -> None:
         with self.batch():
+            if self._observer is not None:
+                self._observer.policy_changed(p.key, p)
             self.policy_store.upsert(p)
             self._changed = self._policies_changed = True
 
@@ -386,6 +420,8 @@ class ProxyState:
         if key not in self.policy_store.by_key:
             return False
         with self.batch():
+            if self._observer is not None:
+                self._observer.policy_changed(key, None)
             self.policy_store.remove(key)
             self._changed = self._policies_changed = True
         return True
@@ -395,6 +431,8 @@ class ProxyState:
     def apply_local_config(self, cfg: LocalConfig) -> None:
         """Replace every workload and service and drop every policy, then insert the file's."""
         with self.batch():
+            if self._observer is not None:
+                self._observer.replaced()  # then the file's values, one by one
             self.workload_store.clear()
             self.service_store.clear()
             self.policy_store.clear()

@@ -1,15 +1,16 @@
 """The supervisor's store, shared with every worker.
 
-`ReplicatedState` is the supervisor's `ProxyState`. The workloads and services reach the workers as
+`Replication` is the supervisor's publishing: it observes the supervisor's `ProxyState` (it is no
+kind of store). The workloads and services reach the workers as
 images (`ztunnel.state.image`) in sealed memfds, handed to its `publish` callable as
 `StateImageReady` with the fd: every worker maps the same pages read-only (`map_image`), so the mesh
 is held once per node. After every committed change (one xDS response, the local file, a batch) that
 touched a workload or a service, it encodes a delta image of what changed since the base image (the
 keys touched, each in full), which replaces the previous delta; once the changes since the base
-reach a sixteenth of the store, or the store was replaced, a new base image instead. The policies, few and read per connection, still travel as one `StateChanges`
+reach a sixteenth of the store, or the store was replaced, a new base image instead. The policies,
+few and read per connection, still travel as one `StateChanges`
 per change, which a worker applies to its `SharedState` with `apply_changes`. A worker that starts
-late gets `snapshot()` first: the policies, then the current image.
-"""
+late gets `snapshot()` first: the policies, then the current image."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from mesh.localconfig import LocalConfig
 from mesh.model import Service, Workload
 from policy.model import Authorization
 from ztunnel.state.image import StateImage, Touched
-from ztunnel.state.store import Demander, ProxyState
+from ztunnel.state.store import ProxyState
 from ztunnel.workers.messages import (
     Clear,
     RemovePolicy,
@@ -94,11 +95,12 @@ def demand_arrived(state: ProxyState, key: str) -> Callable[[], bool]:
     return lambda: state.workload_by_addr(scope, ip) is not None or bool(state.services_by_vip(scope, ip))
 
 
-class ReplicatedState(ProxyState):
-    """The supervisor's store: every committed change is also handed to `publish`."""
+class Replication:
+    """The parent's publishing: observes its store (`ProxyState.observe`) and hands every committed
+    change to `publish`, as images of the workloads and services and as the policies' changes."""
 
-    def __init__(self, publish: Publish, demander: Demander | None = None) -> None:
-        super().__init__(demander)
+    def __init__(self, state: ProxyState, publish: Publish) -> None:
+        self.state = state
         self._publish = publish
         # The batch under way: its policy changes (and a Clear), in order, and whether it changed a
         # workload or a service (then a new image goes out).
@@ -111,18 +113,45 @@ class ReplicatedState(ProxyState):
         self._touched = Touched()
         self._rebase = True  # the next image is a base (the store was replaced)
         self.generation = 0
+        state.observe(self)
 
-    def _committed(self) -> None:
-        super()._committed()
+    # --- the store's changes, as it makes them ---
+
+    def workload_changed(self, before: Workload | None, after: Workload | None) -> None:
+        self._addresses_changed = True
+        if self._tracking():
+            # The keys of what the store held for it change too (an address left, a membership).
+            for w in (before, after):
+                if w is not None:
+                    self._touched.workload(w)
+
+    def service_changed(self, before: Service | None, after: Service | None) -> None:
+        self._addresses_changed = True
+        if self._tracking():
+            for s in (before, after):
+                if s is not None:
+                    self._touched.service(s)
+
+    def policy_changed(self, key: str, after: Authorization | None) -> None:
+        self._policy_ops.append(RemovePolicy(key) if after is None else UpsertPolicy(after))
+
+    def replaced(self) -> None:
+        self._rebase = True
+        self._addresses_changed = True
+        self._policy_ops.append(Clear())  # then the new policies, one by one
+
+    def committed(self) -> None:
         policies, self._policy_ops = self._policy_ops, []
         addresses, self._addresses_changed = self._addresses_changed, False
         if policies:
             self._publish(StateChanges(tuple(policies)), ())
-        if addresses or any(isinstance(op, Clear) for op in policies):
+        if addresses:
             self._publish_image()
 
+    # --- the images ---
+
     def _delta_limit(self) -> int:
-        return max(DELTA_MIN, (len(self.workload_store) + len(self.service_store)) // 16)
+        return max(DELTA_MIN, (len(self.state.workload_store) + len(self.state.service_store)) // 16)
 
     def _tracking(self) -> bool:
         """Whether the next image may be a delta, so what changes is worth noting."""
@@ -130,7 +159,7 @@ class ReplicatedState(ProxyState):
 
     def _publish_image(self) -> None:
         rebase = not self._tracking()
-        fd, size = write_image(self.image(None if rebase else self._touched))
+        fd, size = write_image(self.state.image(None if rebase else self._touched))
         self.generation += 1
         image = (fd, size, self.generation)
         old = [self._delta]
@@ -147,7 +176,7 @@ class ReplicatedState(ProxyState):
     def snapshot(self) -> list[tuple[ToWorker, Sequence[int]]]:
         """What a worker that starts is sent first: the policies, then the current images (if any)."""
         ops: list[StateOp] = [Clear()]
-        ops += [UpsertPolicy(p) for p in self.policies()]
+        ops += [UpsertPolicy(p) for p in self.state.policies()]
         out: list[tuple[ToWorker, Sequence[int]]] = [(StateChanges(tuple(ops)), ())]
         for image, delta in ((self._base, False), (self._delta, True)):
             if image is not None:
@@ -164,70 +193,6 @@ class ReplicatedState(ProxyState):
             if image is not None:
                 os.close(image[0])
         self._base = self._delta = None
-
-    # Each change is made in a batch of its own, so that what it touched is noted before the image
-    # of the outermost batch is made.
-
-    def upsert_workload(self, w: Workload) -> None:
-        with self.batch():
-            self._addresses_changed = True
-            tracking = self._tracking()
-            if tracking:
-                self._touch_workload(w.uid)
-            super().upsert_workload(w)
-            if tracking:
-                self._touched.workload(w)
-
-    def remove(self, name: str) -> bool:
-        with self.batch():
-            self._addresses_changed = True
-            if self._tracking():
-                self._touch_workload(name)
-            return super().remove(name)
-
-    def upsert_service(self, s: Service) -> None:
-        with self.batch():
-            self._addresses_changed = True
-            tracking = self._tracking()
-            if tracking:
-                self._touch_service(s.key)
-            super().upsert_service(s)
-            if tracking:
-                self._touched.service(s)
-
-    def remove_service(self, key: str) -> bool:
-        with self.batch():
-            self._addresses_changed = True
-            if self._tracking():
-                self._touch_service(key)
-            return super().remove_service(key)
-
-    def _touch_workload(self, uid: str) -> None:
-        """The keys of what the store holds now for `uid` change too (an address left, a membership)."""
-        previous = self.workload_by_uid(uid)
-        if previous is not None:
-            self._touched.workload(previous)
-
-    def _touch_service(self, key: str) -> None:
-        previous = self.service_by_key(key)
-        if previous is not None:
-            self._touched.service(previous)
-
-    def upsert_policy(self, p: Authorization) -> None:
-        with self.batch():
-            self._policy_ops.append(UpsertPolicy(p))
-            super().upsert_policy(p)
-
-    def remove_policy(self, key: str) -> bool:
-        with self.batch():
-            self._policy_ops.append(RemovePolicy(key))
-            return super().remove_policy(key)
-
-    def apply_local_config(self, cfg: LocalConfig) -> None:
-        self._rebase = True
-        with self.batch():
-            self._policy_ops.append(Clear())  # then the file's policies, one by one
-            super().apply_local_config(cfg)
 
 
 def apply_changes(state: ProxyState, changes: StateChanges) -> None:

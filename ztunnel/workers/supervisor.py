@@ -32,6 +32,7 @@ from ztunnel.identity.certificates import CertificateUnavailable, SecretManager
 from ztunnel.logs import lines as logs
 from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.startup import StartupError
+from ztunnel.state.store import ProxyState
 from ztunnel.workers import fleet as policy
 from ztunnel.workers.channel import Channel, close_fds, encode
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
@@ -61,7 +62,7 @@ from ztunnel.workers.messages import (
     Synced,
     ToWorker,
 )
-from ztunnel.workers.replication import ReplicatedState, demand_arrived, hold_fds, release_fds
+from ztunnel.workers.replication import Replication, demand_arrived, hold_fds, release_fds
 from ztunnel.workers.spawning import Spawner, exit_code
 from ztunnel.workers.worker import collect_profile
 
@@ -137,7 +138,8 @@ class Supervisor:
         self.slots = [WorkerSlot(i) for i in range(self.fleet.count)]
         self.sums = TrafficSums()
         on_demand = config.xds_on_demand and bool(config.xds_address)
-        self.state = ReplicatedState(self.tell_all, self._demand if on_demand else None)
+        self.state = ProxyState(self._demand if on_demand else None)
+        self.replication = Replication(self.state, self.tell_all)  # every change, to the workers
         self.readiness = Readiness()
         self.pods = WorkerPods(self) if config.proxy_mode == "shared" else None
         self.control = ControlRuntime(
@@ -461,7 +463,7 @@ class Supervisor:
                 log.info("shutting down: draining for up to %ss", self.config.connection_termination_deadline)
             await self._stop_workers()
             await self.control.drain()
-            self.state.close()
+            self.replication.close()
         return self.control.exit_code
 
     async def _drop_stale_series(self) -> None:
@@ -503,7 +505,7 @@ class Supervisor:
         # What a new worker is told first: to start, the whole store, the pods, and whether to
         # accept yet.
         slot.send(Spawn(slot.index))
-        for message, fds in self.state.snapshot():
+        for message, fds in self.replication.snapshot():
             slot.send(message, fds)
         slot.send(SetLogFilter(logs.current_filter()))
         for message, netns in self.pods.running() if self.pods is not None else ():
