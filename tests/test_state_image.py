@@ -42,12 +42,13 @@ from mesh.model import (
 )
 from ztunnel.state import image as image_module
 from ztunnel.state.image import ImageError, StateImage
+from ztunnel.state.memfd import map_image
 from ztunnel.state.records import service_of, service_record, workload_of, workload_record
 from ztunnel.state.shared import SharedState
 from ztunnel.state.store import ProxyState
 from ztunnel.workers import replication
 from ztunnel.workers.messages import StateImageReady, ToWorker
-from ztunnel.workers.replication import Replication, map_image
+from ztunnel.workers.replication import Replication
 
 FULL_WORKLOAD = Workload(
     uid="c//v1/Pod/ns/full",

@@ -13,16 +13,11 @@ from collections.abc import Sequence
 import pytest
 
 from mesh.localconfig import parse_local_config
+from ztunnel.state.memfd import map_image, write_image
 from ztunnel.state.shared import SharedState
-from ztunnel.state.store import ProxyState
+from ztunnel.state.store import ProxyState, demand_arrived
 from ztunnel.workers.messages import StateChanges, StateImageReady, ToWorker
-from ztunnel.workers.replication import (
-    Replication,
-    apply_changes,
-    demand_arrived,
-    map_image,
-    write_image,
-)
+from ztunnel.workers.replication import Replication, apply_changes
 
 FILE = """
 workloads:

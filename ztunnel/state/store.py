@@ -8,6 +8,7 @@ called synchronously once a change (or a `batch()` of changes) is complete.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
@@ -659,6 +660,19 @@ class ProxyState:
                 key: {ep.workload_uid: endpoint_to_dict(ep) for ep in eps} for key, eps in staged.items()
             },
         }
+
+
+def demand_arrived(state: ProxyState, key: str) -> Callable[[], bool]:
+    """Whether the store now holds what an on-demand `key` names: `network/ip` (a workload, or a
+    service by VIP) or `namespace/hostname` (a service, or a workload by hostname)."""
+    scope, _, name = key.rpartition("/")
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return lambda: (
+            state.service_by_key(key) is not None or state.workload_by_hostname(scope, name) is not None
+        )
+    return lambda: state.workload_by_addr(scope, ip) is not None or bool(state.services_by_vip(scope, ip))
 
 
 class Batch:

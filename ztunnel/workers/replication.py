@@ -3,7 +3,7 @@
 `Replication` is the supervisor's publishing: it observes the supervisor's `ProxyState` (it is no
 kind of store). The workloads and services reach the workers as
 images (`ztunnel.state.image`) in sealed memfds, handed to its `publish` callable as
-`StateImageReady` with the fd: every worker maps the same pages read-only (`map_image`), so the mesh
+`StateImageReady` with the fd: every worker maps the same pages read-only (`ztunnel.state.memfd`), so the mesh
 is held once per node. After every committed change (one xDS response, the local file, a batch) that
 touched a workload or a service, it encodes a delta image of what changed since the base image (the
 keys touched, each in full), which replaces the previous delta; once the changes since the base
@@ -14,16 +14,14 @@ late gets `snapshot()` first: the policies, then the current image."""
 
 from __future__ import annotations
 
-import fcntl
-import ipaddress
-import mmap
 import os
 from collections.abc import Callable, Sequence
 
 from mesh.localconfig import LocalConfig
 from mesh.model import Service, Workload
 from policy.model import Authorization
-from ztunnel.state.image import StateImage, Touched
+from ztunnel.state.image import Touched
+from ztunnel.state.memfd import write_image
 from ztunnel.state.store import ProxyState
 from ztunnel.workers.messages import (
     Clear,
@@ -38,25 +36,6 @@ from ztunnel.workers.messages import (
 # A message for every worker, with the fds that go with it (the receiver of an image's fd owns a dup).
 Publish = Callable[[ToWorker, Sequence[int]], None]
 DELTA_MIN = 512  # workloads and services a delta image may carry, at least, before a new base
-_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
-
-
-def write_image(chunks: Sequence[bytes]) -> tuple[int, int]:
-    """A sealed memfd holding the image `chunks`: (fd, size). Its pages are shared memory, counted
-    once however many processes map them."""
-    fd = os.memfd_create("ztunnel-state", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        size = 0
-        for chunk in chunks:
-            view = memoryview(chunk)
-            while view:
-                n = os.write(fd, view)
-                view, size = view[n:], size + n
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, size
 
 
 def hold_fds(message: ToWorker, fds: Sequence[int]) -> list[int]:
@@ -70,29 +49,6 @@ def release_fds(message: ToWorker, fds: Sequence[int]) -> None:
     if isinstance(message, StateImageReady):
         for fd in fds:
             os.close(fd)
-
-
-def map_image(fd: int, size: int) -> StateImage:
-    """The image in a sealed memfd, mapped read-only (the fd may be closed after). A memfd that is
-    not sealed against writes is refused: the image is read in place and must not change."""
-    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE == 0:
-        raise ValueError("the state image's memfd is not sealed against writes")
-    if size == 0 or os.fstat(fd).st_size != size:
-        raise ValueError(f"the state image's memfd holds {os.fstat(fd).st_size} bytes, not {size}")
-    return StateImage(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
-
-
-def demand_arrived(state: ProxyState, key: str) -> Callable[[], bool]:
-    """Whether the store now holds what an on-demand `key` names: `network/ip` (a workload, or a
-    service by VIP) or `namespace/hostname` (a service, or a workload by hostname)."""
-    scope, _, name = key.rpartition("/")
-    try:
-        ip = ipaddress.ip_address(name)
-    except ValueError:
-        return lambda: (
-            state.service_by_key(key) is not None or state.workload_by_hostname(scope, name) is not None
-        )
-    return lambda: state.workload_by_addr(scope, ip) is not None or bool(state.services_by_vip(scope, ip))
 
 
 class Replication:

@@ -32,7 +32,7 @@ from ztunnel.identity.certificates import CertificateUnavailable, SecretManager
 from ztunnel.logs import lines as logs
 from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.startup import StartupError
-from ztunnel.state.store import ProxyState
+from ztunnel.state.store import ProxyState, demand_arrived
 from ztunnel.workers import fleet as policy
 from ztunnel.workers.channel import Channel, close_fds, encode
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
@@ -62,7 +62,7 @@ from ztunnel.workers.messages import (
     Synced,
     ToWorker,
 )
-from ztunnel.workers.replication import Replication, demand_arrived, hold_fds, release_fds
+from ztunnel.workers.replication import Replication, hold_fds, release_fds
 from ztunnel.workers.spawning import Spawner, exit_code
 from ztunnel.workers.worker import collect_profile
 

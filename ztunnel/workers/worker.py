@@ -31,6 +31,7 @@ from ztunnel.metrics.families import Metrics
 from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
 from ztunnel.sockets import SocketFactory, socket_options
+from ztunnel.state.memfd import map_image
 from ztunnel.state.shared import SharedState
 from ztunnel.workers.channel import Channel, close_fds
 from ztunnel.workers.counters import traffic_snapshot
@@ -59,7 +60,7 @@ from ztunnel.workers.messages import (
     Stop,
     Synced,
 )
-from ztunnel.workers.replication import apply_changes, map_image
+from ztunnel.workers.replication import apply_changes
 
 if TYPE_CHECKING:
     from ztunnel.admin import profiling
