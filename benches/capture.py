@@ -24,13 +24,13 @@ namespace.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from benches import ctools
 from benches.netns import Netns, NetnsError, link
@@ -43,14 +43,15 @@ from benches.topology import (
     TCP_CONFIG,
     LoadGenerator,
     Mode,
-    Process,
     SetupError,
-    http_get,
+    not_up,
+    restart,
     stunnel_certs,
     stunnel_conf,
     with_workers,
     ztunnel_env,
 )
+from ztunnel.harness import Process, ProxyProcess, http
 
 IPERF_PORT = 5201
 STUNNEL_PORTS = {ECHO_PORT: 19001, IPERF_PORT: 15201}  # the stunnel server's TLS ports
@@ -79,7 +80,6 @@ class CaptureTopology:
         self.gens: list[LoadGenerator] = []
         self.modes: list[Mode] = []
         self.notes: list[str] = []
-        self._logs: list[IO[bytes]] = []
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -93,17 +93,11 @@ class CaptureTopology:
         link(client, _ip(pair, 1), server, _ip(pair, 2))
         return client, server
 
-    def _log(self, name: str) -> tuple[Path, IO[bytes]]:
-        path = self.workdir / f"{name}.log"
-        f = path.open("wb")
-        self._logs.append(f)
-        return path, f
-
-    def _spawn(self, name: str, ns: Netns, argv: list[str], env: dict[str, str] | None = None) -> Process:
-        path, log = self._log(name)
-        full = ns.argv(argv)
-        popen = subprocess.Popen(full, env=env, stdout=log, stderr=subprocess.STDOUT)
-        return Process(name, popen, path, full, env)
+    def _spawn(self, name: str, ns: Netns, argv: list[str]) -> Process:
+        log_path = self.workdir / f"{name}.log"
+        proc = Process(argv[1:], dict(os.environ), log_path, netns=ns.name, name=name, command=argv[:1])
+        proc.spawn()
+        return proc
 
     def _servers(self, mode: str, ns: Netns, tools: Path) -> None:
         """The apps of a server namespace: the C echo and an iperf3 server, on every address."""
@@ -119,7 +113,8 @@ class CaptureTopology:
     def _ztunnel(self, name: str, ns: Netns, config: Path, extra: dict[str, str]) -> Process:
         env = ztunnel_env(name, config, self.workers)
         env.update(PACKET_MARK="1337", ADMIN_ADDRESS="127.0.0.1:15000", **extra)
-        proc = self._spawn(f"ztunnel-{name}", ns, [sys.executable, "-m", "ztunnel", "proxy"], env)
+        proc = ProxyProcess(env, self.workdir / f"ztunnel-{name}.log", netns=ns.name, name=f"ztunnel-{name}")
+        proc.spawn()
         self.ztunnels[name] = (proc, ns)
         return proc
 
@@ -244,19 +239,19 @@ class CaptureTopology:
     def _wait_ready(self, proc: Process, ns: Netns, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not proc.alive():
-                raise SetupError(f"{proc.name} exited with {proc.popen.returncode}: see {proc.log_path}")
+            if not proc.running():
+                raise not_up(proc, "exited")
             with contextlib.suppress(OSError), ns.inside():
-                if http_get("http://127.0.0.1:15021/healthz/ready", 0.5) == 200:
+                if http("GET", "http://127.0.0.1:15021/healthz/ready", timeout=0.5)[0] == 200:
                     return
             time.sleep(0.05)
-        raise SetupError(f"{proc.name} not ready after {timeout}s: see {proc.log_path}")
+        raise not_up(proc, f"not ready after {timeout}s")
 
     def _wait_port(self, proc: Process, ns: Netns, addr: tuple[str, int], timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not proc.alive():
-                raise SetupError(f"{proc.name} exited with {proc.popen.returncode}: see {proc.log_path}")
+            if not proc.running():
+                raise not_up(proc, "exited")
             with ns.inside():
                 sock = socket.socket()  # created inside: it lives in that namespace
             with sock, contextlib.suppress(OSError):
@@ -264,23 +259,23 @@ class CaptureTopology:
                 sock.connect(addr)
                 return
             time.sleep(0.05)
-        raise SetupError(f"{proc.name} not listening on {addr} after {timeout}s: see {proc.log_path}")
+        raise not_up(proc, f"not listening on {addr} after {timeout}s")
 
     def _wait_log(self, proc: Process, text: bytes, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not proc.alive():
-                raise SetupError(f"{proc.name} exited with {proc.popen.returncode}: see {proc.log_path}")
+            if not proc.running():
+                raise not_up(proc, "exited")
             if text in proc.log_path.read_bytes():
                 return
             time.sleep(0.05)
-        raise SetupError(f"{proc.name} did not log {text!r} after {timeout}s: see {proc.log_path}")
+        raise not_up(proc, f"did not log {text!r} after {timeout}s")
 
     def set_workers(self, mode: Mode, workers: int | None) -> None:
         """Restarts the mode's ztunnels with `ZTUNNEL_WORKER_THREADS=workers` (None: unset)."""
         by_proc = {id(p): ns for p, ns in self.ztunnels.values()}
         for proc in mode.processes:
-            proc.restart(with_workers(proc.env, workers))
+            restart(proc, with_workers(proc.env, workers))
         for proc in mode.processes:
             self._wait_ready(proc, by_proc[id(proc)])
 
@@ -291,11 +286,8 @@ class CaptureTopology:
             gen.close()
         procs = [p for p, _ in self.ztunnels.values()] + self.others
         for proc in procs:
-            if proc.alive():
-                proc.popen.terminate()
+            proc.send(signal.SIGTERM)
         for proc in procs:
             proc.stop()
-        for f in self._logs:
-            f.close()
         for ns in self.namespaces:
             ns.delete()

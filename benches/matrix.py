@@ -398,7 +398,7 @@ class Matrix:
             {
                 "connections": res["count"] + 3,
                 "cpu_s": cpu,
-                "time_wait": {p.name: procfs.time_wait(p.popen.pid) for p in mode.processes},
+                "time_wait": {p.name: procfs.time_wait(p.pid) for p in mode.processes},
             }
         )
         if res["errors"]:

@@ -1,5 +1,6 @@
-"""Network namespaces for the capture topology (root only): made with `ip netns`, joined by veth
-pairs, and entered by the harness's own thread just long enough to open a socket inside one.
+"""Network namespaces made for the capture topology and the tests (root only): made with `ip netns`,
+joined by veth pairs, commands run inside, and entered by the harness's own thread just long enough
+to open a socket inside one.
 
 `setns(2)` switches only the calling OS thread, and Python 3.11 has no `os.setns`: it is called
 through `ctypes`. A socket keeps the namespace it was created in, so `inside(ns)` around a
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import subprocess
 import uuid
@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 CLONE_NEWNET = 0x40000000
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the symbols already loaded (libc's): no library search
 _libc.setns.argtypes = (ctypes.c_int, ctypes.c_int)
 _libc.setns.restype = ctypes.c_int
 
@@ -34,11 +34,13 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-def run(*args: str, input: str | None = None) -> str:
-    done = subprocess.run(args, capture_output=True, text=True, input=input, timeout=30, check=False)
-    if done.returncode != 0:
-        raise NetnsError(f"{' '.join(args)}: {done.stderr.strip() or f'exit {done.returncode}'}")
-    return done.stdout
+def run(*args: str, check: bool = True, input: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    """`args` run to their end; NetnsError (with what they said) when they fail and `check`."""
+    done = subprocess.run(args, capture_output=True, input=input, timeout=30, check=False)
+    if check and done.returncode != 0:
+        said = done.stderr.decode(errors="replace").strip()
+        raise NetnsError(f"{' '.join(args)}: {said or f'exit {done.returncode}'}")
+    return done
 
 
 class Netns:
@@ -50,12 +52,18 @@ class Netns:
         self.path = f"/run/netns/{self.name}"
         self.exec("ip", "link", "set", "lo", "up")
 
-    def exec(self, *args: str) -> str:
-        return run("ip", "netns", "exec", self.name, *args)
+    def exec(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+        """`args` run inside the namespace to their end."""
+        return run("ip", "netns", "exec", self.name, *args, check=check)
 
     def argv(self, args: Sequence[str]) -> list[str]:
         """`args` run inside the namespace (`ip netns exec` execs it: the pid is the command's)."""
         return ["ip", "netns", "exec", self.name, *args]
+
+    def popen(self, args: Sequence[str], env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
+        """`args` started inside the namespace, their output to `log_path`."""
+        with open(log_path, "wb") as log:
+            return subprocess.Popen(self.argv(args), env=env, stdout=log, stderr=subprocess.STDOUT)
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:

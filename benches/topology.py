@@ -11,8 +11,9 @@ collide), each party on its own address:
 | .5 | `tcp`: a ztunnel whose local config knows only itself: the sink's address is unknown to it, so SOCKS5 to it is plain TCP passthrough |
 | .6/.7 | `stunnel`: stunnel4 client (plain TCP in) and server (mTLS in, plain TCP to the sink) |
 
-The ztunnels are real `python -m ztunnel proxy` processes with `FAKE_CA=true` and a
-`LOCAL_XDS_PATH` file, as in `ztunnel demo`. stunnel gets certificates of the same kind, issued by
+The ztunnels are real `ztunnel proxy` processes with `FAKE_CA=true` and a `LOCAL_XDS_PATH` file,
+started, waited for and stopped by process group through `ztunnel.harness` as `ztunnel demo`'s and
+the tests' are. stunnel gets certificates of the same kind, issued by
 the same fake CA (ECDSA P-256 leaves with a SPIFFE URI SAN), TLS 1.3 only, mutual and verified, and
 resuming TLS sessions (session tickets) as a tuned stunnel does; `stunnel_handshakes` counts, from
 the stunnel server's log, how many of its connections were resumed.
@@ -25,17 +26,16 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from benches import procfs
+from ztunnel.harness import Process, ProcessExited, ProxyProcess, http
 
 ECHO_PORT = 9001
 DISCARD_PORT = 9002
@@ -101,39 +101,17 @@ def pick_net() -> str:
     return f"127.{random.randint(16, 250)}.{random.randint(0, 250)}"
 
 
-@dataclass
-class Process:
-    """One process under test; its CPU and memory include any worker processes it started.
+def restart(proc: Process, env: dict[str, str]) -> None:
+    """`proc` stopped, then started again with `env` (another worker count)."""
+    proc.stop()
+    proc.env = env
+    proc.spawn()
 
-    `argv` and `env` are kept so the process can be restarted (another worker count)."""
 
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    argv: list[str] = field(default_factory=list)
-    env: dict[str, str] | None = None
-
-    def pids(self) -> list[int]:
-        return procfs.tree(self.popen.pid) if self.popen.poll() is None else []
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM (a ztunnel drains and exits), SIGKILL after `timeout`."""
-        if self.popen.poll() is None:
-            self.popen.terminate()
-        try:
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(timeout=5)
-
-    def restart(self, env: dict[str, str]) -> None:
-        self.stop()
-        self.env = env
-        with self.log_path.open("ab") as log:
-            self.popen = subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+def not_up(proc: Process, what: str) -> SetupError:
+    if proc.running():
+        return SetupError(f"{proc.name} {what}: see {proc.log_path}")
+    return SetupError(f"{proc.name} exited with {proc.returncode}: see {proc.log_path}")
 
 
 @dataclass
@@ -159,20 +137,6 @@ class Mode:
 # 20,000 threads (and the machine's pid space, 32,768 by default); its figure per connection is
 # the same at fewer.
 STUNNEL_MAX_HOLD = 2000
-
-
-def http_get(url: str, timeout: float) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-
-
-def _http_post(url: str, timeout: float) -> int:
-    req = urllib.request.Request(url, method="POST", data=b"")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return int(r.status)
 
 
 def _can_connect(addr: tuple[str, int]) -> bool:
@@ -287,7 +251,7 @@ class Topology:
         self.where = f"SOCKS5 on {self.net}.0/24"
         self.workers = workers
         self.with_stunnel = with_stunnel
-        self.ztunnels: dict[str, Process] = {}
+        self.ztunnels: dict[str, ProxyProcess] = {}
         self.stunnels: list[Process] = []
         self.sink: subprocess.Popen[bytes] | None = None
         self.modes: list[Mode] = []
@@ -321,14 +285,14 @@ class Topology:
             self._start_stunnel()
         elif self.with_stunnel:
             self.notes.append("stunnel: skipped, stunnel4 is not installed (apt-get install stunnel4)")
-        for name, i in (("server", SERVER), ("client", CLIENT), ("fresh", FRESH_CLIENT), ("tcp", TCP_PROXY)):
-            self._wait_ztunnel(self.ztunnels[name], self.ip(i))
-        for proc, addr in zip(
+        for ztunnel in self.ztunnels.values():
+            self._wait_ztunnel(ztunnel)
+        for tunnel, addr in zip(
             self.stunnels,
             ((self.ip(STUNNEL_SERVER), ECHO_PORT), (self.ip(STUNNEL_CLIENT), ECHO_PORT)),
             strict=False,
         ):
-            self._wait_port(proc, addr)
+            self._wait_port(tunnel, addr)
 
         self.modes = [
             Mode("direct", {"kind": "direct", "echo": echo, "discard": discard}),
@@ -397,7 +361,7 @@ class Topology:
         if line.strip() != b"ready":
             raise SetupError(f"sink did not start: see {path}")
 
-    def _start_ztunnel(self, name: str, ip: str, config: Path, extra: dict[str, str]) -> Process:
+    def _start_ztunnel(self, name: str, ip: str, config: Path, extra: dict[str, str]) -> ProxyProcess:
         env = ztunnel_env(name, config, self.workers)
         env.update(
             PROXY_BIND_ADDRESS=ip,
@@ -408,39 +372,32 @@ class Topology:
             READINESS_ADDRESS=f"{ip}:15021",
         )
         env.update(extra)
-        path, log = self._log(f"ztunnel-{name}")
-        argv = [sys.executable, "-m", "ztunnel", "proxy"]
-        popen = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        return Process(f"ztunnel-{name}", popen, path, argv, env)
+        proc = ProxyProcess(env, self.workdir / f"ztunnel-{name}.log", name=f"ztunnel-{name}")
+        proc.spawn()
+        return proc
 
     def set_workers(self, mode: Mode, workers: int | None) -> None:
         """Restarts the mode's ztunnels with `ZTUNNEL_WORKER_THREADS=workers` (None: unset)."""
-        ips = {self.ztunnels[n].name: self.ip(i) for n, i in (("server", SERVER), ("client", CLIENT))}
         for proc in mode.processes:
-            proc.restart(with_workers(proc.env, workers))
+            restart(proc, with_workers(proc.env, workers))
         for proc in mode.processes:
-            self._wait_ztunnel(proc, ips[proc.name])
+            self._wait_ztunnel(proc)
 
-    def _wait_ztunnel(self, proc: Process, ip: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not proc.alive():
-                raise SetupError(f"{proc.name} exited with {proc.popen.returncode}: see {proc.log_path}")
-            with contextlib.suppress(OSError):
-                if http_get(f"http://{ip}:15021/healthz/ready", 0.5) == 200:
-                    return
-            time.sleep(0.05)
-        raise SetupError(f"{proc.name} not ready after {timeout}s: see {proc.log_path}")
+    def _wait_ztunnel(self, proc: Process, timeout: float = 30.0) -> None:
+        try:
+            proc.wait_ready(timeout)
+        except ProcessExited:
+            raise not_up(proc, f"not ready after {timeout}s") from None
 
     def _wait_port(self, proc: Process, addr: tuple[str, int], timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not proc.alive():
-                raise SetupError(f"{proc.name} exited with {proc.popen.returncode}: see {proc.log_path}")
+            if not proc.running():
+                raise not_up(proc, "exited")
             if _can_connect(addr):
                 return
             time.sleep(0.05)
-        raise SetupError(f"{proc.name} not listening on {addr} after {timeout}s: see {proc.log_path}")
+        raise not_up(proc, f"not listening on {addr} after {timeout}s")
 
     def _start_stunnel(self) -> None:
         stunnel_certs(self.workdir)
@@ -448,36 +405,34 @@ class Topology:
         for side, accept_ip, connect_ip in (("server", server, sink), ("client", client, server)):
             forwards = [(f"{accept_ip}:{p}", f"{connect_ip}:{p}") for p in (ECHO_PORT, DISCARD_PORT)]
             path = stunnel_conf(self.workdir, side, forwards)
-            log_path, log = self._log(f"stunnel-{side}-stderr")
-            popen = subprocess.Popen([STUNNEL, str(path)], stdout=log, stderr=subprocess.STDOUT)  # type: ignore[list-item]
-            self.stunnels.append(Process(f"stunnel-{side}", popen, log_path))
+            log_path = self.workdir / f"stunnel-{side}-stderr.log"
+            proc = Process(
+                [str(path)], dict(os.environ), log_path, name=f"stunnel-{side}", command=[str(STUNNEL)]
+            )
+            proc.spawn()
+            self.stunnels.append(proc)
 
     # -- stop ----------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        for name, proc in self.ztunnels.items():
-            if proc.alive():
-                ip = self.ip(
-                    {"server": SERVER, "client": CLIENT, "fresh": FRESH_CLIENT, "tcp": TCP_PROXY}[name]
-                )
+        for ztunnel in self.ztunnels.values():
+            if ztunnel.running():
                 try:
-                    _http_post(f"http://{ip}:15000/quitquitquit", 2.0)
+                    http("POST", f"http://{ztunnel.ip}:15000/quitquitquit", timeout=2.0)
                 except OSError:
-                    proc.popen.terminate()
+                    ztunnel.send(signal.SIGTERM)
         for proc in self.stunnels:
-            if proc.alive():
-                proc.popen.terminate()
+            proc.send(signal.SIGTERM)
         if self.sink is not None and self.sink.poll() is None:
             self.sink.terminate()
-        procs = [p.popen for p in (*self.ztunnels.values(), *self.stunnels)]
+        for proc in (*self.ztunnels.values(), *self.stunnels):
+            proc.stop()
         if self.sink is not None:
-            procs.append(self.sink)
-        for p in procs:
             try:
-                p.wait(timeout=10)
+                self.sink.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+                self.sink.kill()
+                self.sink.wait(timeout=5)
         for f in self._logs:
             f.close()
 

@@ -8,7 +8,7 @@ node's primary CNI may rewrite its file at any time; `ChainKeeper.ensure()`, cal
 the agent, chains the plugin again, and moves it when another file becomes the primary. Uninstall
 takes the plugin out of every configuration of the directory and removes the executable.
 
-The plugin runs on the node, not in the agent's image, so what is copied is a self-contained
+The plugin runs on the node, not in the agent's container, so what is copied is a self-contained
 executable zip of the standard-library-only plugin (`cni.plugin`, `cni.events`, `cni/__init__.py`),
 run by the node's `python3` (3.11 or later). Every file is replaced atomically (written beside, then
 renamed), so the container runtime never reads half a configuration or half a plugin.

@@ -17,7 +17,7 @@ DEFAULT_LISTEN = "127.0.0.1:15012"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `ztunnel control-plane` (and `python -m controlplane`)."""
+    """The options of `ztunnel control-plane`."""
     parser.add_argument("--config", metavar="FILE", help="local-config YAML to serve (watched)")
     parser.add_argument(
         "--kube",

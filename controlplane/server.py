@@ -8,6 +8,7 @@ certificate signed by its own CA for the listen host, so a proxy verifies it wit
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ipaddress
 import logging
@@ -249,3 +250,17 @@ def run(
     )
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(_serve(control_plane))
+
+
+def run_with_arguments(args: argparse.Namespace) -> int:
+    """`run` as the options of `controlplane.add_arguments` say (`ztunnel control-plane`'s)."""
+    return run(
+        args.config,
+        args.listen,
+        args.tls,
+        args.ca_dir,
+        auth_token=args.auth_token,
+        cluster_id=args.cluster_id,
+        kube=args.kube,
+        max_recv_msg_size=args.max_recv_msg_size,
+    )

@@ -15,6 +15,13 @@ Address = tuple[str, int]
 
 
 @functools.lru_cache(maxsize=4096)
+def parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address's text as an address object, parsed once per distinct address (a node's
+    connections name a few)."""
+    return ipaddress.ip_address(text)
+
+
+@functools.lru_cache(maxsize=4096)
 def canonical_host(host: str) -> str:
     """An IP address's canonical text (IPv4-mapped IPv6 becomes IPv4, a zone is dropped); any other
     host text is returned unchanged."""

@@ -10,6 +10,7 @@ it (`hbone/tls.py`), so that every issuer of the project signs the same certific
 from __future__ import annotations
 
 import datetime
+import functools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,6 +72,13 @@ class Identity:
 
     def __str__(self) -> str:
         return f"{SPIFFE_PREFIX}{self.trust_domain}/ns/{self.namespace}/sa/{self.service_account}"
+
+
+# Held connections keep these strings for their lifetime: one shared copy each, not one per connection.
+@functools.lru_cache(maxsize=4096)
+def uri_of(identity: Identity) -> str:
+    """An identity's URI text, one shared copy per identity (admission and the listeners' telemetry)."""
+    return str(identity)
 
 
 def leaf_serial() -> int:

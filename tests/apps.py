@@ -12,11 +12,11 @@ import random
 import socket
 import socketserver
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from ztunnel.harness import http as http  # one plain HTTP request, as the harness makes them
 
 
 def loopback_net() -> str:
@@ -255,14 +255,3 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def http(method: str, url: str, body: bytes | None = None, timeout: float = 10) -> tuple[int, bytes]:
-    """One plain HTTP request; (status, body), an error status included."""
-    data = body if body is not None else (b"" if method == "POST" else None)
-    req = urllib.request.Request(url, method=method, data=data)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()

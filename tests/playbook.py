@@ -403,7 +403,7 @@ def connect_request_stream(identity: Identity | None) -> tuple[HboneStream, Fake
 
 
 @dataclass
-class Proxy:
+class PlaybookProxy:
     """One proxy's context as `build_proxy` makes it, over the fakes, with its outbound upstreams."""
 
     ctx: ProxyContext
@@ -466,7 +466,7 @@ def mesh_state(mesh: str) -> ProxyState:
 
 def proxy(
     state: ProxyState, info: WorkloadInfo, config: Config | None = None, *, spoof_source: bool = False
-) -> Proxy:
+) -> PlaybookProxy:
     """The proxy of workload `info` over `state` (call inside `run`). `spoof_source`: what binding
     transparent listeners allows in a pod (the app sees the client's own address)."""
     config = config or Config()
@@ -475,4 +475,4 @@ def proxy(
     ctx = proxy_context(inputs, LocalWorkload(config, state, info), sockets, spoof_source=spoof_source)
     peer = FakePeer()
     upstreams = Upstreams(ctx, tunnels=peer, clock=asyncio.get_running_loop().time)
-    return Proxy(ctx, state, sockets, peer, upstreams)
+    return PlaybookProxy(ctx, state, sockets, peer, upstreams)

@@ -22,7 +22,9 @@ from ztunnel.admin.server import (
     stats_server,
 )
 from ztunnel.logs import lines as logs
-from ztunnel.metrics.families import OPENMETRICS_CONTENT_TYPE, Metrics, TrafficLabels
+from ztunnel.metrics.exposition import OPENMETRICS_CONTENT_TYPE
+from ztunnel.metrics.families import Metrics
+from ztunnel.metrics.traffic import TrafficLabels
 
 
 class Reply:

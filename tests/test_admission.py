@@ -21,11 +21,7 @@ from hbone.errors import (
 )
 from hbone.identity import Identity
 from mesh.localconfig import parse_local_config
-from ztunnel.proxy.socks5_codec import Reply
-from ztunnel.proxy.socks5_listener import reply_for
-from ztunnel.proxy.upstream import DUMP_PROTOCOL, NETWORK_POLICY_HINT, FailureKind, classify_upstream_error
-from ztunnel.state.admission import (
-    RECURSIVE_CALL,
+from ztunnel.decisions.admission import (
     UNKNOWN_LOCAL,
     AdmissionRules,
     Admit,
@@ -33,9 +29,12 @@ from ztunnel.state.admission import (
     Reject,
     admit,
     forwarded_host,
-    is_self_call,
 )
-from ztunnel.state.route import Protocol
+from ztunnel.decisions.rejection import RejectionKind
+from ztunnel.decisions.route import RECURSIVE_CALL, Protocol, is_self_call
+from ztunnel.proxy.socks5_codec import Reply
+from ztunnel.proxy.socks5_listener import reply_for
+from ztunnel.proxy.upstream import DUMP_PROTOCOL, NETWORK_POLICY_HINT, classify_upstream_error
 from ztunnel.state.store import ProxyState
 
 CONFIG = """
@@ -283,65 +282,65 @@ def test_self_call_guard(dst: str, port: int, ours: bool, expected: bool) -> Non
 @pytest.mark.parametrize(
     ("error", "protocol", "flags", "kind", "reply"),
     [
-        (HttpStatusError(401), Protocol.HBONE, "CONNECT", FailureKind.DENIED, Reply.NOT_ALLOWED),
-        (HttpStatusError(503), Protocol.HBONE, "CONNECT", FailureKind.REFUSED, Reply.CONNECTION_REFUSED),
-        (HttpStatusError(400), Protocol.HBONE, "CONNECT", FailureKind.FAILED, Reply.GENERAL_FAILURE),
+        (HttpStatusError(401), Protocol.HBONE, "CONNECT", RejectionKind.DENIED, Reply.NOT_ALLOWED),
+        (HttpStatusError(503), Protocol.HBONE, "CONNECT", RejectionKind.REFUSED, Reply.CONNECTION_REFUSED),
+        (HttpStatusError(400), Protocol.HBONE, "CONNECT", RejectionKind.FAILED, Reply.GENERAL_FAILURE),
         (
             ConnectionRefusedError(111, "refused"),
             Protocol.TCP,
             "CONNECT",
-            FailureKind.REFUSED,
+            RejectionKind.REFUSED,
             Reply.CONNECTION_REFUSED,
         ),
-        (TimeoutError(), Protocol.HBONE, "NETWORK_POLICY", FailureKind.UNREACHABLE, Reply.HOST_UNREACHABLE),
-        (TimeoutError(), Protocol.TCP, "CONNECT", FailureKind.UNREACHABLE, Reply.HOST_UNREACHABLE),
+        (TimeoutError(), Protocol.HBONE, "NETWORK_POLICY", RejectionKind.UNREACHABLE, Reply.HOST_UNREACHABLE),
+        (TimeoutError(), Protocol.TCP, "CONNECT", RejectionKind.UNREACHABLE, Reply.HOST_UNREACHABLE),
         (
             TlsHandshakeError("tls handshake error: x"),
             Protocol.HBONE,
             "TLS_FAILURE",
-            FailureKind.FAILED,
+            RejectionKind.FAILED,
             Reply.GENERAL_FAILURE,
         ),
         (
             IdentityMismatch([CLIENT], []),
             Protocol.HBONE,
             "TLS_FAILURE",
-            FailureKind.FAILED,
+            RejectionKind.FAILED,
             Reply.GENERAL_FAILURE,
         ),
         (
             H2HandshakeError("no settings"),
             Protocol.HBONE,
             "H2_HANDSHAKE_FAILURE",
-            FailureKind.FAILED,
+            RejectionKind.FAILED,
             Reply.GENERAL_FAILURE,
         ),
         (
             StreamResetError(2),
             Protocol.HBONE,
             "H2_HANDSHAKE_FAILURE",
-            FailureKind.UNREACHABLE,
+            RejectionKind.UNREACHABLE,
             Reply.HOST_UNREACHABLE,
         ),
         (
             ConnectionClosed("goaway"),
             Protocol.HBONE,
             "H2_HANDSHAKE_FAILURE",
-            FailureKind.UNREACHABLE,
+            RejectionKind.UNREACHABLE,
             Reply.HOST_UNREACHABLE,
         ),
         (
             OSError(113, "No route to host"),
             Protocol.TCP,
             "CONNECT",
-            FailureKind.UNREACHABLE,
+            RejectionKind.UNREACHABLE,
             Reply.HOST_UNREACHABLE,
         ),
-        (ValueError("bug"), Protocol.TCP, "CONNECT", FailureKind.FAILED, Reply.GENERAL_FAILURE),
+        (ValueError("bug"), Protocol.TCP, "CONNECT", RejectionKind.FAILED, Reply.GENERAL_FAILURE),
     ],
 )
 def test_upstream_errors_are_classified_by_type(
-    error: BaseException, protocol: Protocol, flags: str, kind: FailureKind, reply: Reply
+    error: BaseException, protocol: Protocol, flags: str, kind: RejectionKind, reply: Reply
 ) -> None:
     failure = classify_upstream_error(error, protocol)
     assert (failure.flags, failure.kind) == (flags, kind)

@@ -13,9 +13,8 @@ from ztunnel.config.settings import (
     WorkloadInfo,
     illegal_ports,
     parse_duration,
-    plaintext_token_note,
-    token_for,
 )
+from ztunnel.control import plaintext_token_note, token_for
 
 
 def cfg(**env: str) -> Config:

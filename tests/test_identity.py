@@ -22,7 +22,8 @@ from hbone.tls import TlsPolicy, WorkloadCertificate
 from tests.waiting import eventually_async
 from ztunnel.identity.certificates import CaError, CertificateUnavailable, FakeCA, SecretManager
 from ztunnel.metrics.certs import CertExpiry
-from ztunnel.metrics.families import Metrics, render_openmetrics
+from ztunnel.metrics.exposition import render_openmetrics
+from ztunnel.metrics.families import Metrics
 
 CLIENT = Identity("cluster.local", "demo", "client")
 SERVER = Identity("cluster.local", "demo", "server")

@@ -91,7 +91,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @dataclass
-class Proxy:
+class NghttpxFront:
     ca: CA
     proxy_cert: WorkloadCertificate
     port: int
@@ -99,7 +99,7 @@ class Proxy:
 
 
 @pytest.fixture(scope="module")
-def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NghttpxFront]:
     require_tools("nghttpx", "tinyproxy", hint="Debian packages nghttp2-proxy, tinyproxy")
     d = tmp_path_factory.mktemp("interop")
     ca = make_ca()
@@ -149,7 +149,7 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
 
         ng, ng_port = _spawn("nghttpx", nghttpx, d / "nghttpx.log")
         procs.append(ng)
-        yield Proxy(ca, cert, ng_port, echo_listeners)
+        yield NghttpxFront(ca, cert, ng_port, echo_listeners)
     finally:
         for p in reversed(procs):
             _stop(p)
@@ -182,7 +182,7 @@ async def _echo_server(sock: socket.socket) -> asyncio.AbstractServer:
     return await asyncio.start_server(handle, sock=sock)
 
 
-async def _open(proxy: Proxy, cert: WorkloadCertificate, expected: list[Identity]) -> HboneConnection:
+async def _open(proxy: NghttpxFront, cert: WorkloadCertificate, expected: list[Identity]) -> HboneConnection:
     sock = socket.socket()
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", proxy.port))
@@ -216,7 +216,7 @@ class Sink(asyncio.Protocol):
             self.lost.set_result(exc)
 
 
-async def test_connect_through_nghttpx_and_tinyproxy_round_trips(proxy: Proxy) -> None:
+async def test_connect_through_nghttpx_and_tinyproxy_round_trips(proxy: NghttpxFront) -> None:
     listener = proxy.echo_listeners[0]
     port = listener.getsockname()[1]
     echo = await _echo_server(listener)
@@ -257,7 +257,7 @@ async def test_connect_through_nghttpx_and_tinyproxy_round_trips(proxy: Proxy) -
         echo.close()
 
 
-async def test_early_data_with_the_connect_reaches_the_target_through_nghttpx(proxy: Proxy) -> None:
+async def test_early_data_with_the_connect_reaches_the_target_through_nghttpx(proxy: NghttpxFront) -> None:
     """What an app sent before the tunnel was up goes with the CONNECT (before nghttpx's 200): a
     foreign CONNECT proxy must hold it and deliver it once the tunnel is up, in order."""
     listener = proxy.echo_listeners[2]
@@ -280,7 +280,7 @@ async def test_early_data_with_the_connect_reaches_the_target_through_nghttpx(pr
         echo.close()
 
 
-async def test_connect_refused_by_tinyproxy_is_an_http_status(proxy: Proxy) -> None:
+async def test_connect_refused_by_tinyproxy_is_an_http_status(proxy: NghttpxFront) -> None:
     client = issue(proxy.ca, spiffe(namespace="default", sa="client"))
     conn = await _open(proxy, client, [Identity.parse(PROXY_ID)])
     try:
@@ -294,13 +294,13 @@ async def test_connect_refused_by_tinyproxy_is_an_http_status(proxy: Proxy) -> N
         conn.abort()
 
 
-async def test_proxy_identity_is_checked(proxy: Proxy) -> None:
+async def test_proxy_identity_is_checked(proxy: NghttpxFront) -> None:
     client = issue(proxy.ca, spiffe(namespace="default", sa="client"))
     with pytest.raises(IdentityMismatch):
         await _open(proxy, client, [Identity.parse(spiffe(namespace="istio-system", sa="someone-else"))])
 
 
-async def test_nghttpx_requires_a_trusted_client_certificate(proxy: Proxy) -> None:
+async def test_nghttpx_requires_a_trusted_client_certificate(proxy: NghttpxFront) -> None:
     rogue = make_ca("rogue")
     client = issue(rogue, spiffe(namespace="default", sa="client"), roots=[proxy.ca.root_pem])
     with pytest.raises((TlsHandshakeError, H2HandshakeError)):

@@ -293,8 +293,8 @@ ztunnel.proxy.outbound <- ztunnel.proxy.instance
         ("hbone.tls", "hbone.identity", True),
         ("hbone.tls", "mesh.model", False),
         ("policy.rbac", "policy.model", False),  # "-": not even itself
-        ("ztunnel.app", "hbone.tls", True),
-        ("ztunnel.app", "ztunnel.cli", False),  # refused by "!"
+        ("ztunnel.start", "hbone.tls", True),
+        ("ztunnel.start", "ztunnel.cli", False),  # refused by "!"
         ("ztunnel.cli", "cni.agent", True),  # the more specific rule wins
         ("cni.agent", "xds", False),  # no rule covers cni
         ("ztunnel.proxy.instance", "ztunnel.proxy.outbound", True),

@@ -141,12 +141,12 @@ def test_a_forked_child_writes_its_own_lines(pipe: tuple[int, int]) -> None:
     r, w = pipe
     logs.setup_logging("plain", "info", fd=w)
     only_ours()
-    logging.getLogger("ztunnel.app").info("parent before fork")
+    logging.getLogger("ztunnel.start").info("parent before fork")
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            logging.getLogger("ztunnel.app").info("child line")
+            logging.getLogger("ztunnel.start").info("child line")
             logging.shutdown()  # as a worker does before it exits: the buffer is written
             code = 0
         finally:

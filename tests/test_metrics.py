@@ -6,12 +6,9 @@ import re
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from ztunnel.metrics.families import (
-    OPENMETRICS_CONTENT_TYPE,
-    TEXT_CONTENT_TYPE,
-    Metrics,
-    TrafficLabels,
-)
+from ztunnel.metrics.exposition import OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE
+from ztunnel.metrics.families import Metrics
+from ztunnel.metrics.traffic import TrafficLabels
 
 SPEC_LABEL_ORDER = [
     "reporter",

@@ -21,7 +21,7 @@ from hbone.errors import ConnectionClosed, H2HandshakeError, IdentityMismatch
 from hbone.h2core.codes import ErrorCode
 from hbone.identity import Identity
 from tests.conftest import LogLines
-from tests.playbook import Answer, App, Dial, Proxy, mesh_state, now, proxy, run
+from tests.playbook import Answer, App, Dial, PlaybookProxy, mesh_state, now, proxy, run
 from ztunnel.config.settings import Config, WorkloadInfo
 from ztunnel.proxy.outbound import Outbound
 from ztunnel.proxy.upstream import NETWORK_POLICY_HINT
@@ -284,7 +284,7 @@ async def play(row: Row) -> None:
         await p.close()
 
 
-async def carry_both_ways(p: Proxy, app: App, *, early_with_connect: bool) -> None:
+async def carry_both_ways(p: PlaybookProxy, app: App, *, early_with_connect: bool) -> None:
     """The upstream up: the app's first bytes reach it (with the CONNECT on a direct HBONE route),
     then bytes both ways, then each side ends."""
     if p.sockets.apps:  # TCP
@@ -338,7 +338,7 @@ def test_connections_share_a_pooled_connection_until_it_idles_out() -> None:
     run(main)
 
 
-async def one_connection(p: Proxy, dst: tuple[str, int]) -> None:
+async def one_connection(p: PlaybookProxy, dst: tuple[str, int]) -> None:
     app, transport, inbox = await p.accept()
     await app.send(b"hello")
     await inbox.wait_data()

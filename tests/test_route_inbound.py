@@ -9,7 +9,7 @@ from tests.route_mesh import (
     IP,
     state_fixture,  # noqa: F401 (a fixture)
 )
-from ztunnel.state.route import (
+from ztunnel.decisions.route import (
     hostname_target,
     is_waypoint_for,
     locality_rank,

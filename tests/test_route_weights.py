@@ -12,7 +12,7 @@ from tests.route_mesh import (
     addr,
     state_fixture,  # noqa: F401 (a fixture)
 )
-from ztunnel.state.route import (
+from ztunnel.decisions.route import (
     Route,
     route,
 )

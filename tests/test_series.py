@@ -4,8 +4,9 @@ workers that are gone."""
 
 from __future__ import annotations
 
-from ztunnel.metrics.families import Metrics, TrafficLabels
+from ztunnel.metrics.families import Metrics
 from ztunnel.metrics.series import StaleWorkloads
+from ztunnel.metrics.traffic import TrafficLabels
 from ztunnel.workers.counters import TrafficSums, traffic_snapshot
 
 GONE, STAYS, CLIENT = ("demo", "gone"), ("demo", "stays"), ("demo", "client")

@@ -16,6 +16,7 @@ from ztunnel.workers.channel import (
     MORE,
     Channel,
     ChannelError,
+    MessageLost,
     Reassembler,
     encode,
 )
@@ -97,3 +98,11 @@ def test_a_truncated_packet_is_an_error_not_a_message() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_message_that_does_not_unpickle_is_lost_alone() -> None:
+    r = Reassembler()
+    with pytest.raises(MessageLost, match="does not unpickle"):
+        r.feed(LAST + b"\x80\x05not a pickle")
+    assert not r.partial
+    assert r.feed(encode(Scrape(3))[0]) == (True, Scrape(3))  # the next message is read as usual

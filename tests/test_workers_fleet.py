@@ -1,4 +1,4 @@
-"""The fleet policy as transcripts: what happened to which worker and when, in; decisions out.
+"""The fleet as transcripts: what happened to which worker and when, in; decisions out.
 
 No processes and no sleeps: the clock is the `now` of each step."""
 

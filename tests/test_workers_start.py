@@ -139,7 +139,7 @@ def test_workers_share_the_control_side_and_never_run_it(fleet: Fleet, control_p
     gRPC client is our own, on the HTTP/2 core) nor cryptography (its certificate helper has it).
     It imports them before it forks the workers, which so map them too, shared, but never run them:
     none of their code is in a worker's memory. And the parent loads no native module after the
-    fork (importing after it made the parent copy pages of the shared image)."""
+    fork (importing after it made the parent copy pages of the shared memory)."""
     proxy = fleet.proxy({**control_plane.wire(client_alone()), "LOCAL_XDS": CLIENT_ONLY})
     try:
         proxy.start()

@@ -16,7 +16,7 @@ from ztunnel import __version__
 if TYPE_CHECKING:
     import argparse
 
-# The proxy's own command lines (the image's, Istio's chart's): run without argparse, which so is
+# The proxy's own command lines (the node image's, Istio's chart's): run without argparse, which so is
 # not in the proxy's memory.
 PROXY_COMMANDS: tuple[list[str], ...] = ([], ["proxy"], ["proxy", "ztunnel"])
 
@@ -84,21 +84,12 @@ def _setup_logging(command: str) -> bool:
 
 
 def _control_plane(args: argparse.Namespace) -> int:
-    from controlplane.server import ControlPlaneStartError, run
+    from controlplane.server import ControlPlaneStartError, run_with_arguments
 
     if not _setup_logging("control-plane"):
         return 1
     try:
-        return run(
-            args.config,
-            args.listen,
-            args.tls,
-            args.ca_dir,
-            auth_token=args.auth_token,
-            cluster_id=args.cluster_id,
-            kube=args.kube,
-            max_recv_msg_size=args.max_recv_msg_size,
-        )
+        return run_with_arguments(args)
     except ControlPlaneStartError as e:
         return _fatal(f"ztunnel: control-plane: {e}")
 
@@ -144,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_config_view(args)
     if args.command == "proxy":
         return _run_proxy(own_argv)
-    from ztunnel.startup import StartupError
+    from ztunnel.lifecycle import StartupError
 
     try:
         if args.command == "version":
@@ -165,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_proxy(own_argv: bool) -> int:
     if own_argv:
         _run_without_docstrings()
-    from ztunnel.app import run_proxy
-    from ztunnel.startup import StartupError
+    from ztunnel.lifecycle import StartupError
+    from ztunnel.start import run_proxy
 
     try:
         return run_proxy(dict(os.environ))

@@ -39,12 +39,12 @@ from ztunnel.admin.server import (
     readiness_server,
     stats_server,
 )
-from ztunnel.config.settings import Config, plaintext_token_note, token_for
+from ztunnel.config.settings import Config
 from ztunnel.identity.certhelper import CertHelper
 from ztunnel.identity.certificates import FakeCA, SecretManager
+from ztunnel.lifecycle import StartupError
 from ztunnel.metrics.certs import CertExpiry
 from ztunnel.metrics.families import Metrics
-from ztunnel.startup import StartupError
 from ztunnel.state.store import ProxyState
 
 if TYPE_CHECKING:
@@ -367,3 +367,32 @@ class ControlRuntime:
         if self._ca is not None:
             await self._ca.close()
         await self.certwork.close()
+
+
+def plaintext(address: str | None) -> bool:
+    """Whether a control-plane address is plaintext gRPC (`http://`)."""
+    return address is not None and address[:7].lower() == "http://"
+
+
+def token_for(cfg: Config, address: str | None) -> str | None:
+    """The `AUTH_TOKEN` setting to present to the control plane at `address`: over TLS the token
+    there is; over plaintext only one set explicitly, never the token file merely found at its
+    default path (the pod's own credential, readable by anyone on the path)."""
+    if cfg.auth_token_found and plaintext(address):
+        return None
+    return cfg.auth_token
+
+
+def plaintext_token_note(cfg: Config, addresses: tuple[str | None, ...]) -> tuple[bool, str] | None:
+    """The one line to log about the token and the plaintext control planes among `addresses`:
+    (a warning?, the line), or None when there is nothing to say."""
+    clear = sorted({a for a in addresses if a is not None and plaintext(a)})
+    if cfg.auth_token is None or not clear:
+        return None
+    where = ", ".join(clear)
+    if cfg.auth_token_found:
+        return False, (
+            f"the token file {cfg.auth_token} is not sent over plaintext to {where}; "
+            "set AUTH_TOKEN to send it anyway"
+        )
+    return True, f"AUTH_TOKEN is sent over plaintext to {where}: anyone on the path can read it"

@@ -15,6 +15,9 @@ is denied.
 `ztunnel demo --kube` runs the same from Kubernetes manifests instead (`control-plane --kube`): a
 Namespace enrolled in ambient, three Pods, a ServiceEntry for the mesh-only name that selects the
 server's pod, and an AuthorizationPolicy; the live change adds a DENY AuthorizationPolicy file.
+
+The processes are started, waited for and stopped by `ztunnel.harness`, as the tests' and the
+benches' are.
 """
 
 from __future__ import annotations
@@ -25,15 +28,13 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ztunnel.harness import ControlPlane, ProcessExited, ProxyProcess, http
 
 TRUST_DOMAIN = "cluster.local"
 APP_PORT = 8080
@@ -197,23 +198,19 @@ spec:
 
 
 @dataclass
-class DemoProxy:
+class DemoWorkload:
+    """One of the demo's workloads and its dedicated proxy (`process`, once started)."""
+
     name: str
     ip: str
-    process: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
+    process: ProxyProcess | None = None
 
     @property
     def identity(self) -> str:
         return f"spiffe://{TRUST_DOMAIN}/ns/demo/sa/{self.name}"
 
     def env(self, control_plane: str) -> dict[str, str]:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("XDS_", "CA_", "PROXY_", "LOCAL_XDS", "FAKE_CA"))
-        }
-        env.update(
+        return dict(
             PROXY_MODE="dedicated",
             PROXY_WORKLOAD_INFO=f"demo/{self.name}/{self.name}",
             XDS_ADDRESS=control_plane,
@@ -226,44 +223,6 @@ class DemoProxy:
             READINESS_ADDRESS=f"{self.ip}:15021",
             LOG_LEVEL="info",
         )
-        return env
-
-
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def http_post(url: str, timeout: float = 2.0) -> int:
-    req = urllib.request.Request(url, method="POST", data=b"")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def wait_ready(proxy: DemoProxy, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        assert proxy.process is not None
-        if proxy.process.poll() is not None:
-            raise RuntimeError(
-                f"proxy {proxy.name} exited with {proxy.process.returncode}: see {proxy.log_path}"
-            )
-        try:
-            status, body = http_get(f"http://{proxy.ip}:15021/healthz/ready", timeout=0.5)
-            if status == 200:
-                return
-            last = body.strip()
-        except OSError as e:
-            last = str(e)
-        time.sleep(0.1)
-    raise RuntimeError(f"proxy {proxy.name} not ready after {timeout}s: {last}")
 
 
 async def echo_server(host: str, port: int) -> asyncio.AbstractServer:
@@ -308,10 +267,10 @@ async def socks5_exchange(proxy_ip: str, target: tuple[str, int], payload: bytes
 METRIC_LINE = re.compile(r"^(istio_tcp_\w+)\{(.*)\}\s+([0-9.e+]+)$")
 
 
-def scrape(proxy: DemoProxy) -> list[tuple[str, dict[str, str], float]]:
-    _, text = http_get(f"http://{proxy.ip}:15020/metrics")
+def scrape(proxy: DemoWorkload) -> list[tuple[str, dict[str, str], float]]:
+    _, body = http("GET", f"http://{proxy.ip}:15020/metrics", timeout=2.0)
     out = []
-    for line in text.splitlines():
+    for line in body.decode().splitlines():
         m = METRIC_LINE.match(line)
         if m:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
@@ -326,7 +285,7 @@ def table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-async def drive(server: DemoProxy, clients: list[DemoProxy]) -> tuple[list[list[str]], bool]:
+async def drive(server: DemoWorkload, clients: list[DemoWorkload]) -> tuple[list[list[str]], bool]:
     rows = [["client", "identity", "to", "expected", "outcome", "bytes sent/echoed"]]
     ok = True
     for client, allowed in zip(clients, (True, False), strict=True):
@@ -353,7 +312,7 @@ CONTROL_PLANE = "127.0.0.1:15012"
 
 
 async def live_policy_change(
-    server: DemoProxy, frontend: DemoProxy, deny: Callable[[], str]
+    server: DemoWorkload, frontend: DemoWorkload, deny: Callable[[], str]
 ) -> tuple[list[list[str]], bool]:
     """Hold a connection open, deny its client in the control plane's file, watch it close."""
     rows = [["step", "outcome"]]
@@ -383,23 +342,10 @@ async def live_policy_change(
     return rows, open_ok and closed and code == 2
 
 
-def wait_control_plane(process: subprocess.Popen[bytes], log_path: Path, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"control plane exited with {process.returncode}: {log_path.read_text().strip()}"
-            )
-        if "listening on" in log_path.read_text():
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"control plane not up after {timeout}s: see {log_path}")
-
-
 MESH_NAME = "echo.mesh.internal"
 
 
-async def mesh_name(frontend: DemoProxy) -> tuple[list[list[str]], bool]:
+async def mesh_name(frontend: DemoWorkload) -> tuple[list[list[str]], bool]:
     """The frontend's DNS proxy answers a name only the mesh knows, and SOCKS5 reaches it by name."""
     import dns.message
 
@@ -454,61 +400,31 @@ class DemoMesh:
         return self.config_path / "policy.yaml" if self.kube else self.config_path
 
 
-def start_control_plane(mesh: DemoMesh) -> subprocess.Popen[bytes]:
-    log_path = mesh.workdir / "control-plane.log"
-    process = subprocess.Popen(
-        [
-            sys.executable, "-m", "ztunnel", "control-plane",
-            "--kube" if mesh.kube else "--config", str(mesh.config_path),
-            "--listen", CONTROL_PLANE, "--ca-dir", str(mesh.workdir / "ca"),
-        ],
-        stdout=log_path.open("wb"),
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        wait_control_plane(process, log_path)
-    except BaseException:
-        stop_process(process)
-        raise
-    return process
+def control_plane(mesh: DemoMesh) -> ControlPlane:
+    source = "--kube" if mesh.kube else "--config"
+    return ControlPlane(mesh.workdir, CONTROL_PLANE, None, source, str(mesh.config_path))
 
 
-def start_proxy_process(proxy: DemoProxy, workdir: Path) -> None:
-    proxy.log_path = workdir / f"{proxy.name}.log"
-    proxy.process = subprocess.Popen(
-        [sys.executable, "-m", "ztunnel", "proxy"],
-        env=proxy.env(f"http://{CONTROL_PLANE}"),
-        stdout=proxy.log_path.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+def proxy_process(proxy: DemoWorkload, workdir: Path) -> ProxyProcess:
+    env = proxy.env(f"http://{CONTROL_PLANE}")
+    proxy.process = ProxyProcess(env, workdir / f"{proxy.name}.log", name=f"proxy {proxy.name}")
+    return proxy.process
 
 
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-
-
-def stop_proxies(proxies: list[DemoProxy]) -> None:
-    """Drain each proxy as an operator would (`/quitquitquit`), then wait for it."""
+def stop_proxies(proxies: list[DemoWorkload]) -> None:
+    """Drain each proxy as an operator would (`/quitquitquit`), then stop what is left of it."""
     for p in proxies:
-        if p.process and p.process.poll() is None:
+        if p.process is not None and p.process.running():
             try:
-                http_post(f"http://{p.ip}:15000/quitquitquit")
+                http("POST", f"http://{p.ip}:15000/quitquitquit", timeout=2.0)
             except OSError:
-                p.process.terminate()
+                p.process.send(signal.SIGTERM)
     for p in proxies:
-        if p.process:
-            try:
-                p.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.process.kill()
+        if p.process is not None:
+            p.process.stop()
 
 
-def server_metrics(server: DemoProxy) -> tuple[list[list[str]], float]:
+def server_metrics(server: DemoWorkload) -> tuple[list[list[str]], float]:
     """The server proxy's traffic metrics as seen by the destination, and the connections it opened."""
     rows = [["metric (server proxy, reporter=destination)", "source_principal", "flags", "value"]]
     samples = scrape(server)
@@ -520,7 +436,7 @@ def server_metrics(server: DemoProxy) -> tuple[list[list[str]], float]:
     return rows, opened
 
 
-async def keep_running(mesh: DemoMesh, server: DemoProxy) -> None:
+async def keep_running(mesh: DemoMesh, server: DemoWorkload) -> None:
     print(f"\ncontrol plane file, logs and proxy output: {mesh.workdir}")
     print(
         "\nThe demo keeps running. Try:\n"
@@ -538,7 +454,7 @@ async def keep_running(mesh: DemoMesh, server: DemoProxy) -> None:
     await stop.wait()
 
 
-async def show(mesh: DemoMesh, server: DemoProxy, frontend: DemoProxy, intruder: DemoProxy) -> bool:
+async def show(mesh: DemoMesh, server: DemoWorkload, frontend: DemoWorkload, intruder: DemoWorkload) -> bool:
     """The demo's steps, each printed as a table; whether everything behaved."""
     source = "Kubernetes manifests" if mesh.kube else "a local-config file"
     print(
@@ -561,26 +477,26 @@ async def show(mesh: DemoMesh, server: DemoProxy, frontend: DemoProxy, intruder:
 
 
 async def demo_main(mesh: DemoMesh, *, keep: bool) -> int:
-    server = DemoProxy("server", "127.0.0.3")
-    frontend, intruder = DemoProxy("frontend", "127.0.0.2"), DemoProxy("intruder", "127.0.0.4")
+    server = DemoWorkload("server", "127.0.0.3")
+    frontend, intruder = DemoWorkload("frontend", "127.0.0.2"), DemoWorkload("intruder", "127.0.0.4")
     proxies = [server, frontend, intruder]
     echo = await echo_server(server.ip, APP_PORT)
-    control_plane: subprocess.Popen[bytes] | None = None
+    cp = control_plane(mesh)
     try:
-        control_plane = await asyncio.to_thread(start_control_plane, mesh)
-        for p in proxies:
-            start_proxy_process(p, mesh.workdir)
-        for p in proxies:
-            await asyncio.to_thread(wait_ready, p)
+        await cp.astart(20)
+        started = [proxy_process(p, mesh.workdir) for p in proxies]
+        for process in started:
+            process.spawn()
+        for process in started:
+            await process.await_ready(20)
         ok = await show(mesh, server, frontend, intruder)
         if keep:
             await keep_running(mesh, server)
         print("\nresult:", "everything behaved" if ok else "SOMETHING MISBEHAVED")
         return 0 if ok else 1
     finally:
-        stop_proxies(proxies)
-        if control_plane is not None:
-            stop_process(control_plane)
+        await asyncio.to_thread(stop_proxies, proxies)
+        await cp.astop()
         echo.close()
 
 
@@ -589,7 +505,7 @@ def run_demo(*, keep: bool = False, kube: bool = False) -> int:
     mesh.write()
     try:
         return asyncio.run(demo_main(mesh, keep=keep))
-    except RuntimeError as e:
+    except (RuntimeError, ProcessExited) as e:
         print(f"ztunnel demo: {e}", file=sys.stderr)
         return 1
     except OSError as e:

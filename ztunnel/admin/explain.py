@@ -25,8 +25,8 @@ from policy.model import Action
 from policy.rbac import rule_matches
 from ztunnel.admin.server import GET, HttpEndpoint, Request, Response
 from ztunnel.config.settings import HBONE_PORT, Config, illegal_ports
-from ztunnel.state.admission import AdmissionRules, Admit, InboundRequest, admit, parse_authority
-from ztunnel.state.route import NoRoute, Protocol, Route, apply_preferences, endpoint_candidates, route
+from ztunnel.decisions.admission import AdmissionRules, Admit, InboundRequest, admit, parse_authority
+from ztunnel.decisions.route import NoRoute, Protocol, Route, apply_preferences, endpoint_candidates, route
 from ztunnel.state.store import ProxyState
 
 

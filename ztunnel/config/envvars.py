@@ -120,7 +120,8 @@ def positive_duration(value: str) -> float:
     return seconds
 
 
-def parse_ip(value: str) -> str:
+def ip_text(value: str) -> str:
+    """An IP address setting in its canonical text."""
     try:
         return str(ipaddress.ip_address(value.strip()))
     except ValueError:

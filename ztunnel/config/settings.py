@@ -24,12 +24,12 @@ from ztunnel.config.envvars import (
     env_error,
     grpc_headers,
     int_parser,
+    ip_text,
     parse_address,
     parse_bool,
     parse_compliance_policy,
     parse_control_plane_uri,
     parse_duration,
-    parse_ip,
     parse_log_level,
     positive_duration,
 )
@@ -165,35 +165,6 @@ class Config:
         return out
 
 
-def plaintext(address: str | None) -> bool:
-    """Whether a control-plane address is plaintext gRPC (`http://`)."""
-    return address is not None and address[:7].lower() == "http://"
-
-
-def token_for(cfg: Config, address: str | None) -> str | None:
-    """The `AUTH_TOKEN` setting to present to the control plane at `address`: over TLS the token
-    there is; over plaintext only one set explicitly, never the token file merely found at its
-    default path (the pod's own credential, readable by anyone on the path)."""
-    if cfg.auth_token_found and plaintext(address):
-        return None
-    return cfg.auth_token
-
-
-def plaintext_token_note(cfg: Config, addresses: tuple[str | None, ...]) -> tuple[bool, str] | None:
-    """The one line to log about the token and the plaintext control planes among `addresses`:
-    (a warning?, the line), or None when there is nothing to say."""
-    clear = sorted({a for a in addresses if a is not None and plaintext(a)})
-    if cfg.auth_token is None or not clear:
-        return None
-    where = ", ".join(clear)
-    if cfg.auth_token_found:
-        return False, (
-            f"the token file {cfg.auth_token} is not sent over plaintext to {where}; "
-            "set AUTH_TOKEN to send it anyway"
-        )
-    return True, f"AUTH_TOKEN is sent over plaintext to {where}: anyone on the path can read it"
-
-
 def illegal_ports(cfg: Config) -> frozenset[int]:
     """Ports a workload may not be addressed on: traffic to them would loop into the proxy itself."""
     ports = {OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT}
@@ -203,7 +174,7 @@ def illegal_ports(cfg: Config) -> frozenset[int]:
 
 
 # The inline local config can be large and the token is a credential.
-_NOT_DUMPED = frozenset({"auth_token", "auth_token_found", "local_xds"})
+_NOT_DUMPED = frozenset({"auth_token", "local_xds"})
 
 
 def _camel(name: str) -> str:
@@ -338,7 +309,7 @@ def _packet_mark(env: Env, proxy_mode: ProxyMode) -> int | None:
 
 
 def _bind_address(env: Env) -> str | None:
-    return env.parse("PROXY_BIND_ADDRESS", parse_ip, None) if env.text("PROXY_BIND_ADDRESS") else None
+    return env.parse("PROXY_BIND_ADDRESS", ip_text, None) if env.text("PROXY_BIND_ADDRESS") else None
 
 
 def _admin_default(pc: ProxyConfig) -> Address:
@@ -396,7 +367,7 @@ def _build(env: Env, pc: ProxyConfig) -> Config:
         pod_name=env.text("POD_NAME"),
         pod_namespace=env.text("POD_NAMESPACE"),
         service_account=env.text("SERVICE_ACCOUNT"),
-        instance_ip=env.parse("INSTANCE_IP", parse_ip, d.instance_ip),
+        instance_ip=env.parse("INSTANCE_IP", ip_text, d.instance_ip),
         enable_socks5=env.parse("UNSTABLE_ENABLE_SOCKS5", parse_bool, d.enable_socks5),
         inpod_uds=env.text("INPOD_UDS") or d.inpod_uds,
         inpod_port_reuse=env.parse("INPOD_PORT_REUSE", parse_bool, d.inpod_port_reuse),

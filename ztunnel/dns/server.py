@@ -38,7 +38,9 @@ from ztunnel.dns.forwarder import Forwarder, UpstreamError
 from ztunnel.dns.replies import MIN_UDP_PAYLOAD, answer, question_name, response_for
 from ztunnel.dns.resolver import ResolverSettings
 from ztunnel.logs.lines import Bare, log_fields
-from ztunnel.metrics.families import UNKNOWN, CounterCell, DnsMetrics
+from ztunnel.metrics.dns import DnsMetrics
+from ztunnel.metrics.registry import CounterCell
+from ztunnel.metrics.traffic import UNKNOWN
 from ztunnel.sockets import SocketFactory
 from ztunnel.state.store import ProxyState
 

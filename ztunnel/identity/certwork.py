@@ -269,7 +269,7 @@ def _write_all(fd: int, data: bytes) -> None:
 def main(argv: list[str]) -> int:
     import signal
 
-    from ztunnel.startup import set_pdeathsig
+    from ztunnel.lifecycle import set_pdeathsig
 
     linger = float(argv[argv.index("--linger") + 1]) if "--linger" in argv else LINGER
     set_pdeathsig(signal.SIGKILL)  # die with the parent, as a worker does

@@ -30,9 +30,9 @@ from typing import Any, Protocol
 
 from xds import zds
 from ztunnel.admin.server import Readiness, ReadinessHandle
-from ztunnel.inpod.netns import Netns
+from ztunnel.inpod.netns import PodNetns
 from ztunnel.inpod.protocol import Outcome, PodInfo, StartProxy, StopProxy, ZdsStateMachine
-from ztunnel.metrics.families import WorkloadManagerMetrics
+from ztunnel.metrics.inpod import WorkloadManagerMetrics
 
 log = logging.getLogger("ztunnel.inpod")
 
@@ -50,7 +50,7 @@ SNAPSHOT_SILENCE = 10.0
 class PodRuntime(Protocol):
     """Where the pods' proxies run."""
 
-    async def start(self, pod: PodInfo, netns: Netns) -> str | None:
+    async def start(self, pod: PodInfo, netns: PodNetns) -> str | None:
         """Bind and serve the pod's listeners inside `netns`; the error text if that failed."""
         ...
 
@@ -70,7 +70,7 @@ class ProtocolError(Exception):
 @dataclass
 class PodProxy:
     pod: PodInfo
-    netns: Netns
+    netns: PodNetns
     running: bool = False
     error: str = ""
 
@@ -184,7 +184,7 @@ class WorkloadProxyManager:
                 if isinstance(action, StopProxy):
                     await self._stop(action.uid)
                 elif isinstance(action, StartProxy):
-                    reply = await self._start(action.pod, Netns(action.netns_fd, action.netns_key))
+                    reply = await self._start(action.pod, PodNetns(action.netns_fd, action.netns_key))
             assert reply is not None
             await _send(sock, reply)
             self._update_readiness()
@@ -197,7 +197,7 @@ class WorkloadProxyManager:
 
     # -- pods -------------------------------------------------------------------------------------------
 
-    async def _start(self, pod: PodInfo, netns: Netns) -> bytes:
+    async def _start(self, pod: PodInfo, netns: PodNetns) -> bytes:
         entry = PodProxy(pod, netns)
         log.info(
             "pod received, starting proxy: uid=%s name=%s namespace=%s netns=%s",

@@ -36,7 +36,7 @@ def current_netns_fd() -> int:
     return os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
 
 
-class Netns:
+class PodNetns:
     """A pod's network namespace, held open by its fd for the life of the pod's proxy."""
 
     def __init__(self, fd: int, key: tuple[int, int]) -> None:
@@ -45,7 +45,7 @@ class Netns:
         self._home: int | None = None
 
     def __repr__(self) -> str:
-        return f"Netns(inode={self.key[1]})"
+        return f"PodNetns(inode={self.key[1]})"
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
@@ -74,7 +74,7 @@ class Netns:
 class NetnsSocketFactory(SocketFactory):
     """The socket factory of one pod's proxy: every socket is created inside the pod's namespace."""
 
-    def __init__(self, netns: Netns, options: SocketOptions) -> None:
+    def __init__(self, netns: PodNetns, options: SocketOptions) -> None:
         super().__init__(options)
         self.netns = netns
 

@@ -1,2 +1,3 @@
-"""The proxy's metrics: its families and their exposition, our own registry, the series a
-workload leaves behind, and the process gauges."""
+"""The proxy's metrics: each concern's families in a module of its own, composed per process
+(`families`), our own registry and its exposition, the series a workload leaves behind, and the
+process gauges."""

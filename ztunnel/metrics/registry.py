@@ -6,7 +6,9 @@ help, its type, and samples (sample name, labels in emission order, value). `Cou
 client libraries name them (`_total`; `_bucket` with `le`, then `_count` and `_sum`), so collectors
 written against those libraries' families read the same here. `Gauge` and `Counter` are labelled
 values for the few families that are not per connection: plain attributes, no lock (each event loop
-owns its registry), a child per label set made once and kept.
+owns its registry), a child per label set made once and kept. `CounterFamily` and `HistogramFamily`
+are the cells the families of a concern resolve once per label set (a connection's, a DNS query's)
+and add to on the hot path; `Families` collects those that have samples.
 """
 
 from __future__ import annotations
@@ -203,6 +205,86 @@ class Counter(_Labelled):
 
     def inc(self, n: float = 1) -> None:
         self._cells[()].inc(n)
+
+
+class CounterCell:
+    """One labelled counter value; `inc` is the hot-path operation."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
+
+
+class CounterFamily:
+    """A counter's cells by label values, without `_created` samples."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.cells: dict[tuple[str, ...], CounterCell] = {}
+
+    def cell(self, values: tuple[str, ...]) -> CounterCell:
+        cell = self.cells.get(values)
+        if cell is None:
+            cell = self.cells[values] = CounterCell()
+        return cell
+
+    def forget(self, values: tuple[str, ...]) -> None:
+        self.cells.pop(values, None)
+
+    def family(self) -> CounterMetricFamily:
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, cell in list(self.cells.items()):
+            fam.add_metric(values, cell.value)
+        return fam
+
+
+class HistogramFamily:
+    """A histogram's cells by label values, without `_created` samples."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.buckets = buckets
+        self.cells: dict[tuple[str, ...], list[float]] = {}  # per bucket (not cumulative), then +Inf, sum
+
+    def observe(self, values: tuple[str, ...], value: float) -> None:
+        cell = self.cells.get(values)
+        if cell is None:
+            cell = self.cells[values] = [0.0] * (len(self.buckets) + 2)
+        i = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
+        cell[i] += 1
+        cell[-1] += value
+
+    def family(self) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, cell in list(self.cells.items()):
+            cumulative, buckets = 0.0, []
+            for bound, count in zip((*map(go_float, self.buckets), "+Inf"), cell[:-1], strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            fam.add_metric(list(values), buckets, cell[-1])
+        return fam
+
+
+class Families:
+    """A collector of cell families, in order, each once it has a sample."""
+
+    def __init__(self, families: Iterable[CounterFamily | HistogramFamily]) -> None:
+        self._families = tuple(families)
+
+    def collect(self) -> Iterator[Metric]:
+        for f in self._families:
+            if f.cells:
+                yield f.family()
 
 
 def go_float(value: float) -> str:

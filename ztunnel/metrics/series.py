@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Callable, Container, Iterable
 
 from mesh.model import Workload
-from ztunnel.metrics.families import WorkloadKey
+from ztunnel.metrics.traffic import WorkloadKey
 
 # How often the series are checked, at most (a shorter grace period checks more often).
 SWEEP_INTERVAL = 30.0

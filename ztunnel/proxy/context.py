@@ -19,6 +19,15 @@ from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
 from mesh.model import Workload
 from ztunnel.config.settings import Config, WorkloadInfo
+from ztunnel.decisions.admission import (
+    AdmissionRules,
+    Admit,
+    InboundRequest,
+    Reject,
+    admit,
+    parse_authority,
+)
+from ztunnel.decisions.rejection import RejectionKind
 from ztunnel.dns.resolver import ResolverSettings
 from ztunnel.identity.certificates import SecretManager
 from ztunnel.metrics.families import Metrics
@@ -27,15 +36,6 @@ from ztunnel.proxy.local import LocalWorkload
 from ztunnel.proxy.tasks import TaskSet
 from ztunnel.proxy.telemetry import ConnectionRecord
 from ztunnel.sockets import SocketFactory
-from ztunnel.state.admission import (
-    UNKNOWN_LOCAL,
-    AdmissionRules,
-    Admit,
-    InboundRequest,
-    Reject,
-    admit,
-    parse_authority,
-)
 from ztunnel.state.store import ProxyState
 
 CONNECT_TIMEOUT = 10.0
@@ -89,7 +89,7 @@ class ProxyContext:
             await self._fetch_authority(request, local)
         if local is None:
             early = admit(self.state, None, request, self.rules)
-            if not (isinstance(early, Reject) and early.reason == UNKNOWN_LOCAL):
+            if not (isinstance(early, Reject) and early.kind is RejectionKind.NO_LOCAL_WORKLOAD):
                 return early
             local = await self.local.local_workload()
         return admit(self.state, local, request, self.rules)

@@ -1,7 +1,7 @@
 """The inbound HBONE listener (15008): each CONNECT stream admitted, authorized and delivered.
 
 The TLS and HTTP/2 side is `hbone.server.HboneServer`; each request it hands over is described as an
-`InboundRequest` and judged by `admit()` (pure, in `ztunnel.state.admission`). A rejection before
+`InboundRequest` and judged by `admit()` (pure, in `ztunnel.decisions.admission`). A rejection before
 authorization is a "connection failed" warning and its status (400/503); a denial is a 401 and a
 recorded connection with the `DENY` flag. An admitted stream gets its app connection (503 when
 that fails), then the 200 (with the destination's baggage), the PROXY v2 header for an application
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 
-from hbone.address import format_addr
+from hbone.address import format_addr, parse_ip
 from hbone.h2conn import H2Session
-from hbone.identity import Identity
+from hbone.identity import Identity, uri_of
 from hbone.server import ConnectRequest, HboneServer
 from mesh.model import Workload
+from ztunnel.decisions.admission import InboundRequest, Reject, forwarded_host
+from ztunnel.decisions.rejection import RejectionKind, http_status
 from ztunnel.logs.lines import Bare
 from ztunnel.proxy import baggage
 from ztunnel.proxy.connections import carry
@@ -31,7 +33,6 @@ from ztunnel.proxy.telemetry import (
     trace_id,
 )
 from ztunnel.proxy.upstream import describe
-from ztunnel.state.admission import InboundRequest, Reject, forwarded_host, parse_ip, uri_of
 
 
 class Inbound:
@@ -105,7 +106,7 @@ class Inbound:
             record.finish(received=0, sent=0, error="connect to app: cancelled, the stream was reset")
             raise
         except Exception as e:
-            req.respond(503)
+            req.respond(http_status(RejectionKind.REFUSED))
             record.finish(received=0, sent=0, error=f"connect to app: {describe(e)}", flags="CONNECT")
             return
         headers = []

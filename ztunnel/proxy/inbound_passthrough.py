@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 
-from hbone.address import canonical_addr, format_addr
+from hbone.address import canonical_addr, format_addr, parse_ip
 from hbone.relay import Inbox, RelayResult
+from ztunnel.decisions.admission import InboundRequest, Reject
 from ztunnel.logs.lines import Bare
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.context import ProxyContext
@@ -27,7 +28,6 @@ from ztunnel.proxy.telemetry import (
 )
 from ztunnel.proxy.upstream import describe
 from ztunnel.sockets import original_dst
-from ztunnel.state.admission import InboundRequest, Reject, parse_ip
 
 # How long a connection the policy refused stays half-closed while what its client still sends is
 # dropped: time for a client to see the end and close, short enough that a refusal costs little.

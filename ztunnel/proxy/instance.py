@@ -25,6 +25,7 @@ from hbone.settings import H2Settings
 from mesh.model import Workload
 from ztunnel import dns
 from ztunnel.config.settings import Config, WorkloadInfo, illegal_ports
+from ztunnel.decisions.admission import AdmissionRules
 from ztunnel.dns.resolver import ResolverSettings
 from ztunnel.identity.certificates import SecretManager
 from ztunnel.metrics.families import Metrics
@@ -50,7 +51,6 @@ from ztunnel.proxy.socks5_listener import Socks5Listener
 from ztunnel.proxy.tasks import TaskSet
 from ztunnel.proxy.upstream import Upstreams
 from ztunnel.sockets import SocketFactory, is_transparent
-from ztunnel.state.admission import AdmissionRules
 from ztunnel.state.store import ProxyState
 
 log = logging.getLogger("ztunnel.proxy")

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 
-from hbone.address import canonical_addr, format_addr
+from hbone.address import canonical_addr, format_addr, parse_ip
 from hbone.relay import Inbox, RelayResult
+from ztunnel.decisions.route import RECURSIVE_CALL, is_self_call
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.telemetry import connection_failed
 from ztunnel.proxy.upstream import UpstreamFailure, Upstreams
 from ztunnel.sockets import original_dst
-from ztunnel.state.admission import RECURSIVE_CALL, is_self_call, parse_ip
 
 
 class Outbound:

@@ -6,8 +6,8 @@ it reaches the service's VIP, any other by the system resolver) goes through the
 logic as a redirected connection on 15001. A name is looked up in the client's family first (A on
 the IPv4 listener), then in the other one, so a service of either family is reached; a name with
 neither is answered "host unreachable" and logged. Success is replied only once the upstream is established,
-so a client learns of a refused or denied destination from the reply code, which this module maps
-from the kind of the upstream's failure.
+so a client learns of a refused or denied destination from the reply code: the kind of the
+upstream's failure, as `ztunnel.decisions.rejection`'s table tells it.
 """
 
 from __future__ import annotations
@@ -20,28 +20,22 @@ import socket
 from hbone.address import canonical_addr, canonical_host, format_addr
 from hbone.relay import Inbox, RelayResult
 from mesh.model import IPAddress, Workload
+from ztunnel.decisions.rejection import socks5_reply
 from ztunnel.dns.resolver import RDTYPE_A, RDTYPE_AAAA, Authoritative, ResolverSettings, resolve
 from ztunnel.proxy.connections import carry
 from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.socks5_codec import ConnectRequested, HandshakeFailed, Reply, Socks5Handshake, encode_reply
 from ztunnel.proxy.telemetry import connection_failed
-from ztunnel.proxy.upstream import FailureKind, UpstreamFailure, Upstreams
+from ztunnel.proxy.upstream import UpstreamFailure, Upstreams
 from ztunnel.state.store import ProxyState
 
 log = logging.getLogger("ztunnel.proxy")
 
 HANDSHAKE_TIMEOUT = 10.0
 
-REPLIES = {
-    FailureKind.DENIED: Reply.NOT_ALLOWED,
-    FailureKind.REFUSED: Reply.CONNECTION_REFUSED,
-    FailureKind.UNREACHABLE: Reply.HOST_UNREACHABLE,
-    FailureKind.FAILED: Reply.GENERAL_FAILURE,
-}
-
 
 def reply_for(failure: UpstreamFailure) -> Reply:
-    return REPLIES[failure.kind]
+    return Reply(socks5_reply(failure.kind))
 
 
 class NoAddress(OSError):

@@ -4,14 +4,16 @@ when it completes, and the log of the policy decision on it (both inbound listen
 from __future__ import annotations
 
 import logging
+import operator
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from mesh.model import Service, Workload
+from ztunnel.decisions.admission import Admit, Reject
 from ztunnel.logs.lines import ACCESS, Bare, FieldRun, Item, Spans, access_items, access_log
-from ztunnel.metrics.families import UNKNOWN, ConnectionMetrics, Metrics, TrafficLabels
-from ztunnel.state.admission import Admit, Reject
+from ztunnel.metrics.families import Metrics
+from ztunnel.metrics.traffic import UNKNOWN, ConnectionMetrics, TrafficLabels
 
 rbac_log = logging.getLogger("ztunnel.rbac")
 
@@ -141,40 +143,30 @@ def _dst_fields(dst: Peer, service: Service | None) -> FieldRun:
     )
 
 
-def _run(*fields: tuple[str, object]) -> FieldRun:
-    return FieldRun((k, v) for k, v in fields if v is not None)
+def _run(*items: tuple[str, object]) -> FieldRun:
+    return FieldRun((k, v) for k, v in items if v is not None)
 
 
-# Per (reporter, peers, service, policy): a node's connections repeat a few pairs of workloads.
-# Workloads and services are keyed by identity (the store replaces them, never changes them); each
-# entry holds the objects its key names, so no other object can take their ids while it is kept.
+# Per (reporter, policy, service, peers): a node's connections repeat a few pairs of workloads.
 _PEERS: dict[tuple[object, ...], tuple[PeerTelemetry, tuple[object, ...]]] = {}
 _PEERS_KEPT = 4096
+_peer_values = operator.attrgetter(*(f.name for f in fields(Peer)))
+
+
+def _by_value_or_identity(v: object) -> object:
+    # Workloads and services by identity: the store replaces them, never changes them.
+    return v if v is None or type(v) is str else id(v)
 
 
 def peer_telemetry(
     reporter: str, src: Peer, dst: Peer, service: Service | None, security_policy: str
 ) -> PeerTelemetry:
-    """`traffic_labels` and the peers' access log fields, remembered."""
-    key = (
-        reporter,
-        security_policy,
-        id(service),
-        id(src.workload),
-        src.identity,
-        src.name,
-        src.namespace,
-        src.cluster,
-        src.canonical_service,
-        src.canonical_revision,
-        id(dst.workload),
-        dst.identity,
-        dst.name,
-        dst.namespace,
-        dst.cluster,
-        dst.canonical_service,
-        dst.canonical_revision,
-    )
+    """`traffic_labels` and the peers' access log fields, remembered by every input and every field
+    of both peers (a field added to `Peer` is in the key as it is in the dataclass). Each entry
+    holds the objects its key names by identity, so no other object can take their ids while it
+    is kept."""
+    inputs = (reporter, security_policy, service, *_peer_values(src), *_peer_values(dst))
+    key = tuple(map(_by_value_or_identity, inputs))
     hit = _PEERS.get(key)
     if hit is not None:
         return hit[0]
@@ -185,7 +177,7 @@ def peer_telemetry(
     )
     if len(_PEERS) >= _PEERS_KEPT:
         _PEERS.clear()
-    _PEERS[key] = (peers, (service, src.workload, dst.workload))
+    _PEERS[key] = (peers, inputs)
     return peers
 
 

@@ -15,7 +15,6 @@ closed or GOAWAY'd connection) is `H2_HANDSHAKE_FAILURE`.
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import ipaddress
 import socket
@@ -24,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 
-from hbone.address import canonical_host, format_addr
+from hbone.address import canonical_host, format_addr, parse_ip
 from hbone.client import HboneConnection
 from hbone.errors import (
     CertificateRevoked,
@@ -35,19 +34,19 @@ from hbone.errors import (
     StreamResetError,
     TlsHandshakeError,
 )
-from hbone.identity import Identity
+from hbone.identity import Identity, uri_of
 from hbone.inner import open_inner
 from hbone.pool import Pool, PooledConnection, PoolKey
 from hbone.relay import Inbox
 from hbone.stream import HboneStream
 from hbone.tls import TlsCredentials
 from mesh.model import IPAddress, Workload
-from ztunnel.metrics.families import UNKNOWN
+from ztunnel.decisions.rejection import RejectionKind, kind_of_status
+from ztunnel.decisions.route import NoRoute, Protocol, Route, pick_resolved, route
+from ztunnel.metrics.traffic import UNKNOWN
 from ztunnel.proxy import baggage
 from ztunnel.proxy.context import CONNECT_TIMEOUT, ProxyContext
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, connection_failed, new_span_id, new_trace_id
-from ztunnel.state.admission import parse_ip, uri_of
-from ztunnel.state.route import NoRoute, Protocol, Route, pick_resolved, route
 
 # How `workloadState` spells an outbound connection's protocol (as the reference).
 DUMP_PROTOCOL = {Protocol.TCP: "TCP", Protocol.HBONE: "HBONE", Protocol.DOUBLE_HBONE: "DOUBLEHBONE"}
@@ -55,22 +54,14 @@ DUMP_PROTOCOL = {Protocol.TCP: "TCP", Protocol.HBONE: "HBONE", Protocol.DOUBLE_H
 NETWORK_POLICY_HINT = "connection timed out, maybe a NetworkPolicy is blocking HBONE port 15008"
 
 
-class FailureKind(enum.Enum):
-    """What kind of failure an upstream was: what a SOCKS5 client is told (its listener maps it)."""
-
-    DENIED = "denied"  # the destination's proxy refused by policy (401)
-    REFUSED = "refused"  # nothing listens there (ECONNREFUSED, or the destination's proxy said 503)
-    UNREACHABLE = "unreachable"  # no route, no answer, no address
-    FAILED = "failed"  # anything else
-
-
 @dataclass(frozen=True, slots=True)
 class UpstreamFailure:
-    """Why an upstream could not be established: the access log's error and response flag."""
+    """Why an upstream could not be established: the access log's error and response flag, and its
+    kind (what a SOCKS5 client is told)."""
 
     error: str
     flags: str
-    kind: FailureKind
+    kind: RejectionKind
 
 
 @dataclass(slots=True)
@@ -94,27 +85,26 @@ def describe(e: BaseException) -> str:
 def classify_upstream_error(e: BaseException, protocol: Protocol) -> UpstreamFailure:
     """The one mapping from an exception raised while establishing an upstream to its failure."""
     if isinstance(e, HttpStatusError):
-        kind = {401: FailureKind.DENIED, 503: FailureKind.REFUSED}.get(e.status, FailureKind.FAILED)
-        return UpstreamFailure(str(e), "CONNECT", kind)
+        return UpstreamFailure(str(e), "CONNECT", kind_of_status(e.status))
     if isinstance(e, ConnectionRefusedError):
-        return UpstreamFailure(describe(e), "CONNECT", FailureKind.REFUSED)
+        return UpstreamFailure(describe(e), "CONNECT", RejectionKind.REFUSED)
     if isinstance(e, TimeoutError):
         if protocol is Protocol.HBONE:
-            return UpstreamFailure(NETWORK_POLICY_HINT, "NETWORK_POLICY", FailureKind.UNREACHABLE)
-        return UpstreamFailure(describe(e), "CONNECT", FailureKind.UNREACHABLE)
+            return UpstreamFailure(NETWORK_POLICY_HINT, "NETWORK_POLICY", RejectionKind.UNREACHABLE)
+        return UpstreamFailure(describe(e), "CONNECT", RejectionKind.UNREACHABLE)
     if isinstance(e, CertificateRevoked):  # a CRL in force lists the server's chain
-        return UpstreamFailure(str(e), "CERT_REVOKED", FailureKind.FAILED)
+        return UpstreamFailure(str(e), "CERT_REVOKED", RejectionKind.FAILED)
     if isinstance(e, TlsHandshakeError):  # IdentityMismatch included
-        return UpstreamFailure(str(e), "TLS_FAILURE", FailureKind.FAILED)
+        return UpstreamFailure(str(e), "TLS_FAILURE", RejectionKind.FAILED)
     if isinstance(e, H2HandshakeError):  # TLS done, but no HTTP/2 connection came of it
-        return UpstreamFailure(str(e), "H2_HANDSHAKE_FAILURE", FailureKind.FAILED)
+        return UpstreamFailure(str(e), "H2_HANDSHAKE_FAILURE", RejectionKind.FAILED)
     if isinstance(e, StreamResetError | ConnectionClosed):  # the HTTP/2 layer failed the CONNECT
-        return UpstreamFailure(str(e), "H2_HANDSHAKE_FAILURE", FailureKind.UNREACHABLE)
+        return UpstreamFailure(str(e), "H2_HANDSHAKE_FAILURE", RejectionKind.UNREACHABLE)
     if isinstance(e, OSError):
-        return UpstreamFailure(describe(e), "CONNECT", FailureKind.UNREACHABLE)
+        return UpstreamFailure(describe(e), "CONNECT", RejectionKind.UNREACHABLE)
     if isinstance(e, HboneError):
-        return UpstreamFailure(str(e), "CONNECT", FailureKind.FAILED)
-    return UpstreamFailure(describe(e), "CONNECT", FailureKind.FAILED)
+        return UpstreamFailure(str(e), "CONNECT", RejectionKind.FAILED)
+    return UpstreamFailure(describe(e), "CONNECT", RejectionKind.FAILED)
 
 
 class Tunnels(TypingProtocol):
@@ -199,7 +189,7 @@ class Upstreams:
         if local is None:
             err = f"unknown source workload: {ctx.info.namespace}/{ctx.info.name}"
             connection_failed(src_s, dst_s, "outbound", err)
-            return UpstreamFailure(err, "-", FailureKind.FAILED)
+            return UpstreamFailure(err, "-", RejectionKind.FAILED)
         dst_ip = parse_ip(dst[0])
         # XDS_ON_DEMAND: an address the store lacks (and its waypoint) is asked for first (a no-op
         # otherwise).
@@ -207,7 +197,7 @@ class Upstreams:
         r = route(ctx.state, local, (dst_ip, dst[1]), network=ctx.config.network, source_ip=parse_ip(src[0]))
         if isinstance(r, NoRoute):
             connection_failed(src_s, dst_s, "outbound", r.reason)
-            return UpstreamFailure(r.reason, "-", FailureKind.UNREACHABLE)
+            return UpstreamFailure(r.reason, "-", RejectionKind.UNREACHABLE)
         if r.needs_dns:
             # A workload known by hostname only.
             hostname = str(r.next_hop[0])
@@ -219,7 +209,7 @@ class Upstreams:
             except OSError as e:
                 err = f"dns: failed to resolve {hostname}: {describe(e)}"
                 connection_failed(src_s, dst_s, "outbound", err)
-                return UpstreamFailure(err, "-", FailureKind.UNREACHABLE)
+                return UpstreamFailure(err, "-", RejectionKind.UNREACHABLE)
         mtls = r.protocol is not Protocol.TCP
         own = ctx.local.identity(local)
         trace = new_trace_id()  # sent on in `traceparent`: the server proxy logs it too

@@ -4,6 +4,8 @@ list per name would triple the index: 12.6 MB against 3.8 MB for 100,000 pods)."
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 
 class NameIndex:
     def __init__(self) -> None:
@@ -32,6 +34,13 @@ class NameIndex:
         """The uids holding `name`, in the order they were added."""
         held = self._uids.get(name, ())
         return [held] if isinstance(held, str) else list(held)
+
+    def names(self) -> Iterable[str]:
+        return self._uids.keys()
+
+    def uid_lists(self) -> list[Sequence[str]]:
+        """The uids of each of `names()`, in the order they were added."""
+        return [(held,) if type(held) is str else held for held in self._uids.values()]
 
     def clear(self) -> None:
         self._uids.clear()

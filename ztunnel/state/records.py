@@ -5,6 +5,7 @@ here)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,6 +33,20 @@ from mesh.model import (
     cidr_from_bytes,
     ip_from_bytes,
 )
+
+# Bumped whenever a record is written otherwise with the same model (an enum by another value, a
+# field in another shape): `layout()` follows the model's fields by itself.
+FORMAT = 1
+
+
+def layout() -> str:
+    """The records' layout, spelled out: `FORMAT` and the fields (names and types, in order) of every
+    class of the model a record writes. An image names it (by its crc32), so a process of another
+    build never reads another layout's records as its own."""
+    classes: tuple[type, ...] = (Workload, Service, Endpoint, GatewayAddress, NetworkAddress)
+    classes += (NamespacedHostname, ApplicationTunnel, Locality, CidrVip, WeightedWaypoint, LoadBalancer)
+    fields = [(c.__name__, [(f.name, str(f.type)) for f in dataclasses.fields(c)]) for c in classes]
+    return repr((FORMAT, fields))
 
 
 def _gateway(g: GatewayAddress | None) -> tuple[Any, ...] | None:

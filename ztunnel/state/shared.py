@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from mesh.model import Endpoint, IPAddress, Service, Workload
-from ztunnel.state.image import StateImage, addr_key, text_key
+from ztunnel.state.image import StateImage, addr_key, pair_key
 from ztunnel.state.store import Demander, ProxyState
 
 _EMPTY = StateImage(b"".join(ProxyState().image()))
@@ -74,7 +74,7 @@ class SharedState(ProxyState):
         return self._image("addr", addr_key(network, ip)).workloads_at(network, ip)
 
     def workload_by_hostname(self, namespace: str, hostname: str) -> Workload | None:
-        found = self._image("host", text_key(namespace, hostname)).workloads_by_hostname(namespace, hostname)
+        found = self._image("host", pair_key(namespace, hostname)).workloads_by_hostname(namespace, hostname)
         return found[0] if found else None
 
     def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
@@ -99,8 +99,7 @@ class SharedState(ProxyState):
         return found + (self.delta.workloads_named(namespace, name) if self.delta is not None else [])
 
     def workloads_by_name(self, name: str) -> list[Workload]:
-        found = [w for w in self.shared.workloads_of_pod_name(name) if not self._changed_since_base(w.uid)]
-        return found + (self.delta.workloads_of_pod_name(name) if self.delta is not None else [])
+        return self._image("pod", name.encode()).workloads_of_pod_name(name)
 
     def series_names_present(self, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
         return {key for key in keys if self._has_series_name(*key)}

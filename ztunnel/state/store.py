@@ -625,6 +625,7 @@ class ProxyState:
             workloads.by_uid,
             workloads.by_addr,
             workloads.by_hostname,
+            workloads.by_name,
             services.by_key,
             services.by_vip,
             services.by_hostname,

@@ -14,7 +14,7 @@ processes. `ztunnel proxy` is always:
   the kernel spreads new connections over the workers. A worker never imports the supervisor.
 
 The first workers are forked from the parent before its event loop starts (so before any thread
-exists), after the worker body's imports and the control side's (`spawning.py`, `ztunnel/app.py`),
+exists), after the worker body's imports and the control side's (`spawning.py`, `ztunnel/start.py`),
 so they share that memory copy-on-write (the control side's pages, which no worker runs, stay
 shared); no process exists only to fork them. A replacement is a new interpreter (`replacement.py`): a fork from the running
 parent would not be safe.
@@ -25,7 +25,7 @@ answers certificate requests, passes each pod's namespace fd (`fleet_pods.py`) a
 traffic counters (`counters.py`). Workers never talk to a control plane.
 
 Dedicated mode: before any worker binds, the parent claims every listener address
-(`listeners.py`). Readiness, restart backoff and a silent worker are the fleet policy's
+(`listeners.py`). Readiness, restart backoff and a silent worker are the fleet's
 (`fleet.py`): the `proxy` task is pending until every worker's listeners accept, and again whenever
 a worker is down: dead, or its loop has not answered the parent's ping for 5 s. A worker that dies
 is started again (after 0.5 s, doubling up to 10 s while it keeps dying young); the others keep

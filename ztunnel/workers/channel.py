@@ -3,7 +3,9 @@
 The framing is its own sans-IO part: `encode` cuts a pickled message into packets of at most
 `CHUNK` bytes plus a one-byte header (`MORE` or `LAST`); a `Reassembler` is fed packets and returns
 the message on the last one. File descriptors travel on the last packet of their message. `Channel`
-runs that over a non-blocking socket in an event loop.
+runs that over a non-blocking socket in an event loop. A message that cannot be read, or whose fds
+the kernel dropped (out of descriptors), is an error of its own (`MessageLost`, `FdsLost`): the peer
+is not gone, and the next message is read as usual.
 """
 
 from __future__ import annotations
@@ -27,6 +29,21 @@ class ChannelError(ConnectionError):
     """A packet that breaks the framing (truncated, or without a header)."""
 
 
+class MessageLost(ChannelError):
+    """A message that could not be read (a packet cut short, one without a header, or bytes that do
+    not unpickle); the channel goes on with the next one."""
+
+
+class FdsLost(ChannelError):
+    """A whole message whose fds did not all arrive (this process was out of descriptors: the
+    kernel dropped them); `message` and `fds` are what did."""
+
+    def __init__(self, message: object, fds: list[int]) -> None:
+        super().__init__(f"{type(message).__name__}: its file descriptors were lost (out of descriptors?)")
+        self.message = message
+        self.fds = fds
+
+
 def encode(message: object) -> list[bytes]:
     """The packets of one message, in order (at least one)."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -46,25 +63,31 @@ class Reassembler:
         return bool(self._parts)
 
     def feed(self, packet: bytes) -> tuple[bool, object]:
-        """(True, message) on a message's last packet, else (False, None)."""
+        """(True, message) on a message's last packet, else (False, None); `MessageLost` for a
+        packet without a header (the message under way is dropped) or a message that does not
+        unpickle."""
         header, body = packet[:1], packet[1:]
         if header not in (MORE, LAST):
             self._parts.clear()
-            raise ChannelError(f"bad packet header {header!r} on the worker channel")
+            raise MessageLost(f"bad packet header {header!r} on the worker channel")
         self._parts.append(body)
         if header == MORE:
             return False, None
         data, self._parts = b"".join(self._parts), []
-        return True, pickle.loads(data)
+        try:
+            return True, pickle.loads(data)
+        except Exception as e:  # what unpickling raises is open-ended
+            raise MessageLost(f"a message that does not unpickle: {type(e).__name__}: {e}") from None
 
 
-def recv_packet(sock: socket.socket) -> tuple[bytes, list[int]]:
-    """One packet and its fds (b"" once the peer is gone); a truncated one is an error."""
+def recv_packet(sock: socket.socket) -> tuple[bytes, list[int], bool]:
+    """One packet, its fds, and whether fds were lost on the way (b"" once the peer is gone); a
+    packet cut short is `MessageLost`."""
     data, fds, flags, _ = socket.recv_fds(sock, CHUNK + 1, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+    if flags & socket.MSG_TRUNC:
         close_fds(fds)
-        raise ChannelError("truncated packet on the worker channel")
-    return data, fds
+        raise MessageLost("truncated packet on the worker channel")
+    return data, fds, bool(flags & socket.MSG_CTRUNC)
 
 
 def close_fds(fds: Sequence[int]) -> None:
@@ -94,13 +117,23 @@ class Channel:
                 await self._io(functools.partial(socket.send_fds, self.sock, [packet], last), writable=True)
 
     async def recv(self) -> tuple[object, list[int]] | None:
-        """The next message and its fds; None once the peer is gone."""
+        """The next message and its fds; None once the peer is gone. A message that could not be read
+        is `MessageLost`, one whose fds were lost `FdsLost`: the next call goes on after it."""
+        lost = False
         while True:
-            data, fds = await self._io(lambda: recv_packet(self.sock), writable=False)
+            data, fds, fds_lost = await self._io(lambda: recv_packet(self.sock), writable=False)
             if not data:
+                close_fds(fds)
                 return None
-            done, message = self._reassembler.feed(data)
+            lost |= fds_lost
+            try:
+                done, message = self._reassembler.feed(data)
+            except MessageLost:
+                close_fds(fds)
+                raise
             if done:
+                if lost:
+                    raise FdsLost(message, fds)
                 return message, fds
             close_fds(fds)
 

@@ -13,17 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from ztunnel.metrics.families import (
-    OPENMETRICS_CONTENT_TYPE,
-    TEXT_CONTENT_TYPE,
-    UNKNOWN,
-    Metrics,
-    WorkloadKey,
-    render_openmetrics,
-    wants_openmetrics,
-)
+from ztunnel.metrics.exposition import render_negotiated
+from ztunnel.metrics.families import Metrics
 from ztunnel.metrics.processes import ProcessTreeCollector
 from ztunnel.metrics.registry import CollectorRegistry, Family, Metric
+from ztunnel.metrics.traffic import UNKNOWN, WorkloadKey
 from ztunnel.workers.messages import Snapshot
 
 # The families the workers count (the supervisor shows their sums).
@@ -165,5 +159,4 @@ class SummedMetrics(Metrics):
         self._view.register(_SummedView(self.registry, sums))
 
     def render(self, accept_header: str | None) -> tuple[bytes, str]:
-        content_type = OPENMETRICS_CONTENT_TYPE if wants_openmetrics(accept_header) else TEXT_CONTENT_TYPE
-        return render_openmetrics(self._view), content_type
+        return render_negotiated(self._view, accept_header)

@@ -1,4 +1,4 @@
-"""The fleet policy: what the supervisor makes of its workers' lives, without I/O or a clock.
+"""The fleet: what the supervisor makes of its workers' lives, without I/O or a clock.
 
 The supervisor tells a `Fleet` what happened (a worker was spawned, answered, is ready, is gone;
 a heartbeat tick) with the time it happened, and gets back the decisions as values:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hbone.identity import Identity
-from ztunnel.inpod.netns import Netns
+from ztunnel.inpod.netns import PodNetns
 from ztunnel.workers.messages import PodAdd, PodConnections, PodDel, ToWorker
 
 if TYPE_CHECKING:
@@ -37,13 +37,13 @@ class Workers(Protocol):
 class WorkerPods:
     def __init__(self, workers: Workers) -> None:
         self._workers = workers
-        self._pods: dict[str, tuple[PodAdd, Netns]] = {}  # uid -> (message, namespace), in every worker
+        self._pods: dict[str, tuple[PodAdd, PodNetns]] = {}  # uid -> (message, namespace), in every worker
 
-    def running(self) -> list[tuple[PodAdd, Netns]]:
+    def running(self) -> list[tuple[PodAdd, PodNetns]]:
         """Every pod, as a worker that starts now is told of it."""
         return list(self._pods.values())
 
-    async def start(self, pod: PodInfo, netns: Netns) -> str | None:
+    async def start(self, pod: PodInfo, netns: PodNetns) -> str | None:
         message = PodAdd(pod.uid, pod.name, pod.namespace, pod.service_account, netns.key)
         self._pods[pod.uid] = (message, netns)
         results = await self._workers.ask_all(message, [netns.fd])

@@ -21,8 +21,13 @@ import asyncio
 import time
 from collections.abc import Iterable, Iterator
 
-from ztunnel.metrics.families import HistogramFamily
-from ztunnel.metrics.registry import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
+from ztunnel.metrics.registry import (
+    Collector,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramFamily,
+    Metric,
+)
 
 TICK = 0.25
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)

@@ -5,7 +5,8 @@ pickle is the codec (`channel.py`): the model's frozen dataclasses travel as the
 schema. Three conversations:
 
 * the supervisor and a worker: `Spawn` first (the worker starts), then the store (the workloads and
-  services as an image in shared memory, `StateImageReady`; the policies as `StateChanges`),
+  services as an image in shared memory, `StateImageReady`, sent again on `StateImageWanted`; the
+  policies as `StateChanges`),
   `Synced`, certificates (`CertificateRequest` -> `CertificateReply`), pods with their namespace fd (`PodAdd`, `PodDel` ->
   `PodResult`), counters (`Scrape` -> `Counters`), profiles, the log filter, `Ping` -> `Pong`, `Stop`;
 * a worker's start-up: `Ready` or `Failed`.
@@ -25,9 +26,12 @@ from policy.model import Authorization
 
 @dataclass(frozen=True)
 class Spawn:
-    """Supervisor -> worker, its first message: start as worker `index` (bind, then serve on `Synced`)."""
+    """Supervisor -> worker, its first message: start as worker `index` (bind, then serve on `Synced`).
+    `layout` names the records of the parent's state images (`ztunnel.state.image.LAYOUT`): a
+    replacement of another build, which reads other records, refuses to start (`Failed`)."""
 
     index: int
+    layout: int = 0
 
 
 # -- the store, as changes ----------------------------------------------------------------------
@@ -74,6 +78,17 @@ class StateImageReady:
     @property
     def delta(self) -> bool:
         return self.base is not None
+
+
+@dataclass(frozen=True)
+class StateImageWanted:
+    """Worker -> supervisor: state image `refused` could not be read (or was a delta over a base it
+    does not hold: it holds `holding`); send the current images again. The worker keeps serving from
+    what it holds meanwhile."""
+
+    refused: int
+    holding: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -239,4 +254,14 @@ ToWorker = (
     | Ping
     | Stop
 )
-FromWorker = CertificateRequest | Demand | PodResult | Counters | ProfileReply | Pong | Ready | Failed
+FromWorker = (
+    CertificateRequest
+    | Demand
+    | PodResult
+    | Counters
+    | ProfileReply
+    | Pong
+    | Ready
+    | Failed
+    | StateImageWanted
+)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ztunnel.config.settings import WorkloadInfo
-from ztunnel.inpod.netns import Netns
+from ztunnel.inpod.netns import PodNetns
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.workers.messages import PodConnections
 
-BuildPodProxy = Callable[[WorkloadInfo, Netns], ProxyInstance]
+BuildPodProxy = Callable[[WorkloadInfo, PodNetns], ProxyInstance]
 
 
 class PodProxies:
@@ -17,14 +17,14 @@ class PodProxies:
 
     def __init__(self, build: BuildPodProxy) -> None:
         self._build = build
-        self.instances: dict[str, tuple[ProxyInstance, Netns]] = {}
+        self.instances: dict[str, tuple[ProxyInstance, PodNetns]] = {}
 
     def running_in(self, uid: str) -> tuple[int, int] | None:
         """The key of the namespace the pod's proxy runs in, if it runs."""
         entry = self.instances.get(uid)
         return entry[1].key if entry is not None else None
 
-    async def start(self, uid: str, info: WorkloadInfo, netns: Netns) -> str | None:
+    async def start(self, uid: str, info: WorkloadInfo, netns: PodNetns) -> str | None:
         """Bind and serve the pod's listeners in `netns` (ours from now on); the error, if any."""
         try:
             instance = self._build(info, netns)  # binds

@@ -14,8 +14,8 @@ import sys
 
 from ztunnel.allocator import tune_allocator
 from ztunnel.config.settings import Config, ConfigError
+from ztunnel.lifecycle import set_pdeathsig
 from ztunnel.logs.lines import setup_logging
-from ztunnel.startup import set_pdeathsig
 from ztunnel.workers.worker import run_worker
 
 

@@ -133,7 +133,11 @@ class Replication:
         """What a worker that starts is sent first: the policies, then the current images (if any)."""
         ops: list[StateOp] = [Clear()]
         ops += [UpsertPolicy(p) for p in self.state.policies()]
-        out: list[tuple[ToWorker, Sequence[int]]] = [(StateChanges(tuple(ops)), ())]
+        return [(StateChanges(tuple(ops)), ()), *self.images()]
+
+    def images(self) -> list[tuple[ToWorker, Sequence[int]]]:
+        """The current images (if any): the base, then the delta over it."""
+        out: list[tuple[ToWorker, Sequence[int]]] = []
         for image, delta in ((self._base, False), (self._delta, True)):
             if image is not None:
                 out.append((self._announce(image, delta), (image[0],)))

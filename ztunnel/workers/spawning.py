@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ztunnel.startup import set_pdeathsig
+from ztunnel.lifecycle import set_pdeathsig
 
 # The body of a worker process: (worker index, fd of its channel) -> exit code.
 WorkerBody = Callable[[int, int], int]

@@ -4,7 +4,7 @@ start-up, then replacements: `spawning.py`), reads what they say and dispatches 
 It runs the control runtime (`ztunnel/control.py`) with its own collaborators: the store it
 replicates to every worker, the metrics that sum theirs, hooks that ask them (a scrape, a profile,
 the pods' connections) and tell them (the log filter), and in in-pod mode the pods' runtime. What
-to make of a worker's life (readiness, restarts, a silent worker) is the fleet policy's
+to make of a worker's life (readiness, restarts, a silent worker) is the fleet's
 (`fleet.py`); the supervisor does the I/O and acts on its decisions.
 """
 
@@ -29,11 +29,12 @@ from ztunnel.allocator import IdleTrimmer
 from ztunnel.config.settings import Config
 from ztunnel.control import ControlHooks, ControlRuntime
 from ztunnel.identity.certificates import CertificateUnavailable, SecretManager
+from ztunnel.lifecycle import StartupError
 from ztunnel.logs import lines as logs
 from ztunnel.metrics.series import sweep_stale_series
-from ztunnel.startup import StartupError
+from ztunnel.state.image import LAYOUT
 from ztunnel.state.store import ProxyState, demand_arrived
-from ztunnel.workers import fleet as policy
+from ztunnel.workers import fleet
 from ztunnel.workers.channel import Channel, close_fds, encode
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
 from ztunnel.workers.fleet import Fleet, Phase
@@ -58,6 +59,7 @@ from ztunnel.workers.messages import (
     Scrape,
     SetLogFilter,
     Spawn,
+    StateImageWanted,
     Stop,
     Synced,
     ToWorker,
@@ -102,6 +104,7 @@ class WorkerSlot:
     pod_connections: PodConnections = field(default_factory=dict)
     scrape: asyncio.Future[None] | None = None
     scrape_seq: int = 0
+    images_resent: int = 0  # the parent's image generation last sent again on its asking
     gone: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -177,6 +180,7 @@ class Supervisor:
             ProfileReply: self._on_profile_reply,
             PodResult: self._on_pod_result,
             Failed: self._on_failed,
+            StateImageWanted: self._on_image_wanted,
             Pong: lambda slot, message: None,
         }
 
@@ -325,18 +329,18 @@ class Supervisor:
 
     # -- the fleet's decisions --------------------------------------------------------------------
 
-    def _act(self, events: list[policy.Event]) -> None:
+    def _act(self, events: list[fleet.Event]) -> None:
         for event in events:
-            if isinstance(event, policy.ReadinessChanged):
+            if isinstance(event, fleet.ReadinessChanged):
                 if event.ready and self._proxy_ready is not None:
                     self._proxy_ready.release()
                     self._proxy_ready = None
                 elif not event.ready and self._proxy_ready is None:
                     self._proxy_ready = self._hold_proxy_ready()
-            elif isinstance(event, policy.Started):
+            elif isinstance(event, fleet.Started):
                 if not self._started.done():
                     self._started.set_result(None)
-            elif isinstance(event, policy.Unresponsive):
+            elif isinstance(event, fleet.Unresponsive):
                 pid = self.slots[event.index].pid
                 log.warning(
                     "data-plane worker %d (pid %s) has not answered for %.0fs",
@@ -344,14 +348,14 @@ class Supervisor:
                     pid,
                     event.silent_for,
                 )
-            elif isinstance(event, policy.Answers):
+            elif isinstance(event, fleet.Answers):
                 log.warning(
                     "data-plane worker %d (pid %s) answers again", event.index, self.slots[event.index].pid
                 )
-            elif isinstance(event, policy.StartupFailed):
+            elif isinstance(event, fleet.StartupFailed):
                 if not self._started.done():
                     self._started.set_exception(StartupError(event.error))
-            elif isinstance(event, policy.Restart):
+            elif isinstance(event, fleet.Restart):
                 self._background(self._restart(event))
 
     def _background(self, coro: Any) -> None:
@@ -359,7 +363,7 @@ class Supervisor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _restart(self, event: policy.Restart) -> None:
+    async def _restart(self, event: fleet.Restart) -> None:
         slot = self.slots[event.index]
         log.warning(
             "data-plane worker %d (pid %s) is gone%s; starting another in %.1fs",
@@ -424,6 +428,31 @@ class Supervisor:
 
     def _on_failed(self, slot: WorkerSlot, message: Failed) -> None:
         slot.failure = message.error
+
+    def _on_image_wanted(self, slot: WorkerSlot, message: StateImageWanted) -> None:
+        """A worker could not take an image: it is sent the current ones again, once per generation
+        (a worker that fails again waits for the next image: no loop of resends)."""
+        generation = self.replication.generation
+        if slot.images_resent == generation:
+            log.error(
+                "data-plane worker %d (pid %s) cannot take state image %d either: it serves from image %d "
+                "until the next one",
+                slot.index,
+                slot.pid,
+                message.refused,
+                message.holding,
+            )
+            return
+        slot.images_resent = generation
+        log.warning(
+            "data-plane worker %d (pid %s) refused state image %d (%s): sending it the current images again",
+            slot.index,
+            slot.pid,
+            message.refused,
+            message.reason,
+        )
+        for image, fds in self.replication.images():
+            slot.send(image, fds)
 
     # -- life cycle ---------------------------------------------------------------------------------
 
@@ -501,10 +530,11 @@ class Supervisor:
         slot.gone = asyncio.Event()
         slot.pid = proc.pid
         slot.failure = ""
+        slot.images_resent = 0
         self._act(self.fleet.spawned(slot.index, self.clock()))
         # What a new worker is told first: to start, the whole store, the pods, and whether to
         # accept yet.
-        slot.send(Spawn(slot.index))
+        slot.send(Spawn(slot.index, LAYOUT))
         for message, fds in self.replication.snapshot():
             slot.send(message, fds)
         slot.send(SetLogFilter(logs.current_filter()))

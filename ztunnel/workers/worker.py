@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import importlib
 import logging
 import os
@@ -31,9 +32,10 @@ from ztunnel.metrics.families import Metrics
 from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
 from ztunnel.sockets import SocketFactory, socket_options
+from ztunnel.state.image import LAYOUT
 from ztunnel.state.memfd import map_image
 from ztunnel.state.shared import SharedState
-from ztunnel.workers.channel import Channel, close_fds
+from ztunnel.workers.channel import Channel, FdsLost, MessageLost, close_fds
 from ztunnel.workers.counters import traffic_snapshot
 from ztunnel.workers.loop_metrics import EventLoopMetrics
 from ztunnel.workers.messages import (
@@ -57,6 +59,7 @@ from ztunnel.workers.messages import (
     Spawn,
     StateChanges,
     StateImageReady,
+    StateImageWanted,
     Stop,
     Synced,
 )
@@ -70,6 +73,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ztunnel.workers")
 
 SNAPSHOT_INTERVAL = 1.0
+# Errors of the channel's socket that say the parent is gone; any other is logged and read past.
+PARENT_GONE = frozenset({errno.EBADF, errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE})
+RECV_RETRY = 0.1  # after an error of the socket itself (out of memory), before reading again
 
 
 class ParentCa:
@@ -217,7 +223,7 @@ class WorkerRuntime:
         # The heap's free memory, given back once traffic stops (looked at as connections close).
         trimmer = IdleTrimmer()
         trimmer.start(loop)
-        self.metrics.on_connection_closed = trimmer.poke
+        self.metrics.traffic.on_connection_closed = trimmer.poke
         try:
             while True:
                 message, fds = await self.actions.get()
@@ -227,7 +233,7 @@ class WorkerRuntime:
                 await self._act(message, fds)
         finally:
             self.loop_metrics.stop()
-            self.metrics.on_connection_closed = None
+            self.metrics.traffic.on_connection_closed = None
             trimmer.stop()
             janitor.cancel()
             pusher.cancel()
@@ -239,11 +245,24 @@ class WorkerRuntime:
 
     async def _read(self) -> None:
         """Messages that need an answer now are handled here; the rest go to the action queue in
-        order (a pod's start waits for its certificate, which comes in on this same channel)."""
+        order (a pod's start waits for its certificate, which comes in on this same channel). Only
+        the channel's end means the parent is gone: any other error is logged and the reading goes
+        on (a message lost may have been an image: the current ones are asked for again)."""
         while True:
             try:
                 got = await self.channel.recv()
-            except OSError:
+            except FdsLost as e:
+                log.error("data-plane worker %d: %s", self.index, e)
+                got = e.message, e.fds
+            except MessageLost as e:
+                log.error("data-plane worker %d: a message from the parent was lost: %s", self.index, e)
+                await self._want_images(0, str(e))
+                continue
+            except OSError as e:
+                if e.errno not in PARENT_GONE:
+                    log.error("data-plane worker %d: reading from the parent failed: %s", self.index, e)
+                    await asyncio.sleep(RECV_RETRY)
+                    continue
                 got = None
             if got is None:
                 self.ca.parent_gone()
@@ -251,36 +270,48 @@ class WorkerRuntime:
                 self.request_stop(0.0)  # the parent is gone: never outlive it
                 return
             message, fds = got
-            handler = self._now.get(type(message))
-            if isinstance(message, StateImageReady):
-                self._on_image(message, fds)
-            elif handler is None:
-                self.actions.put_nowait((message, fds))
-            else:
-                close_fds(fds)
-                await handler(message)
+            try:
+                await self._dispatch(message, fds)
+            except Exception:
+                log.exception(
+                    "data-plane worker %d: a %s from the parent failed", self.index, type(message).__name__
+                )
+
+    async def _dispatch(self, message: object, fds: list[int]) -> None:
+        handler = self._now.get(type(message))
+        if isinstance(message, StateImageReady):
+            await self._on_image(message, fds)
+        elif handler is None:
+            self.actions.put_nowait((message, fds))
+        else:
+            close_fds(fds)
+            await handler(message)
 
     async def _on_changes(self, message: StateChanges) -> None:
         apply_changes(self.state, message)
 
-    def _on_image(self, message: StateImageReady, fds: list[int]) -> None:
-        """Map the parent's new image and read the workloads and services from it from now on."""
+    async def _on_image(self, message: StateImageReady, fds: list[int]) -> None:
+        """Map the parent's new image and read the workloads and services from it from now on. An
+        image that cannot be taken leaves the store as it was (serving), and the current images are
+        asked for again."""
         try:
             if len(fds) != 1:
                 raise ValueError(f"{len(fds)} fds with the state image")
             image = map_image(fds[0], message.size)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # any error: an image that cannot be read must not end the reader
             log.error("state image %d refused: %s", message.generation, e)
+            await self._want_images(message.generation, str(e))
             return
         finally:
             close_fds(fds)
         if not self.state.install(image, message.generation, message.base):
-            log.error(
-                "state image %d refused: a delta over base %s, this worker holds base %d",
-                message.generation,
-                message.base,
-                self.state.base_generation,
-            )
+            why = f"a delta over base {message.base}, this worker holds base {self.state.base_generation}"
+            log.error("state image %d refused: %s", message.generation, why)
+            await self._want_images(message.generation, why)
+
+    async def _want_images(self, refused: int, reason: str) -> None:
+        with contextlib.suppress(OSError):
+            await self.channel.send(StateImageWanted(refused, self.state.base_generation, reason))
 
     async def _on_certificate(self, message: CertificateReply) -> None:
         self.ca.answer(message)
@@ -332,12 +363,12 @@ class WorkerRuntime:
             return PodResult(message.uid, seq=message.seq)
         if running is not None:
             await self.pods.stop(message.uid, 0.0)
-        from ztunnel.inpod.netns import Netns
+        from ztunnel.inpod.netns import PodNetns
 
         info = WorkloadInfo(
             namespace=message.namespace, name=message.name, service_account=message.service_account
         )
-        error = await self.pods.start(message.uid, info, Netns(fds[0], message.netns_key))
+        error = await self.pods.start(message.uid, info, PodNetns(fds[0], message.netns_key))
         return PodResult(message.uid, error or "", message.seq)
 
     async def _drain(self, deadline: float) -> None:
@@ -425,6 +456,16 @@ def run_worker(config: Config, index: int, fd: int) -> int:
         if got is None:
             channel.close()
             return 0  # the parent stopped before this worker started
+        layout = getattr(got[0], "layout", None)
+        if layout != LAYOUT:  # a replacement of another build: it would misread the parent's images
+            await channel.send(
+                Failed(
+                    f"refused: this worker (another build) reads state images of record layout {LAYOUT:08x}, "
+                    f"the parent writes {layout or 0:08x}"
+                )
+            )
+            channel.close()
+            return 1
         worker = WorkerRuntime(config, index, channel)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, worker.request_stop, config.connection_termination_deadline)

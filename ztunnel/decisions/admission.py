@@ -4,22 +4,24 @@
 outbound side. The inbound HBONE listener (15008) and the plaintext one (15006) describe what arrived
 as an `InboundRequest` and act on the answer: an `Admit` carries the plan (the app's address and port,
 the source to dial from, the PROXY v2 tunnel target, the authorization input, the service for
-telemetry); a `Reject` carries the HTTP status, the reason for the log, and, when authorization said
-no, the plan as well, so that the denial is recorded like any connection.
+telemetry); a `Reject` carries its kind (whose HTTP status `rejection.TOLD` gives), the reason for
+the log, and, when authorization said no, the plan as well, so that the denial is recorded like any
+connection.
 
-The checks and their order are the reference's (status codes for HBONE):
+The checks and their order are the reference's (kinds, and their status codes for HBONE):
 
-1. method not CONNECT: 400; `:authority` neither `ip:port` nor `host:port`: 400;
-2. our own workload unknown: 503;
-3. an IP authority that is not our address: 400 "ip mismatch", unless the workload has an application
-   tunnel (a sandwiched waypoint) or is the waypoint of that address;
+1. method not CONNECT, or `:authority` neither `ip:port` nor `host:port`: MALFORMED (400);
+2. our own workload unknown: NO_LOCAL_WORKLOAD (503);
+3. an IP authority that is not our address: MISADDRESSED (400, "ip mismatch"), unless the workload
+   has an application tunnel (a sandwiched waypoint) or is the waypoint of that address;
 4. a hostname authority (from a network gateway): the service by that hostname and its target port,
-   else 503;
-5. the port is one of the proxy's own (a recursive call): 503;
-6. authorization: 401.
+   else NO_TARGET (503);
+5. the port is one of the proxy's own (a recursive call): SELF_CALL (503), the guard the outbound
+   side shares (`route.is_self_call`);
+6. authorization: DENIED (401).
 
 A plaintext connection (15006) has no method or authority: its target is its original destination,
-and it meets checks 2, 5 and 6. The outbound side's self-call guard is `is_self_call` too.
+and it meets checks 2, 5 and 6.
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from hbone.identity import Identity
+from hbone.identity import Identity, uri_of
 from mesh.model import AppTunnelProtocol, IPAddress, Service, Workload
 from policy import Authorization, Connection, Deny, authorize
-from ztunnel.state.route import State, hostname_target, is_waypoint_for
+from ztunnel.decisions.rejection import RejectionKind, http_status
+from ztunnel.decisions.route import RECURSIVE_CALL, State, hostname_target, is_self_call, is_waypoint_for
 
-RECURSIVE_CALL = "attempted recursive call to ourselves"
 UNKNOWN_LOCAL = "unknown local workload"
 
 
@@ -96,21 +98,20 @@ class Admit:
 
 @dataclass(frozen=True, slots=True)
 class Reject:
-    status: int  # the HBONE response (400, 401, 503); a plaintext connection is closed instead
+    kind: RejectionKind
     reason: str
     # Set when authorization denied: the plan it judged, so the denial is recorded like a connection.
     plan: Delivery | None = None
     notes: tuple[str, ...] = ()
 
     @property
+    def status(self) -> int:
+        """The HBONE response (400, 401, 503); a plaintext connection is closed instead."""
+        return http_status(self.kind)
+
+    @property
     def denied(self) -> bool:
         return self.plan is not None
-
-
-def is_self_call(ip: IPAddress, port: int, illegal_ports: frozenset[int], *, ours: bool) -> bool:
-    """A connection to one of the proxy's own ports, which would loop back into it. `ours`: the
-    address is known to be this workload's (inbound); otherwise only loopback counts (outbound)."""
-    return port in illegal_ports and (ours or ip.is_loopback)
 
 
 def admit(
@@ -120,16 +121,16 @@ def admit(
     headers = request.headers or {}
     if request.hbone:
         if request.method != "CONNECT":
-            return Reject(400, f"invalid method: {request.method}")
+            return Reject(RejectionKind.MALFORMED, f"invalid method: {request.method}")
         target = parse_authority(request.authority or "")
         if target is None:
-            return Reject(400, f"invalid authority: {request.authority!r}")
+            return Reject(RejectionKind.MALFORMED, f"invalid authority: {request.authority!r}")
     else:
         target = request.local
         if is_self_call(local_ip, dst_port, rules.illegal_ports, ours=True):
-            return Reject(503, RECURSIVE_CALL)
+            return Reject(RejectionKind.SELF_CALL, RECURSIVE_CALL)
     if local is None:
-        return Reject(503, UNKNOWN_LOCAL)
+        return Reject(RejectionKind.NO_LOCAL_WORKLOAD, UNKNOWN_LOCAL)
     host, port = target
     tunnel = local.application_tunnel if request.hbone else None
     service: Service | None = None
@@ -139,7 +140,7 @@ def admit(
         # to our address on the service's target port.
         found = hostname_target(state, local, host, port)
         if found is None:
-            return Reject(503, f"unknown service or port: {request.authority}")
+            return Reject(RejectionKind.NO_TARGET, f"unknown service or port: {request.authority}")
         service, resolved_port = found
         tunnel_target = (_service_vip(service, rules.network) or local_ip, port)
         port = resolved_port
@@ -148,11 +149,11 @@ def admit(
         and tunnel is None
         and not is_waypoint_for(state, local, local_ip, host, rules.network)
     ):
-        return Reject(400, f"ip mismatch: {local_ip} != {host}")
+        return Reject(RejectionKind.MISADDRESSED, f"ip mismatch: {local_ip} != {host}")
     else:
         tunnel_target = (host, port)
     if request.hbone and is_self_call(local_ip, port, rules.illegal_ports, ours=True):
-        return Reject(503, f"illegal port: {port}")
+        return Reject(RejectionKind.SELF_CALL, f"illegal port: {port}")
     # A sandwiched waypoint's app listens on its tunnel port whatever the destination was.
     forward_port = tunnel.port if tunnel is not None and tunnel.port else port
     peer_ip, peer_port = request.peer
@@ -189,7 +190,10 @@ def admit(
     decision = authorize(state.policies_for(local), conn)
     if isinstance(decision, Deny):
         return Reject(
-            401, f"connection closed due to policy rejection: {decision.reason}", plan, decision.notes
+            RejectionKind.DENIED,
+            f"connection closed due to policy rejection: {decision.reason}",
+            plan,
+            decision.notes,
         )
     return Admit(plan, decision.notes)
 
@@ -218,19 +222,6 @@ def inbound_service(
         if any(t == port for _, t in svc.ports):
             return svc
     return None
-
-
-@functools.lru_cache(maxsize=4096)
-def parse_ip(text: str) -> IPAddress:
-    """An address's text as an address object, parsed once per distinct address."""
-    return ipaddress.ip_address(text)
-
-
-# Held connections keep these strings for their lifetime: one shared copy each, not one per connection.
-@functools.lru_cache(maxsize=4096)
-def uri_of(identity: Identity) -> str:
-    """An identity's URI text, one shared copy per identity (admission and the listeners' telemetry)."""
-    return str(identity)
 
 
 def _service_vip(service: Service, network: str) -> IPAddress | None:

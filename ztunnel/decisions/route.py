@@ -46,6 +46,8 @@ from ztunnel.config.settings import HBONE_PORT
 # Used when the caller passes no generator; connections need no reproducible choices.
 _RNG = random.Random()
 
+RECURSIVE_CALL = "attempted recursive call to ourselves"
+
 
 class Protocol(enum.Enum):
     TCP = "TCP"
@@ -104,6 +106,13 @@ class State(TypingProtocol):
 
 
 # --- the outbound decision ---------------------------------------------------------------------
+
+
+def is_self_call(ip: IPAddress, port: int, illegal_ports: frozenset[int], *, ours: bool) -> bool:
+    """A connection to one of the proxy's own ports, which would loop back into it: refused before
+    routing (outbound) and by admission (inbound). `ours`: the address is known to be this
+    workload's (inbound); otherwise only loopback counts (outbound)."""
+    return port in illegal_ports and (ours or ip.is_loopback)
 
 
 def route(

@@ -6,8 +6,8 @@ and its workers will run is imported first (the worker body and what its workers
 control side: the supervisor, the control runtime, the admin and metrics servers, the local file's
 YAML, protobuf and our gRPC client when a control plane is used), OpenSSL's tables are filled
 (`hbone.tlswarm`), and the workers are forked (before any event loop or thread). Every process
-shares that image copy-on-write; the workers never run the control side, so its pages stay shared,
-and this process does not copy the image's pages by importing after the fork (an import writes to
+shares that memory copy-on-write; the workers never run the control side, so its pages stay shared,
+and this process does not copy the shared pages by importing after the fork (an import writes to
 the reference counts of much of what is already loaded: the control side imported after the fork
 cost the proxy about 1 MiB more at rest). The supervisor runs until it is stopped.
 """
@@ -25,8 +25,8 @@ import uvloop
 
 from ztunnel.allocator import tune_allocator
 from ztunnel.config.settings import Config, ConfigError
+from ztunnel.lifecycle import StartupError
 from ztunnel.logs.lines import setup_logging
-from ztunnel.startup import StartupError
 from ztunnel.workers.spawning import Spawner, fork_workers
 
 
@@ -61,7 +61,7 @@ def start_data_plane(config: Config, environ: Mapping[str, str]) -> Spawner:
     from ztunnel.control import control_imports
     from ztunnel.workers.worker import preload, run_worker
 
-    # In this order (the workers' modules, the control side's, then OpenSSL's tables) the image is
+    # In this order (the workers' modules, the control side's, then OpenSSL's tables) the shared memory is
     # laid out so that the processes write into fewest of its pages: 0.7 MiB less for the proxy at
     # rest than the control side first and OpenSSL's tables before the DNS server's modules.
     preload(config)

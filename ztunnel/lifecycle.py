@@ -3,7 +3,7 @@
 worker or the certificate helper dies with its parent.
 
 Its own module so the front door can catch the error without importing the control runtime, which the
-proxy loads only after its data-plane workers are forked (`ztunnel/app.py`), and so the certificate
+proxy loads only after its data-plane workers are forked (`ztunnel/start.py`), and so the certificate
 helper's small process need not import the process model.
 """
 
