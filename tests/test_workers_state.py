@@ -14,7 +14,7 @@ import pytest
 
 from mesh.localconfig import parse_local_config
 from ztunnel.state.memfd import map_image, write_image
-from ztunnel.state.shared import SharedState
+from ztunnel.state.shared import install, worker_state
 from ztunnel.state.store import ProxyState, demand_arrived
 from ztunnel.workers.messages import StateChanges, StateImageReady, ToWorker
 from ztunnel.workers.replication import Replication, apply_changes
@@ -53,7 +53,7 @@ class Worker:
     """A worker's store fed as on the socket pair: messages through pickle, an image's fd mapped."""
 
     def __init__(self) -> None:
-        self.state = SharedState()
+        self.state, self.view = worker_state()
         self.images = 0
 
     def take(self, message: ToWorker, fds: Sequence[int]) -> None:
@@ -61,7 +61,9 @@ class Worker:
         if isinstance(message, StateImageReady):
             dup = os.dup(fds[0])
             try:
-                assert self.state.install(map_image(dup, message.size), message.generation, message.base)
+                assert install(
+                    self.state, self.view, map_image(dup, message.size), message.generation, message.base
+                )
             finally:
                 os.close(dup)
             self.images += 1
@@ -198,11 +200,11 @@ def test_a_worker_refuses_a_delta_over_a_base_it_does_not_hold() -> None:
     images = [(m, fds) for m, fds in sent if isinstance(m, StateImageReady)]
     (base, base_fds), (delta, delta_fds) = images
     assert base.base is None and delta.base == base.generation
-    worker = SharedState()  # say the base never reached it: the delta alone would mix two states
-    assert not worker.install(map_image(delta_fds[0], delta.size), delta.generation, delta.base)
-    assert worker.workloads() == [] and worker.delta is None
-    assert worker.install(map_image(base_fds[0], base.size), base.generation, base.base)
-    assert worker.install(map_image(delta_fds[0], delta.size), delta.generation, delta.base)
+    worker, view = worker_state()  # say the base never reached it: the delta alone would mix two states
+    assert not install(worker, view, map_image(delta_fds[0], delta.size), delta.generation, delta.base)
+    assert worker.workloads() == [] and view.delta is None
+    assert install(worker, view, map_image(base_fds[0], base.size), base.generation, base.base)
+    assert install(worker, view, map_image(delta_fds[0], delta.size), delta.generation, delta.base)
     for message, _ in sent:
         if isinstance(message, StateChanges):
             apply_changes(worker, message)

@@ -233,14 +233,89 @@ class PolicyStore:
         return keys
 
 
+class MeshTables(Protocol):
+    """The workloads and services as the lookups read them, whoever holds them: the parent's stores
+    (`MeshStore`) or a worker's view of the parent's images (`ztunnel.state.shared.ImageView`)."""
+
+    def workloads(self) -> list[Workload]: ...
+    def services(self) -> list[Service]: ...
+    def workload_by_uid(self, uid: str) -> Workload | None: ...
+    def workloads_at(self, network: str, ip: IPAddress) -> list[Workload]: ...
+    def workload_by_hostname(self, namespace: str, hostname: str) -> Workload | None: ...
+    def workloads_by_name(self, name: str) -> list[Workload]: ...
+    def local_candidates(self, name: str, namespace: str) -> Iterable[Workload]: ...
+    def series_names_present(self, keys: set[tuple[str, str]]) -> set[tuple[str, str]]: ...
+    def services_at(self, network: str, ip: IPAddress) -> list[Service]: ...
+    def service_by_key(self, key: str) -> Service | None: ...
+    def services_named(self, hostname: str) -> list[Service]: ...
+    def cidr_services(self) -> Iterable[Service]: ...
+    def memberships(self, service_key: str) -> Iterable[Endpoint]: ...
+
+
+class MeshStore:
+    """The parent's workloads and services (its `WorkloadStore` and `ServiceStore`) read as
+    `MeshTables`."""
+
+    def __init__(self, workloads: WorkloadStore, services: ServiceStore) -> None:
+        self.w = workloads
+        self.s = services
+
+    def workloads(self) -> list[Workload]:
+        return list(self.w.by_uid.values())
+
+    def services(self) -> list[Service]:
+        return list(self.s.by_key.values())
+
+    def workload_by_uid(self, uid: str) -> Workload | None:
+        return self.w.by_uid.get(uid)
+
+    def workloads_at(self, network: str, ip: IPAddress) -> list[Workload]:
+        return self.w.at(network, ip)
+
+    def workload_by_hostname(self, namespace: str, hostname: str) -> Workload | None:
+        uids = self.w.by_hostname.get(NamespacedHostname(namespace, hostname))
+        return self.w.by_uid[uids[0]] if uids else None
+
+    def workloads_by_name(self, name: str) -> list[Workload]:
+        return [self.w.by_uid[uid] for uid in self.w.by_name.uids(name)]
+
+    def local_candidates(self, name: str, namespace: str) -> Iterable[Workload]:
+        return self.w.by_uid.values()
+
+    def series_names_present(self, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
+        return keys & {(w.namespace, w.workload_name or w.name) for w in self.w.by_uid.values()}
+
+    def services_at(self, network: str, ip: IPAddress) -> list[Service]:
+        return self.s.at(network, ip)
+
+    def service_by_key(self, key: str) -> Service | None:
+        return self.s.by_key.get(key)
+
+    def services_named(self, hostname: str) -> list[Service]:
+        return self.s.named(hostname)
+
+    def cidr_services(self) -> Iterable[Service]:
+        return self.s.with_cidr_vips.values()
+
+    def memberships(self, service_key: str) -> Iterable[Endpoint]:
+        return self.w.memberships.get(service_key, {}).values()
+
+
 class ProxyState:
     """The store: one store per kind (`WorkloadStore`, `ServiceStore`, `PolicyStore`) composed, the
-    rules of the lookups over them, and the listeners told of each committed change."""
+    rules of the lookups over its tables, and the listeners told of each committed change.
 
-    def __init__(self, demander: Demander | None = None) -> None:
+    `tables`: where the lookups read the workloads and services; by default its own stores (the
+    parent's), in a worker the parent's images (`ztunnel.state.shared.ImageView`; changed through
+    `tables_changed`)."""
+
+    def __init__(self, demander: Demander | None = None, tables: MeshTables | None = None) -> None:
         self.workload_store = WorkloadStore()
         self.service_store = ServiceStore()
         self.policy_store = PolicyStore()
+        self.tables: MeshTables = (
+            tables if tables is not None else MeshStore(self.workload_store, self.service_store)
+        )
         self._warned_unknown: set[tuple[str, str]] = set()  # (workload uid, policy key) warned about
         self._listeners: list[Listener] = []
         self._policy_listeners: list[Listener] = []
@@ -341,6 +416,11 @@ class ProxyState:
         self._notify()
         if self._observer is not None:
             self._observer.committed()
+
+    def tables_changed(self) -> None:
+        """The tables changed under the store (a worker's new image): one change, as any other."""
+        with self.batch():
+            self._changed = True
 
     def _forget_lookups(self) -> None:
         # Called twice per change (a first push makes some 200,000): clearing only what holds answers.
@@ -448,16 +528,16 @@ class ProxyState:
     # --- lookups -----------------------------------------------------------------------------------
 
     def workloads(self) -> list[Workload]:
-        return list(self.workload_store.by_uid.values())
+        return self.tables.workloads()
 
     def services(self) -> list[Service]:
-        return list(self.service_store.by_key.values())
+        return self.tables.services()
 
     def policies(self) -> list[Authorization]:
         return list(self.policy_store.by_key.values())
 
     def workload_by_uid(self, uid: str) -> Workload | None:
-        return self.workload_store.by_uid.get(uid)
+        return self.tables.workload_by_uid(uid)
 
     def workload_by_addr(self, network: str, ip: IPAddress) -> Workload | None:
         """When workloads share an address, a pod wins, then an HBONE one, then the first seen."""
@@ -466,7 +546,7 @@ class ProxyState:
             return self._by_addr[key]
         except KeyError:
             pass
-        candidates = self._workloads_at(network, ip)
+        candidates = self.tables.workloads_at(network, ip)
         found = (
             max(candidates, key=lambda w: ("//Pod/" in w.uid, w.tunnel_protocol is TunnelProtocol.HBONE))
             if candidates
@@ -479,41 +559,21 @@ class ProxyState:
 
     def workload_by_hostname(self, namespace: str, hostname: str) -> Workload | None:
         """A workload named by `namespace/hostname` (a waypoint or gateway given by hostname)."""
-        store = self.workload_store
-        uids = store.by_hostname.get(NamespacedHostname(namespace, hostname))
-        return store.by_uid[uids[0]] if uids else None
+        return self.tables.workload_by_hostname(namespace, hostname)
 
     def workloads_by_name(self, name: str) -> list[Workload]:
         """Every workload of this name (a pod's name, in any namespace or cluster), in the order
         they were last updated: the DNS proxy's per-pod names of headless services."""
-        store = self.workload_store
-        return [store.by_uid[uid] for uid in store.by_name.uids(name)]
-
-    # The tables' reads the rules above and below build on (`SharedState` answers them from an image).
-
-    def _workloads_at(self, network: str, ip: IPAddress) -> list[Workload]:
-        return self.workload_store.at(network, ip)
-
-    def _services_named(self, hostname: str) -> list[Service]:
-        return self.service_store.named(hostname)
-
-    def _cidr_services(self) -> Iterable[Service]:
-        return self.service_store.with_cidr_vips.values()
-
-    def _memberships_of(self, service_key: str) -> Iterable[Endpoint]:
-        return self.workload_store.memberships.get(service_key, {}).values()
-
-    def _local_candidates(self, name: str, namespace: str) -> Iterable[Workload]:
-        return self.workload_store.by_uid.values()
+        return self.tables.workloads_by_name(name)
 
     def series_names_present(self, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
         """Which of `keys` (namespace, workload name as metric series name it: `workload_name`, else
         the name) some workload of the store has."""
-        return keys & {(w.namespace, w.workload_name or w.name) for w in self.workload_store.by_uid.values()}
+        return self.tables.series_names_present(keys)
 
     def services_by_vip(self, network: str, ip: IPAddress) -> list[Service]:
         """Every service with this exact VIP, whatever its visibility, in first-seen order."""
-        return self.service_store.at(network, ip)
+        return self.tables.services_at(network, ip)
 
     def service_for_vip(self, network: str, ip: IPAddress, client_namespace: str | None) -> Service | None:
         """The service a client addressing `ip` reaches: by exact VIP, else by the best CIDR VIP."""
@@ -522,7 +582,7 @@ class ProxyState:
             return exact
         best: Service | None = None
         best_rank: tuple[bool, int, bool] | None = None
-        for service in self._cidr_services():
+        for service in self.tables.cidr_services():
             if not visible_to(service, client_namespace):
                 continue
             for vip in service.cidr_vips:
@@ -542,13 +602,13 @@ class ProxyState:
     ) -> Service | None:
         """`preferred_namespace` is the DNS proxy's PREFERED_SERVICE_NAMESPACE tie-break; `candidate`,
         when given, decides which of the services with that hostname take part."""
-        services = self._services_named(hostname)
+        services = self.tables.services_named(hostname)
         if candidate is not None:
             services = [s for s in services if candidate(s)]
         return _preferred(services, client_namespace, preferred_namespace)
 
     def service_by_key(self, key: str) -> Service | None:
-        return self.service_store.by_key.get(key)
+        return self.tables.service_by_key(key)
 
     def endpoints(self, service_key: str) -> list[Endpoint]:
         """The endpoints in use: the service's own and its workloads', unhealthy ones only under
@@ -556,7 +616,7 @@ class ProxyState:
         service = self.service_by_key(service_key)
         if service is None:
             return []
-        memberships: Iterable[Endpoint] = self._memberships_of(service_key)
+        memberships: Iterable[Endpoint] = self.tables.memberships(service_key)
         if service.endpoints:
             merged = {ep.workload_uid: ep for ep in service.endpoints}
             merged.update((ep.workload_uid, ep) for ep in memberships)
@@ -574,7 +634,7 @@ class ProxyState:
         of the proxy, whatever order it holds them in, finds the same."""
         found = [
             w
-            for w in self._local_candidates(name, namespace)
+            for w in self.tables.local_candidates(name, namespace)
             if (not node_name or w.node == node_name)
             and w.name == name
             and w.namespace == namespace

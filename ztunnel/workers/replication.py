@@ -9,7 +9,7 @@ touched a workload or a service, it encodes a delta image of what changed since 
 keys touched, each in full), which replaces the previous delta; once the changes since the base
 reach a sixteenth of the store, or the store was replaced, a new base image instead. The policies,
 few and read per connection, still travel as one `StateChanges`
-per change, which a worker applies to its `SharedState` with `apply_changes`. A worker that starts
+per change, which a worker applies to its store with `apply_changes`. A worker that starts
 late gets `snapshot()` first: the policies, then the current image."""
 
 from __future__ import annotations
