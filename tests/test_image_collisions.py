@@ -31,13 +31,13 @@ from tests.crcforge import forge, forged_texts, forged_v6
 from tests.harness import Fleet, proxy_env
 from tests.waiting import eventually
 from tests.xds_mesh import opened_per_worker
+from ztunnel.state import replication
 from ztunnel.state.image import StateImage, addr_key, pair_key
 from ztunnel.state.memfd import map_image
+from ztunnel.state.replication import Replication
 from ztunnel.state.shared import install, worker_state
 from ztunnel.state.store import ProxyState
-from ztunnel.workers import replication
 from ztunnel.workers.messages import StateImageReady, ToWorker
-from ztunnel.workers.replication import Replication
 
 
 def test_the_forge_makes_any_crc32() -> None:

@@ -41,14 +41,14 @@ from mesh.model import (
     WorkloadStatus,
 )
 from ztunnel.state import image as image_module
+from ztunnel.state import replication
 from ztunnel.state.image import ImageError, StateImage
 from ztunnel.state.memfd import map_image
 from ztunnel.state.records import service_of, service_record, workload_of, workload_record
+from ztunnel.state.replication import Replication
 from ztunnel.state.shared import install, worker_state
 from ztunnel.state.store import ProxyState
-from ztunnel.workers import replication
 from ztunnel.workers.messages import StateImageReady, ToWorker
-from ztunnel.workers.replication import Replication
 
 FULL_WORKLOAD = Workload(
     uid="c//v1/Pod/ns/full",

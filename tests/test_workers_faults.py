@@ -28,6 +28,7 @@ from tests.harness import Fleet, proxy_env
 from tests.waiting import eventually
 from ztunnel.state.image import LAYOUT
 from ztunnel.state.memfd import write_image
+from ztunnel.state.replication import Replication
 from ztunnel.state.store import ProxyState
 from ztunnel.workers.channel import Reassembler, encode, recv_packet
 from ztunnel.workers.messages import (
@@ -44,7 +45,6 @@ from ztunnel.workers.messages import (
     Synced,
     ToWorker,
 )
-from ztunnel.workers.replication import Replication
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,10 +14,10 @@ import pytest
 
 from mesh.localconfig import parse_local_config
 from ztunnel.state.memfd import map_image, write_image
+from ztunnel.state.replication import Replication, apply_changes
 from ztunnel.state.shared import install, worker_state
 from ztunnel.state.store import ProxyState, demand_arrived
 from ztunnel.workers.messages import StateChanges, StateImageReady, ToWorker
-from ztunnel.workers.replication import Replication, apply_changes
 
 FILE = """
 workloads:

@@ -33,6 +33,7 @@ from ztunnel.lifecycle import StartupError
 from ztunnel.logs import lines as logs
 from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.state.image import LAYOUT
+from ztunnel.state.replication import Replication, StateImageReady
 from ztunnel.state.store import ProxyState, demand_arrived
 from ztunnel.workers import fleet
 from ztunnel.workers.channel import Channel, close_fds, encode
@@ -64,7 +65,6 @@ from ztunnel.workers.messages import (
     Synced,
     ToWorker,
 )
-from ztunnel.workers.replication import Replication, hold_fds, release_fds
 from ztunnel.workers.spawning import Spawner, exit_code
 from ztunnel.workers.worker import collect_profile
 
@@ -85,6 +85,19 @@ NEWER_CERT_WAIT = 5.0
 REAP_TIMEOUT = 2.0
 
 Clock = Callable[[], float]
+
+
+def hold_fds(message: ToWorker, fds: Sequence[int]) -> list[int]:
+    """The fds to queue with `message` for a worker. An image's memfd is let go by the state once a
+    newer image is made, maybe before the message is written: the queue holds a dup of it."""
+    return [os.dup(fd) for fd in fds] if isinstance(message, StateImageReady) else list(fds)
+
+
+def release_fds(message: ToWorker, fds: Sequence[int]) -> None:
+    """`message` was written (or will never be): let go of what `hold_fds` took."""
+    if isinstance(message, StateImageReady):
+        for fd in fds:
+            os.close(fd)
 
 
 @dataclass
@@ -535,8 +548,8 @@ class Supervisor:
         # What a new worker is told first: to start, the whole store, the pods, and whether to
         # accept yet.
         slot.send(Spawn(slot.index, LAYOUT))
-        for message, fds in self.replication.snapshot():
-            slot.send(message, fds)
+        for state_message, fds in self.replication.snapshot():
+            slot.send(state_message, fds)
         slot.send(SetLogFilter(logs.current_filter()))
         for message, netns in self.pods.running() if self.pods is not None else ():
             slot.send(message, [netns.fd])

@@ -34,6 +34,7 @@ from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
 from ztunnel.sockets import SocketFactory, socket_options
 from ztunnel.state.image import LAYOUT
 from ztunnel.state.memfd import map_image
+from ztunnel.state.replication import apply_changes
 from ztunnel.state.shared import install, worker_state
 from ztunnel.workers.channel import Channel, FdsLost, MessageLost, close_fds
 from ztunnel.workers.counters import traffic_snapshot
@@ -63,7 +64,6 @@ from ztunnel.workers.messages import (
     Stop,
     Synced,
 )
-from ztunnel.workers.replication import apply_changes
 
 if TYPE_CHECKING:
     from ztunnel.admin import profiling

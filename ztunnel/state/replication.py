@@ -1,21 +1,23 @@
-"""The supervisor's store, shared with every worker.
+"""The parent's store, replicated to every worker: `Replication`, its messages, and `apply_changes`.
 
-`Replication` is the supervisor's publishing: it observes the supervisor's `ProxyState` (it is no
-kind of store). The workloads and services reach the workers as
-images (`ztunnel.state.image`) in sealed memfds, handed to its `publish` callable as
-`StateImageReady` with the fd: every worker maps the same pages read-only (`ztunnel.state.memfd`), so the mesh
-is held once per node. After every committed change (one xDS response, the local file, a batch) that
-touched a workload or a service, it encodes a delta image of what changed since the base image (the
-keys touched, each in full), which replaces the previous delta; once the changes since the base
-reach a sixteenth of the store, or the store was replaced, a new base image instead. The policies,
-few and read per connection, still travel as one `StateChanges`
-per change, which a worker applies to its store with `apply_changes`. A worker that starts
-late gets `snapshot()` first: the policies, then the current image."""
+`Replication` is the parent's publishing: it observes the parent's `ProxyState` (it is no kind of
+store) and hands each committed change to its `publish` callable. The workloads and services reach
+the workers as images (`ztunnel.state.image`) in sealed memfds (`ztunnel.state.memfd`), as
+`StateImageReady` with the fd: every worker maps the same pages read-only, so the mesh is held once
+per node. After every committed change (one xDS response, the local file, a batch) that touched a
+workload or a service, it encodes a delta image of what changed since the base image (the keys
+touched, each in full), which replaces the previous delta; once the changes since the base reach a
+sixteenth of the store, or the store was replaced, a new base image instead. The policies, few and
+read per connection, travel as one `StateChanges` per change, which a worker applies to its store
+with `apply_changes`. A worker that starts late gets `snapshot()` first: the policies, then the
+current images.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from mesh.localconfig import LocalConfig
 from mesh.model import Service, Workload
@@ -23,32 +25,58 @@ from policy.model import Authorization
 from ztunnel.state.image import Touched
 from ztunnel.state.memfd import write_image
 from ztunnel.state.store import ProxyState
-from ztunnel.workers.messages import (
-    Clear,
-    RemovePolicy,
-    StateChanges,
-    StateImageReady,
-    StateOp,
-    ToWorker,
-    UpsertPolicy,
-)
+
+# --- the messages: the policies as changes, the workloads and services as images -------------------
+
+
+@dataclass(frozen=True)
+class Clear:
+    """Empty the store (a whole snapshot, or the local file applied again, starts with it)."""
+
+
+@dataclass(frozen=True)
+class UpsertPolicy:
+    policy: Authorization
+
+
+@dataclass(frozen=True)
+class RemovePolicy:
+    key: str
+
+
+# The workloads and services travel as images (`StateImageReady`), never as changes.
+StateOp = Clear | UpsertPolicy | RemovePolicy
+
+
+@dataclass(frozen=True)
+class StateChanges:
+    """Supervisor -> worker: one committed change of the store's policies (a whole snapshot starts
+    with Clear)."""
+
+    ops: tuple[StateOp, ...]
+
+
+@dataclass(frozen=True)
+class StateImageReady:
+    """Supervisor -> worker, with a sealed memfd: the workloads and services from now on, as an image
+    (`ztunnel.state.image`) of `size` bytes the worker maps read-only: a base image, or, with `base`
+    (the generation of the base image it applies over), a delta of what changed since that base (it
+    replaces the previous delta). `generation` numbers the images."""
+
+    size: int
+    generation: int
+    base: int | None = None
+
+    @property
+    def delta(self) -> bool:
+        return self.base is not None
+
+
+StateMessage = StateChanges | StateImageReady
 
 # A message for every worker, with the fds that go with it (the receiver of an image's fd owns a dup).
-Publish = Callable[[ToWorker, Sequence[int]], None]
+Publish = Callable[[StateMessage, Sequence[int]], None]
 DELTA_MIN = 512  # workloads and services a delta image may carry, at least, before a new base
-
-
-def hold_fds(message: ToWorker, fds: Sequence[int]) -> list[int]:
-    """The fds to queue with `message` for a worker. An image's memfd is let go by the state once a
-    newer image is made, maybe before the message is written: the queue holds a dup of it."""
-    return [os.dup(fd) for fd in fds] if isinstance(message, StateImageReady) else list(fds)
-
-
-def release_fds(message: ToWorker, fds: Sequence[int]) -> None:
-    """`message` was written (or will never be): let go of what `hold_fds` took."""
-    if isinstance(message, StateImageReady):
-        for fd in fds:
-            os.close(fd)
 
 
 class Replication:
@@ -129,15 +157,15 @@ class Replication:
             if previous is not None:
                 os.close(previous[0])  # the workers hold their own
 
-    def snapshot(self) -> list[tuple[ToWorker, Sequence[int]]]:
+    def snapshot(self) -> list[tuple[StateMessage, Sequence[int]]]:
         """What a worker that starts is sent first: the policies, then the current images (if any)."""
         ops: list[StateOp] = [Clear()]
         ops += [UpsertPolicy(p) for p in self.state.policies()]
         return [(StateChanges(tuple(ops)), ()), *self.images()]
 
-    def images(self) -> list[tuple[ToWorker, Sequence[int]]]:
+    def images(self) -> list[tuple[StateMessage, Sequence[int]]]:
         """The current images (if any): the base, then the delta over it."""
-        out: list[tuple[ToWorker, Sequence[int]]] = []
+        out: list[tuple[StateMessage, Sequence[int]]] = []
         for image, delta in ((self._base, False), (self._delta, True)):
             if image is not None:
                 out.append((self._announce(image, delta), (image[0],)))
