@@ -46,7 +46,7 @@ $(TEST_STAMP): pyproject.toml $(STAMP)
 
 # The pure venv borrows the dependencies of $(VENV) (a .pth line: the same list, not installed twice)
 # and gets the project built without a compiler, not editable: its own copy, no extension module.
-$(PURE_STAMP): pyproject.toml setup.py $(shell find ztunnel hbone xds policy controlplane cni benches -name "*.py") $(TEST_STAMP)
+$(PURE_STAMP): pyproject.toml setup.py $(shell find ztunnel hbone xds mesh policy controlplane cni benches -name "*.py") $(TEST_STAMP)
 	rm -rf $(PURE_VENV) && $(PYTHON) -m venv --without-pip $(PURE_VENV)
 	$(PY) -c 'import site; print(site.getsitepackages()[0])' > \
 	  "$$($(PURE_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/ztunnel-deps.pth"

@@ -295,7 +295,7 @@ def run_figure(seconds: float, out: Path) -> int:
 
 
 async def _serve(mesh: Path, addr: tuple[str, int]) -> None:
-    from xds.localconfig import parse_local_config
+    from mesh.localconfig import parse_local_config
     from ztunnel.dns.forwarder import Forwarder, UpstreamConfig
     from ztunnel.dns.resolver import ResolverSettings
     from ztunnel.dns.server import DnsServer

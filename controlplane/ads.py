@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from controlplane.snapshot import TYPE_URLS, Delta, Snapshot, VersionedResource, encode_response
+from controlplane.snapshot import Delta, Snapshot, VersionedResource, encode_response
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
+from xds.resources import TYPE_URLS  # in the order they go out: addresses before the policies naming them
 
 log = logging.getLogger(__name__)
 

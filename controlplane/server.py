@@ -27,9 +27,9 @@ from controlplane.auth import CallerCheck
 from controlplane.ca import CaDirectoryError, CertificateAuthority, CertificateService, default_ca_dir
 from controlplane.kube.cluster import Options
 from controlplane.source import DEFAULT_POLL_INTERVAL, ConfigSource
+from mesh.localconfig import LocalConfigError
 from xds.client import MAX_MESSAGE_BYTES  # what the proxy receives: a large file is sent whole
 from xds.gen.istio.v1.auth import ca_pb2_grpc
-from xds.localconfig import LocalConfigError
 
 log = logging.getLogger(__name__)
 

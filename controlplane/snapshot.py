@@ -17,23 +17,18 @@ from dataclasses import dataclass, field, replace
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
+from mesh.localconfig import LocalConfig, LocalConfigError
+from mesh.model import Service, Workload
 from policy.model import Authorization
 from xds.convert import (
-    ADDRESS_TYPE_URL,
-    AUTHORIZATION_TYPE_URL,
     address_resource_name,
     address_to_wire,
     authorization_to_wire,
 )
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
-from xds.localconfig import LocalConfig, LocalConfigError
-from xds.model import Service, Workload
+from xds.resources import ADDRESS, AUTHORIZATION, TYPE_URLS
 
 log = logging.getLogger(__name__)
-
-# The order a new stream's full state and every push go out in: addresses before the policies
-# that name them, as the client subscribes.
-TYPE_URLS = (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +82,9 @@ class Snapshot:
     """Resources by type URL, then by name."""
 
     resources: Mapping[str, Mapping[str, VersionedResource]]
-    # Other names an Address is asked for on demand: `network/ip` of a workload or a service VIP,
-    # a workload's `namespace/hostname`. Name -> resource names.
-    address_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Other names a resource is asked for on demand, by type URL: an Address's `network/ip` of a
+    # workload or a service VIP, a workload's `namespace/hostname`. Name -> resource names.
+    aliases: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
     # The delta of each type for a client holding nothing, made once (a node's proxies all start so).
     full: dict[str, Delta] = field(default_factory=dict, compare=False, repr=False)
 
@@ -97,7 +92,7 @@ class Snapshot:
         """The resource names an on-demand subscription to `key` is answered with."""
         if key in self.resources.get(type_url, {}):
             return (key,)
-        return self.address_keys.get(key, ()) if type_url == ADDRESS_TYPE_URL else ()
+        return self.aliases.get(type_url, {}).get(key, ())
 
     def prepare(self) -> Snapshot:
         """This snapshot with what a new stream is sent made now (each type's whole state, encoded),
@@ -165,8 +160,8 @@ def snapshot_from_config(config: LocalConfig, source: str = "<inline>") -> Snaps
         for vip in service.vips:
             keys.setdefault(str(vip), []).append(service.key)
     return Snapshot(
-        {ADDRESS_TYPE_URL: addresses, AUTHORIZATION_TYPE_URL: policies},
-        {k: tuple(v) for k, v in keys.items()},
+        {ADDRESS.type_url: addresses, AUTHORIZATION.type_url: policies},
+        {ADDRESS.type_url: {k: tuple(v) for k, v in keys.items()}},
     )
 
 

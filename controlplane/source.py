@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from controlplane.kube.cluster import Options
 from controlplane.kube.source import KubeInput
 from controlplane.snapshot import Snapshot, snapshot_from_config
-from xds.localconfig import LocalConfig, LocalConfigError, parse_local_config
+from mesh.localconfig import LocalConfig, LocalConfigError, parse_local_config
 
 log = logging.getLogger(__name__)
 

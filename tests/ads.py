@@ -17,10 +17,9 @@ from google.protobuf.message import Message
 
 from xds.channel import node_from
 from xds.client import (
-    ADDRESS_TYPE_URL,
-    AUTHORIZATION_TYPE_URL,
     XdsClient,
 )
+from xds.convert import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
 from xds.gen.istio.security import authorization_pb2
 from xds.gen.istio.workload import workload_pb2

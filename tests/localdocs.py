@@ -7,13 +7,13 @@ import textwrap
 
 import pytest
 
-from policy.model import (
-    Match,
-)
-from xds.localconfig import (
+from mesh.localconfig import (
     LocalConfig,
     LocalConfigError,
     parse_local_config,
+)
+from policy.model import (
+    Match,
 )
 
 SPEC_EXAMPLE = """\

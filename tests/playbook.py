@@ -38,7 +38,7 @@ from hbone.pool import PoolKey
 from hbone.relay import Inbox
 from hbone.stream import HboneStream
 from hbone.tls import TlsCredentials
-from xds.localconfig import parse_local_config
+from mesh.localconfig import parse_local_config
 from ztunnel.config.settings import Config, WorkloadInfo
 from ztunnel.identity.certificates import FakeCA, SecretManager
 from ztunnel.metrics.families import Metrics

@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from xds.localconfig import parse_local_config
+from mesh.localconfig import parse_local_config
 from ztunnel.state.store import ProxyState
 
 TD = "spiffe://cluster.local/ns"

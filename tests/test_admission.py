@@ -20,7 +20,7 @@ from hbone.errors import (
     TlsHandshakeError,
 )
 from hbone.identity import Identity
-from xds.localconfig import parse_local_config
+from mesh.localconfig import parse_local_config
 from ztunnel.decisions.admission import (
     UNKNOWN_LOCAL,
     AdmissionRules,

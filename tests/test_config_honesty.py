@@ -23,7 +23,7 @@ from tests.waiting import eventually_async
 from ztunnel.config.settings import Config
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("ztunnel", "hbone", "xds", "policy", "cni", "controlplane", "benches")
+PACKAGES = ("ztunnel", "hbone", "xds", "mesh", "policy", "cni", "controlplane", "benches")
 CONFIGURATION_DOC = ROOT / "docs" / "configuration.md"
 # The modules that read the environment into a `Config`: the setting is used elsewhere or not at all.
 CONFIG_MODULES = (

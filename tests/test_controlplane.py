@@ -28,11 +28,11 @@ from OpenSSL import crypto
 from controlplane.ca import CertificateAuthority
 from controlplane.server import ControlPlane
 from controlplane.snapshot import snapshot_from_config
+from mesh.localconfig import LocalConfigError, parse_local_config
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2, discovery_pb2_grpc
 from xds.gen.istio.security import authorization_pb2
 from xds.gen.istio.v1.auth import ca_pb2, ca_pb2_grpc
 from xds.gen.istio.workload import workload_pb2
-from xds.localconfig import LocalConfigError, parse_local_config
 
 # The wire names, spelled out: the test checks them rather than trusting our constants.
 ADDRESS_TYPE = "type.googleapis.com/istio.workload.Address"

@@ -4,8 +4,8 @@ when the snapshot is built, and a response put together from those bytes."""
 from __future__ import annotations
 
 from controlplane.snapshot import Delta, encode_response, snapshot_from_config
+from mesh.localconfig import parse_local_config
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
-from xds.localconfig import parse_local_config
 
 ADDRESS_TYPE = "type.googleapis.com/istio.workload.Address"
 

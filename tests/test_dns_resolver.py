@@ -13,10 +13,10 @@ import dns.rcode
 import dns.rdatatype
 import pytest
 
+from mesh.localconfig import parse_local_config
+from mesh.model import NetworkAddress, Workload
 from tests.kube_wire import NS, serve
 from tests.kube_wire import pod as kube_pod
-from xds.localconfig import parse_local_config
-from xds.model import NetworkAddress, Workload
 from ztunnel.dns.forwarder import parse_resolv_conf
 from ztunnel.dns.replies import answer
 from ztunnel.dns.resolver import (

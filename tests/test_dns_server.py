@@ -23,10 +23,10 @@ import dns.rcode
 import dns.rdatatype
 import pytest
 
+from mesh.localconfig import parse_local_config
+from mesh.model import Endpoint, Service, Workload
 from tests.netns import require_tools
 from tests.test_dns_resolver import MESH, SETTINGS
-from xds.localconfig import parse_local_config
-from xds.model import Endpoint, Service, Workload
 from ztunnel.dns.forwarder import Forwarder, UpstreamConfig
 from ztunnel.dns.server import DnsServer
 from ztunnel.metrics.families import Metrics

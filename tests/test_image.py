@@ -193,7 +193,7 @@ def test_the_image_holds_the_node_programs_and_nothing_of_the_tests(image: str) 
         "/usr/sbin/ip",
     ]
     packages = set(lines[5:])
-    assert {"ztunnel", "hbone", "xds", "policy", "cni", "controlplane"} <= packages
+    assert {"ztunnel", "hbone", "xds", "mesh", "policy", "cni", "controlplane"} <= packages
     assert not {"tests", "benches"} & packages
     assert any(line.startswith("version.BuildInfo{") for line in lines)
     # The image runs the compiled hot path (its build stage had the compiler).

@@ -1,5 +1,5 @@
 """Keys forged to share a crc32 never move an answer: the parent's store and every worker (the real
-`SharedState` over the real image bytes, mapped from the parent's sealed memfds) give the same
+a worker's store over the real image bytes, mapped from the parent's sealed memfds) give the same
 answer to every lookup, push after push, with VIPs, addresses, uids, hostnames, service keys and pod
 names forged to collide with the keys of the mesh (the forge is four bytes: crc32 is affine, so four
 chosen bytes reach any value). And a key with a crowd of forged neighbours costs its lookups no
@@ -17,12 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.apps import echo_server, exchange, loopback_net, socks5_reply
-from tests.crcforge import forge, forged_texts, forged_v6
-from tests.harness import Fleet, proxy_env
-from tests.waiting import eventually
-from tests.xds_mesh import opened_per_worker
-from xds.model import (
+from mesh.model import (
     Endpoint,
     IPAddress,
     NetworkAddress,
@@ -31,12 +26,18 @@ from xds.model import (
     Visibility,
     Workload,
 )
+from tests.apps import echo_server, exchange, loopback_net, socks5_reply
+from tests.crcforge import forge, forged_texts, forged_v6
+from tests.harness import Fleet, proxy_env
+from tests.waiting import eventually
+from tests.xds_mesh import opened_per_worker
+from ztunnel.state import replication
 from ztunnel.state.image import StateImage, addr_key, pair_key
-from ztunnel.state.shared import SharedState
+from ztunnel.state.memfd import map_image
+from ztunnel.state.replication import Replication
+from ztunnel.state.shared import install, worker_state
 from ztunnel.state.store import ProxyState
-from ztunnel.workers import replication
 from ztunnel.workers.messages import StateImageReady, ToWorker
-from ztunnel.workers.replication import ReplicatedState, map_image
 
 
 def test_the_forge_makes_any_crc32() -> None:
@@ -146,14 +147,16 @@ class Worker:
     """A worker's view: images mapped from the parent's memfds as a worker maps them."""
 
     def __init__(self) -> None:
-        self.state = SharedState()
+        self.state, self.view = worker_state()
 
     def take(self, message: ToWorker, fds: list[int]) -> None:
         if isinstance(message, StateImageReady):
-            assert self.state.install(map_image(fds[0], message.size), message.generation, message.base)
+            assert install(
+                self.state, self.view, map_image(fds[0], message.size), message.generation, message.base
+            )
 
 
-def same_answers(scene: Scene, parent: ProxyState, worker: SharedState) -> int:
+def same_answers(scene: Scene, parent: ProxyState, worker: ProxyState) -> int:
     """Every lookup of every key the scene uses, asked of both; how many were asked."""
     asked = 0
 
@@ -166,7 +169,9 @@ def same_answers(scene: Scene, parent: ProxyState, worker: SharedState) -> int:
     for addr in [*scene.vips, *scene.addrs]:
         net, ip = addr.network, addr.address
         for n in {net, "", "net1"}:
-            check(f"workloads at {n}/{ip}", worker._workloads_at(n, ip), parent._workloads_at(n, ip))
+            check(
+                f"workloads at {n}/{ip}", worker.tables.workloads_at(n, ip), parent.tables.workloads_at(n, ip)
+            )
             check(f"workload at {n}/{ip}", worker.workload_by_addr(n, ip), parent.workload_by_addr(n, ip))
             check(f"services at {n}/{ip}", worker.services_by_vip(n, ip), parent.services_by_vip(n, ip))
             for client in clients:
@@ -220,7 +225,8 @@ def test_forged_collisions_give_every_worker_the_parents_answers_push_after_push
     first = Worker()
     workers = [first]
     sent: list[tuple[ToWorker, list[int]]] = []
-    parent = ReplicatedState(lambda message, fds: sent.append((message, [os.dup(fd) for fd in fds])))
+    parent = ProxyState()
+    publisher = Replication(parent, lambda message, fds: sent.append((message, [os.dup(fd) for fd in fds])))
 
     def deliver() -> None:
         for message, fds in sent:
@@ -246,14 +252,14 @@ def test_forged_collisions_give_every_worker_the_parents_answers_push_after_push
         deliver()
         if round == 20:  # a worker that starts late: the parent's base and delta at once
             late = Worker()
-            for message, fds in parent.snapshot():
+            for message, fds in publisher.snapshot():
                 late.take(message, list(fds))
             workers.append(late)
         for worker in workers:
             asked += same_answers(scene, parent, worker.state)
     assert kinds == {True, False}  # deltas over bases, and new bases
     assert asked > 100_000
-    parent.close()
+    publisher.close()
 
 
 def test_a_crowd_of_forged_keys_costs_a_lookup_no_decode_of_theirs() -> None:

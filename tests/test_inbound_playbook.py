@@ -23,6 +23,7 @@ import pytest
 from hbone.identity import Identity
 from hbone.server import ConnectRequest
 from hbone.stream import HboneStream
+from mesh.localconfig import parse_local_config
 from tests.conftest import LogLines
 from tests.playbook import (
     App,
@@ -34,7 +35,6 @@ from tests.playbook import (
     proxy,
     run,
 )
-from xds.localconfig import parse_local_config
 from ztunnel.config.settings import Config, WorkloadInfo
 from ztunnel.proxy import proxyprotocol
 from ztunnel.proxy.inbound import Inbound

@@ -13,9 +13,9 @@ import pytest
 
 from controlplane.snapshot import Snapshot
 from controlplane.source import ConfigSource
+from mesh.localconfig import LocalConfigError
 from tests.waiting import eventually_async
 from xds.convert import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
-from xds.localconfig import LocalConfigError
 
 POD = """\
 apiVersion: v1

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("hbone", "policy", "xds", "ztunnel", "cni", "controlplane", "benches", "tests")
+PACKAGES = ("hbone", "policy", "mesh", "xds", "ztunnel", "cni", "controlplane", "benches", "tests")
 
 
 def project_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -291,7 +291,7 @@ ztunnel.proxy.outbound <- ztunnel.proxy.instance
     ("importer", "imported", "allowed"),
     [
         ("hbone.tls", "hbone.identity", True),
-        ("hbone.tls", "xds.model", False),
+        ("hbone.tls", "mesh.model", False),
         ("policy.rbac", "policy.model", False),  # "-": not even itself
         ("ztunnel.start", "hbone.tls", True),
         ("ztunnel.start", "ztunnel.cli", False),  # refused by "!"

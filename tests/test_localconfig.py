@@ -8,27 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from policy.model import (
-    Action,
-    Authorization,
-    Match,
-    Scope,
-    StringMatch,
-    StringMatchKind,
-)
-from tests.localdocs import (
-    SPEC_EXAMPLE,
-    ip,
-    net,
-    parse,
-)
-from xds.localconfig import (
+from mesh.localconfig import (
     LocalConfig,
     LocalConfigError,
     load_local_config,
     parse_local_config,
 )
-from xds.model import (
+from mesh.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     CidrVip,
@@ -49,6 +35,20 @@ from xds.model import (
     WeightedWaypoint,
     Workload,
     WorkloadStatus,
+)
+from policy.model import (
+    Action,
+    Authorization,
+    Match,
+    Scope,
+    StringMatch,
+    StringMatchKind,
+)
+from tests.localdocs import (
+    SPEC_EXAMPLE,
+    ip,
+    net,
+    parse,
 )
 
 

@@ -17,7 +17,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RUNTIME = ("hbone", "ztunnel", "xds", "policy", "controlplane", "cni")
+RUNTIME = ("hbone", "ztunnel", "xds", "mesh", "policy", "controlplane", "cni")
 OURS = frozenset(RUNTIME)
 # Underscored names the library documents as public API, each with where it does.
 DOCUMENTED = {

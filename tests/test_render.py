@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 
-from tests.localdocs import (
-    SPEC_EXAMPLE,
-    parse,
-)
-from xds.localconfig import (
+from mesh.localconfig import (
     parse_local_config,
 )
-from xds.render import (
+from mesh.render import (
     policy_to_dict,
     service_to_dict,
     workload_to_dict,
+)
+from tests.localdocs import (
+    SPEC_EXAMPLE,
+    parse,
 )
 
 

@@ -20,8 +20,8 @@ from ztunnel.state.store import ProxyState
 
 
 def test_network_first_rank_puts_every_same_network_endpoint_first(state: ProxyState) -> None:
-    from xds.model import LoadBalancingScope as S
-    from xds.model import Locality, Workload
+    from mesh.model import LoadBalancingScope as S
+    from mesh.model import Locality, Workload
 
     src = Workload("s", network="n1", locality=Locality("r1", "z1"))
     prefs = (S.NETWORK, S.REGION, S.ZONE)

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
+from mesh.localconfig import parse_local_config
 from tests.route_mesh import (
     addr,
     state_fixture,  # noqa: F401 (a fixture)
 )
-from xds.localconfig import parse_local_config
 from ztunnel.decisions.route import (
     Route,
     route,
@@ -83,7 +83,7 @@ def test_weighted_waypoints_split_by_weight() -> None:
 def test_workload_by_hostname_follows_updates_and_removal() -> None:
     from dataclasses import replace
 
-    from xds.model import Workload
+    from mesh.model import Workload
 
     state = ProxyState()
     w = Workload("u1", namespace="demo", hostname="wp.example")

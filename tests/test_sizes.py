@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("ztunnel", "hbone", "xds", "policy", "benches", "controlplane", "cni", "tests")
+PACKAGES = ("ztunnel", "hbone", "xds", "mesh", "policy", "benches", "controlplane", "cni", "tests")
 GENERATED = ("xds/gen/",)
 MAX_MODULE_LINES = 1000
 MAX_FUNCTION_LINES = 150

@@ -5,8 +5,8 @@ import ipaddress
 
 import pytest
 
-from xds.localconfig import parse_local_config
-from xds.model import Workload
+from mesh.localconfig import parse_local_config
+from mesh.model import Workload
 from ztunnel.dns.resolver import ResolverSettings
 from ztunnel.proxy.socks5_codec import (
     ConnectRequested,

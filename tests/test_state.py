@@ -7,18 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from policy.model import Scope
-from tests.workloads import (
-    SVC,
-    VIP,
-    cidr_service,
-    ip,
-    pol,
-    service,
-    uids,
-    workload,
-)
-from xds.model import (
+from mesh.model import (
     Endpoint,
     HealthPolicy,
     LoadBalancer,
@@ -29,6 +18,17 @@ from xds.model import (
     Visibility,
     Workload,
     WorkloadStatus,
+)
+from policy.model import Scope
+from tests.workloads import (
+    SVC,
+    VIP,
+    cidr_service,
+    ip,
+    pol,
+    service,
+    uids,
+    workload,
 )
 from ztunnel.state.store import ProxyState
 

@@ -4,7 +4,7 @@ A large mesh with the hard cases (addresses shared by a pod and a non-pod, an HB
 workload, host-network workloads, services sharing a VIP or a hostname across namespaces,
 namespace-only visibility, CIDR VIPs, waypoints, staged memberships, hostnames) is built, changed at
 random, and every lookup routing, admission and DNS make is asked of the store and of a worker's
-`SharedState` over the store's image; the basic ones are checked against a plain dictionary model
+a worker's store over the store's image; the basic ones are checked against a plain dictionary model
 as well. Every field of the model survives the image's records.
 """
 
@@ -17,8 +17,8 @@ import random
 
 import pytest
 
-from xds.localconfig import LocalConfig
-from xds.model import (
+from mesh.localconfig import LocalConfig
+from mesh.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     CidrVip,
@@ -41,13 +41,14 @@ from xds.model import (
     WorkloadStatus,
 )
 from ztunnel.state import image as image_module
+from ztunnel.state import replication
 from ztunnel.state.image import ImageError, StateImage
+from ztunnel.state.memfd import map_image
 from ztunnel.state.records import service_of, service_record, workload_of, workload_record
-from ztunnel.state.shared import SharedState
+from ztunnel.state.replication import Replication
+from ztunnel.state.shared import install, worker_state
 from ztunnel.state.store import ProxyState
-from ztunnel.workers import replication
 from ztunnel.workers.messages import StateImageReady, ToWorker
-from ztunnel.workers.replication import ReplicatedState, map_image
 
 FULL_WORKLOAD = Workload(
     uid="c//v1/Pod/ns/full",
@@ -176,14 +177,14 @@ def _mesh(rng: random.Random, n: int) -> tuple[list[Workload], list[Service]]:
     return workloads, services
 
 
-def _image_of(state: ProxyState) -> SharedState:
-    shared = SharedState()
-    shared.install(StateImage(b"".join(state.image())))
+def _image_of(state: ProxyState) -> ProxyState:
+    shared, view = worker_state()
+    install(shared, view, StateImage(b"".join(state.image())))
     return shared
 
 
 def _same_answers(
-    parent: ProxyState, worker: SharedState, probes: list[NetworkAddress], rng: random.Random
+    parent: ProxyState, worker: ProxyState, probes: list[NetworkAddress], rng: random.Random
 ) -> None:
     for addr in probes:
         assert worker.workload_by_addr(addr.network, addr.address) == parent.workload_by_addr(
@@ -276,7 +277,7 @@ def test_a_large_mesh_answers_the_same_from_the_image_as_from_the_store() -> Non
     for uid, w in by_uid.items():
         assert worker.workload_by_uid(uid) == w
     for (net, ip), found in by_addr.items():
-        assert {w.uid for w in worker._workloads_at(net, ip)} == {w.uid for w in found}  # type: ignore[arg-type]
+        assert {w.uid for w in worker.tables.workloads_at(net, ip)} == {w.uid for w in found}  # type: ignore[arg-type]
     assert worker.workload_by_addr("", _ip(10**6)) is None
 
 
@@ -287,14 +288,17 @@ def test_pushes_reach_a_worker_as_delta_images_over_a_base_and_a_new_base_now_an
     rng = random.Random(7)
     workloads, services = _mesh(rng, 3000)
     sent: list[tuple[ToWorker, list[int]]] = []
-    parent = ReplicatedState(lambda message, fds: sent.append((message, [os.dup(fd) for fd in fds])))
-    worker = SharedState()
+    parent = ProxyState()
+    publisher = Replication(parent, lambda message, fds: sent.append((message, [os.dup(fd) for fd in fds])))
+    worker, view = worker_state()
 
     def deliver() -> list[bool]:
         kinds = []
         for message, fds in sent:
             if isinstance(message, StateImageReady):
-                assert worker.install(map_image(fds[0], message.size), message.generation, message.base)
+                assert install(
+                    worker, view, map_image(fds[0], message.size), message.generation, message.base
+                )
                 kinds.append(message.delta)
             for fd in fds:
                 os.close(fd)
@@ -333,8 +337,8 @@ def test_pushes_reach_a_worker_as_delta_images_over_a_base_and_a_new_base_now_an
     assert kinds[:3] == [True, True, True]  # deltas: only what changed is encoded
     assert False in kinds  # past a sixteenth of the store changed: a new base, the delta let go
     parent.apply_local_config(LocalConfig())  # the store replaced: a base at once
-    assert deliver() == [False] and worker.workloads() == [] and worker.delta is None
-    parent.close()
+    assert deliver() == [False] and worker.workloads() == [] and view.delta is None
+    publisher.close()
 
 
 def test_the_decoded_records_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,10 +349,11 @@ def test_the_decoded_records_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -
             parent.upsert_workload(
                 Workload(f"c//v1/Pod/ns/w{i}", name=f"w{i}", namespace="ns", addresses=(_ip(i),))
             )
-    worker = _image_of(parent)
+    worker, view = worker_state()
+    install(worker, view, StateImage(b"".join(parent.image())))
     for i in range(400):
         assert worker.workload_by_uid(f"c//v1/Pod/ns/w{i}") is not None
-        assert worker.shared.cached() <= 50
+        assert view.shared.cached() <= 50
 
 
 def test_bytes_that_are_not_an_image_are_refused() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from mesh.localconfig import LocalConfig, parse_local_config
 from policy.model import Scope
 from tests.workloads import (
     VIP,
@@ -14,7 +15,6 @@ from tests.workloads import (
     uids,
     workload,
 )
-from xds.localconfig import LocalConfig, parse_local_config
 from ztunnel.state.store import ProxyState
 
 # --- the local config ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from dataclasses import fields, replace
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from xds.model import Service, Workload
+from mesh.model import Service, Workload
 from ztunnel.metrics.families import Metrics
 from ztunnel.proxy.telemetry import ConnectionRecord, Peer, traffic_labels
 

@@ -23,11 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from mesh.localconfig import parse_local_config
 from tests.apps import echo_server, exchange, free_port, loopback_net, socks5, socks5_reply
 from tests.harness import Fleet, proxy_env
 from tests.waiting import eventually
-from xds.localconfig import parse_local_config
 from ztunnel.state.image import LAYOUT
+from ztunnel.state.memfd import write_image
+from ztunnel.state.replication import Replication
+from ztunnel.state.store import ProxyState
 from ztunnel.workers.channel import LAST, Reassembler, encode, recv_packet
 from ztunnel.workers.messages import (
     CertificateReply,
@@ -43,7 +46,6 @@ from ztunnel.workers.messages import (
     Synced,
     ToWorker,
 )
-from ztunnel.workers.replication import ReplicatedState, write_image
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,7 +88,8 @@ class Parent:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = log
         self.images: list[tuple[StateImageReady, list[int]]] = []
-        self.store = ReplicatedState(self._published)
+        self.store = ProxyState()
+        self.replication = Replication(self.store, self._published)
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [
@@ -115,7 +118,7 @@ class Parent:
             socket.send_fds(self.sock, [packet], list(fds) if i == len(packets) - 1 else [])
 
     def send_images(self) -> None:
-        for message, fds in self.store.images():
+        for message, fds in self.replication.images():
             self.send(message, fds)
 
     def expect(self, kind: type, timeout: float = 60.0) -> object:
@@ -152,7 +155,7 @@ class Parent:
                 self.proc.kill()
                 self.proc.wait()
         self.sock.close()
-        self.store.close()
+        self.replication.close()
         for _, fds in self.images:
             for fd in fds:
                 os.close(fd)

@@ -12,17 +12,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from xds.localconfig import parse_local_config
-from ztunnel.state.shared import SharedState
-from ztunnel.state.store import ProxyState
+from mesh.localconfig import parse_local_config
+from ztunnel.state.memfd import map_image, write_image
+from ztunnel.state.replication import Replication, apply_changes
+from ztunnel.state.shared import install, worker_state
+from ztunnel.state.store import ProxyState, demand_arrived
 from ztunnel.workers.messages import StateChanges, StateImageReady, ToWorker
-from ztunnel.workers.replication import (
-    ReplicatedState,
-    apply_changes,
-    demand_arrived,
-    map_image,
-    write_image,
-)
 
 FILE = """
 workloads:
@@ -58,7 +53,7 @@ class Worker:
     """A worker's store fed as on the socket pair: messages through pickle, an image's fd mapped."""
 
     def __init__(self) -> None:
-        self.state = SharedState()
+        self.state, self.view = worker_state()
         self.images = 0
 
     def take(self, message: ToWorker, fds: Sequence[int]) -> None:
@@ -66,7 +61,9 @@ class Worker:
         if isinstance(message, StateImageReady):
             dup = os.dup(fds[0])
             try:
-                assert self.state.install(map_image(dup, message.size), message.generation, message.base)
+                assert install(
+                    self.state, self.view, map_image(dup, message.size), message.generation, message.base
+                )
             finally:
                 os.close(dup)
             self.images += 1
@@ -85,7 +82,8 @@ def same(worker: ProxyState, parent: ProxyState) -> None:
 
 def test_a_worker_store_follows_the_parent_change_by_change() -> None:
     sent: list[tuple[ToWorker, Sequence[int]]] = []
-    parent = ReplicatedState(lambda message, fds: sent.append((message, list(fds))))
+    parent = ProxyState()
+    replication = Replication(parent, lambda message, fds: sent.append((message, list(fds))))
     worker = Worker()
     notified: list[int] = []
     worker.state.subscribe(lambda: notified.append(len(sent)))
@@ -121,12 +119,12 @@ def test_a_worker_store_follows_the_parent_change_by_change() -> None:
 
     parent.upsert_policy(config.policies[0])
     late = Worker()  # a worker started now gets the whole store at once: policies, then the image
-    for message, fds in parent.snapshot():
+    for message, fds in replication.snapshot():
         late.take(message, fds)
     same(late.state, parent)
     replay()
     same(worker.state, late.state)
-    parent.close()
+    replication.close()
 
 
 def test_an_image_is_sealed_shared_memory_and_a_worker_refuses_another() -> None:
@@ -176,8 +174,10 @@ def _images_held() -> int:
 def test_the_parent_holds_at_most_a_base_and_a_delta_and_a_smaller_mesh_a_smaller_image() -> None:
     before = _images_held()
     sizes: list[int] = []
-    parent = ReplicatedState(
-        lambda message, fds: sizes.append(message.size) if isinstance(message, StateImageReady) else None
+    parent = ProxyState()
+    replication = Replication(
+        parent,
+        lambda message, fds: sizes.append(message.size) if isinstance(message, StateImageReady) else None,
     )
     config = parse_local_config(FILE)
     parent.apply_local_config(config)
@@ -186,26 +186,27 @@ def test_the_parent_holds_at_most_a_base_and_a_delta_and_a_smaller_mesh_a_smalle
         assert _images_held() - before <= 2  # the previous images are let go as they are replaced
     parent.apply_local_config(parse_local_config("workloads: []\n"))  # the mesh shrinks: a new base
     assert sizes[-1] < sizes[0]
-    parent.close()
+    replication.close()
     assert _images_held() == before
 
 
 def test_a_worker_refuses_a_delta_over_a_base_it_does_not_hold() -> None:
     sent: list[tuple[ToWorker, Sequence[int]]] = []
-    parent = ReplicatedState(lambda message, fds: sent.append((message, list(fds))))
+    parent = ProxyState()
+    replication = Replication(parent, lambda message, fds: sent.append((message, list(fds))))
     config = parse_local_config(FILE)
     parent.apply_local_config(config)
     parent.remove(config.workloads[1].uid)  # a delta over the first base
     images = [(m, fds) for m, fds in sent if isinstance(m, StateImageReady)]
     (base, base_fds), (delta, delta_fds) = images
     assert base.base is None and delta.base == base.generation
-    worker = SharedState()  # say the base never reached it: the delta alone would mix two states
-    assert not worker.install(map_image(delta_fds[0], delta.size), delta.generation, delta.base)
-    assert worker.workloads() == [] and worker.delta is None
-    assert worker.install(map_image(base_fds[0], base.size), base.generation, base.base)
-    assert worker.install(map_image(delta_fds[0], delta.size), delta.generation, delta.base)
+    worker, view = worker_state()  # say the base never reached it: the delta alone would mix two states
+    assert not install(worker, view, map_image(delta_fds[0], delta.size), delta.generation, delta.base)
+    assert worker.workloads() == [] and view.delta is None
+    assert install(worker, view, map_image(base_fds[0], base.size), base.generation, base.base)
+    assert install(worker, view, map_image(delta_fds[0], delta.size), delta.generation, delta.base)
     for message, _ in sent:
         if isinstance(message, StateChanges):
             apply_changes(worker, message)
     same(worker, parent)
-    parent.close()
+    replication.close()

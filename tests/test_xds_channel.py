@@ -22,10 +22,9 @@ from tests.ads import (
 from tests.certs import issue, make_ca
 from xds.channel import node_from
 from xds.client import (
-    ADDRESS_TYPE_URL,
-    AUTHORIZATION_TYPE_URL,
     AuthToken,
 )
+from xds.convert import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ztunnel.metrics.families import Metrics
 
 

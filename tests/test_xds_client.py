@@ -12,6 +12,7 @@ from typing import Any
 
 from google.protobuf import any_pb2
 
+from mesh.model import NetworkAddress, Service, TunnelProtocol, Workload
 from policy.model import Authorization, Scope
 from tests.ads import (
     TIMEOUT,
@@ -36,13 +37,11 @@ from tests.waiting import eventually_async
 from xds import convert
 from xds.channel import node_from
 from xds.client import (
-    ADDRESS_TYPE_URL,
-    AUTHORIZATION_TYPE_URL,
     XdsClient,
 )
+from xds.convert import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
 from xds.gen.istio.security import authorization_pb2
-from xds.model import NetworkAddress, Service, TunnelProtocol, Workload
 from ztunnel.state.store import ProxyState
 
 

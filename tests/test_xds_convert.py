@@ -11,21 +11,8 @@ import pytest
 from google.protobuf import wrappers_pb2
 from google.protobuf.message import Message
 
-from policy.model import (
-    Action,
-    Authorization,
-    Match,
-    Scope,
-    ServiceAccountMatch,
-    StringMatch,
-    StringMatchKind,
-)
-from xds import convert
-from xds.convert import ConversionError
-from xds.gen.istio.security import authorization_pb2
-from xds.gen.istio.workload import workload_pb2
-from xds.localconfig import load_local_config, parse_local_config
-from xds.model import (
+from mesh.localconfig import load_local_config, parse_local_config
+from mesh.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     CidrVip,
@@ -46,6 +33,19 @@ from xds.model import (
     Workload,
     WorkloadStatus,
 )
+from policy.model import (
+    Action,
+    Authorization,
+    Match,
+    Scope,
+    ServiceAccountMatch,
+    StringMatch,
+    StringMatchKind,
+)
+from xds import convert
+from xds.convert import ConversionError
+from xds.gen.istio.security import authorization_pb2
+from xds.gen.istio.workload import workload_pb2
 
 ip = ipaddress.ip_address
 net = ipaddress.ip_network

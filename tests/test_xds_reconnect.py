@@ -25,8 +25,6 @@ from tests.ads import (
     workload,
 )
 from xds.client import (
-    ADDRESS_TYPE_URL,
-    AUTHORIZATION_TYPE_URL,
     CONNECTION_ERROR,
     INITIAL_BACKOFF,
     MAX_BACKOFF,
@@ -34,6 +32,7 @@ from xds.client import (
     StreamStatus,
     reconnect_delay,
 )
+from xds.convert import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from xds.grpc.wire import StatusCode
 from ztunnel.metrics.families import Metrics
 from ztunnel.state.store import ProxyState

@@ -29,7 +29,7 @@ from tests.ads import (
 )
 from tests.waiting import eventually_async
 from xds.channel import node_from
-from xds.client import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
+from xds.convert import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from xds.grpc.wire import StatusCode
 from xds.resume import MAX_REQUEST_BYTES, initial_request, refused_limit, stale, version_entry_bytes
 

@@ -1,4 +1,4 @@
-"""The local config read entry by entry (`xds.yamlstream`, the control plane's way): the values of the
+"""The local config read entry by entry (`mesh.yamlstream`, the control plane's way): the values of the
 whole-document loader for the plain shape, and `Unsupported` (the whole loader reads it instead) for
 anything beyond it."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from xds import localyaml, yamlstream
-from xds.localconfig import LocalConfigError, parse_local_config
-from xds.yamlvalues import Tagged, WrittenInt
+from mesh import localyaml, yamlstream
+from mesh.localconfig import LocalConfigError, parse_local_config
+from mesh.yamlvalues import Tagged, WrittenInt
 
 KEYS = ("workloads", "services", "policies")
 

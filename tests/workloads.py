@@ -6,8 +6,7 @@ import ipaddress
 from dataclasses import replace
 from typing import Any
 
-from policy.model import Authorization, Scope
-from xds.model import (
+from mesh.model import (
     CidrVip,
     Endpoint,
     NetworkAddress,
@@ -15,6 +14,7 @@ from xds.model import (
     Workload,
     WorkloadStatus,
 )
+from policy.model import Authorization, Scope
 
 SVC = "ns/svc.example"
 

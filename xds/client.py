@@ -2,19 +2,19 @@
 and node identity, shared with the CA client, are `xds.channel`'s).
 
 `XdsClient.run()` keeps one `DeltaAggregatedResources` stream open, reconnecting with the reference's
-backoff (from 10 ms, doubling up to 15 s on errors, reset when the stream ended cleanly), until `close()`. On every (re)connect it subscribes, wildcard, to Address then
-Authorization, listing the resources it holds in `initial_resource_versions` as far as the request
-stays within the control plane's message limit (`xds.resume`: 4 MiB, or less when the control plane
-said so refusing one; what it leaves out comes again, and is removed if the first answer does not
-carry it). Each response is decoded
-and converted (`xds.convert`; from 64 KiB of payload on a thread, so that a huge push does not stall
+backoff (from 10 ms, doubling up to 15 s on errors, reset when the stream ended cleanly), until `close()`. On every (re)connect it subscribes, wildcard, to each type of
+`xds.resources` in turn (Address then Authorization), listing the resources it holds in
+`initial_resource_versions` as far as the request stays within the control plane's message limit
+(`xds.resume`: 4 MiB, or less when the control plane said so refusing one; what it leaves out comes
+again, and is removed if the first answer does not carry it). Each response is decoded and converted
+by its type's registration (from 64 KiB of payload on a thread, so that a huge push does not stall
 the loop), applied to the store, on the loop, as one batch (the resources that fail are left out
 and named in the NACK, the rest are applied), and answered with an ACK or a NACK carrying only the type
 URL and nonce. Readiness: once the first response of each watched type has been answered,
 `wait_synced()` returns and `on_synced` is called.
 
-The store is anything with the `XdsStore` methods (`ztunnel.state.store.ProxyState`); metrics go to an
-optional `XdsMetrics` hook. The clock's only use, the backoff sleep, is injectable.
+The store is anything with the `xds.resources.XdsStore` methods (`ztunnel.state.store.ProxyState`);
+metrics go to an optional `XdsMetrics` hook. The clock's only use, the backoff sleep, is injectable.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ import contextlib
 import gc
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 
-from policy.model import Authorization
 from xds.channel import (
     CONNECT_TIMEOUT,
     AuthToken,
@@ -41,21 +39,12 @@ from xds.channel import (
 
 # The control plane's server takes the client's limit from here (a large file fails on neither side).
 from xds.channel import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
-from xds.convert import (
-    ADDRESS_TYPE_URL,
-    AUTHORIZATION_TYPE_URL,
-    ConversionError,
-    address_from_wire,
-    authorization_from_wire,
-)
 from xds.gen.envoy.config.core.v3 import base_pb2
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
 from xds.gen.google.rpc import status_pb2
-from xds.gen.istio.security import authorization_pb2
-from xds.gen.istio.workload import workload_pb2
 from xds.grpc.connection import Call
 from xds.grpc.wire import RpcError, Status, StatusCode
-from xds.model import Service, Workload
+from xds.resources import ADDRESS, BY_URL, TYPES, Rejection, ResourceType, XdsStore
 from xds.resume import MAX_REQUEST_BYTES, InitialRequest, initial_request, refused_limit, stale
 
 log = logging.getLogger(__name__)
@@ -79,17 +68,6 @@ _RECONNECT_MESSAGES = ("transport is closing", "received prior goaway")
 
 
 # --- what the client needs from the proxy -------------------------------------------------------
-
-
-class XdsStore(Protocol):
-    """The store the client applies responses to (`ztunnel.state.store.ProxyState`)."""
-
-    def batch(self) -> contextlib.AbstractContextManager[None]: ...
-    def upsert_workload(self, w: Workload) -> None: ...
-    def upsert_service(self, s: Service) -> None: ...
-    def remove(self, name: str) -> bool: ...
-    def upsert_policy(self, p: Authorization) -> None: ...
-    def remove_policy(self, key: str) -> bool: ...
 
 
 class XdsMetrics(Protocol):
@@ -135,17 +113,8 @@ def reconnect_delay(end: BaseException | None, backoff: float) -> tuple[str, flo
     return ERROR, min(MAX_BACKOFF, backoff * 2)
 
 
-@dataclass(frozen=True)
-class _Rejection:
-    name: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.name}: {self.reason}"
-
-
 # A resource as converted: its model value, or why it is refused.
-Converted = Workload | Service | Authorization | _Rejection
+Converted = object | Rejection
 # From this many payload bytes a response is converted on a thread (a few hundred workloads or CIDRs
 # convert in well under a millisecond: not worth the hop).
 THREADED_CONVERSION_BYTES = 64 * 1024
@@ -177,24 +146,12 @@ def _payload_bytes(response: discovery_pb2.DeltaDiscoveryResponse) -> int:
     return sum(len(r.resource.value) for r in response.resources)
 
 
-def _convert_one(type_url: str, payload: bytes) -> Workload | Service | Authorization:
-    if type_url == ADDRESS_TYPE_URL:
-        return address_from_wire(workload_pb2.Address.FromString(payload))
-    return authorization_from_wire(authorization_pb2.Authorization.FromString(payload))
-
-
-def _convert_all(response: discovery_pb2.DeltaDiscoveryResponse) -> list[Converted]:
-    """Decode and convert every resource of an Address or Authorization response; pure (no store)."""
-    out: list[Converted] = []
-    for resource in response.resources:
-        if not resource.HasField("resource"):
-            out.append(_Rejection(resource.name, "XDS payload without resource"))
-            continue
-        try:
-            out.append(_convert_one(response.type_url, resource.resource.value))
-        except (DecodeError, ConversionError) as e:
-            out.append(_Rejection(resource.name, f"decode: {e}" if isinstance(e, DecodeError) else str(e)))
-    return out
+def _convert_all(rtype: ResourceType[Any], response: discovery_pb2.DeltaDiscoveryResponse) -> list[Converted]:
+    """Decode and convert every resource of a response of type `rtype`; pure (no store)."""
+    return [
+        rtype.convert(r.name, r.resource.value if r.HasField("resource") else None)
+        for r in response.resources
+    ]
 
 
 class XdsClient:
@@ -239,10 +196,9 @@ class XdsClient:
         # the answer to it is applied (`xds.resume`).
         self._unlisted: dict[str, frozenset[str]] = {}
         # name -> version of the resources applied, by type: sent on reconnect.
-        self._versions: dict[str, dict[str, str]] = {ADDRESS_TYPE_URL: {}, AUTHORIZATION_TYPE_URL: {}}
-        self._awaiting_first = (
-            {AUTHORIZATION_TYPE_URL} if on_demand else {ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL}
-        )
+        self._versions: dict[str, dict[str, str]] = {t.type_url: {} for t in TYPES}
+        # A type subscribed by name may never be answered: readiness waits for the wildcard ones.
+        self._awaiting_first = {t.type_url for t in TYPES if not (on_demand and t.on_demand)}
         self._synced = asyncio.Event()
         self._demanded: dict[tuple[str, str], list[asyncio.Future[None]]] = {}
         self._arrival_checks: dict[asyncio.Future[None], Callable[[], bool]] = {}
@@ -307,7 +263,7 @@ class XdsClient:
     async def demand(
         self,
         name: str,
-        type_url: str = ADDRESS_TYPE_URL,
+        type_url: str = ADDRESS.type_url,
         *,
         arrived: Callable[[], bool] | None = None,
         timeout: float | None = ON_DEMAND_TIMEOUT,
@@ -348,20 +304,20 @@ class XdsClient:
     # --- one stream ---
 
     def initial_requests(self) -> list[discovery_pb2.DeltaDiscoveryRequest]:
-        """What a new stream starts with: Address, then Authorization, each listing what it holds as
-        far as the request stays within the limit (`xds.resume`)."""
+        """What a new stream starts with: each type in turn, Address then Authorization, each listing
+        what it holds as far as the request stays within the limit (`xds.resume`)."""
         return [opening.request for opening in self._openings()]
 
     def _openings(self) -> list[InitialRequest]:
         return [
             initial_request(
                 self._node,
-                type_url,
-                self._versions.get(type_url, {}),
-                on_demand=self._on_demand and type_url == ADDRESS_TYPE_URL,
+                rtype.type_url,
+                self._versions.get(rtype.type_url, {}),
+                on_demand=self._on_demand and rtype.on_demand,
                 limit=self._request_limit,
             )
-            for type_url in (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL)
+            for rtype in TYPES
         ]
 
     async def _stream_once(self) -> None:
@@ -425,13 +381,14 @@ class XdsClient:
             except DecodeError as e:
                 raise RpcError(Status(StatusCode.INTERNAL, f"undecodable response: {e}")) from None
             converted = None
+            rtype = BY_URL.get(response.type_url)
             big = len(message) >= THREADED_CONVERSION_BYTES
             with _collector_paused(big, freeze=not self._synced.is_set()):
-                if big:
+                if big and rtype is not None:
                     # Decoding and converting are pure: a big push (a policy of 100k CIDRs) is
                     # converted on a thread, so that the loop keeps running beside it; the store is
                     # still changed here, on the loop.
-                    converted = await asyncio.to_thread(_convert_all, response)
+                    converted = await asyncio.to_thread(_convert_all, rtype, response)
                 reply = self.handle_response(response, converted)
             await self._write(call, reply)
             self._answered(response.type_url)
@@ -475,9 +432,9 @@ class XdsClient:
                 }
             },
         )
-        remove = self._remover(type_url)
-        if remove is not None:
-            rejections = self._apply(response, converted, remove, self._gone(response))
+        rtype = BY_URL.get(type_url)
+        if rtype is not None:
+            rejections = self._apply(rtype, response, converted, self._gone(response))
         else:
             log.error("unknown type", extra={"fields": {"type_url": type_url}})
             rejections = []
@@ -493,25 +450,18 @@ class XdsClient:
             log.debug("sending ACK", extra={"fields": {"type_url": type_url, "nonce": response.nonce}})
         return reply
 
-    def _remover(self, type_url: str) -> Callable[[str], bool] | None:
-        if type_url == ADDRESS_TYPE_URL:
-            return self._state.remove
-        if type_url == AUTHORIZATION_TYPE_URL:
-            return self._state.remove_policy
-        return None
-
     def _left_out(self, type_url: str, unlisted: frozenset[str]) -> None:
         """Held resources a new stream's initial request did not list: a wildcard subscription's
         first answer says which are gone; a by-name one no longer holds them, so they go now."""
-        if not (self._on_demand and type_url == ADDRESS_TYPE_URL):
+        rtype = BY_URL[type_url]
+        if not (self._on_demand and rtype.on_demand):
             self._unlisted[type_url] = unlisted
             return
-        remove = self._remover(type_url)
-        assert remove is not None
         versions = self._versions[type_url]
-        with self._state.batch():
+        state = self._state
+        with state.batch():
             for name in unlisted:
-                remove(name)
+                rtype.remove(state, name)
                 versions.pop(name, None)
 
     def _gone(self, response: discovery_pb2.DeltaDiscoveryResponse) -> list[str]:
@@ -530,35 +480,31 @@ class XdsClient:
 
     def _apply(
         self,
+        rtype: ResourceType[Any],
         response: discovery_pb2.DeltaDiscoveryResponse,
         converted: list[Converted] | None,
-        remove: Callable[[str], bool],
         gone: Iterable[str] = (),
-    ) -> list[_Rejection]:
+    ) -> list[Rejection]:
         if converted is None:
-            converted = _convert_all(response)
+            converted = _convert_all(rtype, response)
         versions = self._versions.setdefault(response.type_url, {})
-        rejections: list[_Rejection] = []
+        rejections: list[Rejection] = []
         arrived: list[str] = []
-        with self._state.batch():
+        state = self._state
+        with state.batch():
             for name in gone:
-                remove(name)
+                rtype.remove(state, name)
                 versions.pop(name, None)
             for name in response.removed_resources:
-                remove(name)
+                rtype.remove(state, name)
                 versions.pop(name, None)
                 arrived.append(name)
             for resource, item in zip(response.resources, converted, strict=True):
                 arrived.append(resource.name)
-                if isinstance(item, _Rejection):
+                if isinstance(item, Rejection):
                     rejections.append(item)
                     continue
-                if isinstance(item, Workload):
-                    self._state.upsert_workload(item)
-                elif isinstance(item, Service):
-                    self._state.upsert_service(item)
-                else:
-                    self._state.upsert_policy(item)
+                rtype.upsert(state, item)
                 versions[resource.name] = resource.version
         self._wake_demanded(response.type_url, arrived)
         return rejections

@@ -15,8 +15,8 @@ hostname without its name or namespace. The xDS client turns that into a NACK of
 Model to wire: `workload_to_wire`, `service_to_wire`, `address_to_wire`, `authorization_to_wire`, for
 the development control plane that serves a local-config file over xDS.
 
-The few rules both this module and the local-config loader (`xds.localconfig`) enforce live once, in
-`xds.model`: `ip_from_bytes`, `cidr`, `check_service_key`, `app_tunnel_port`. The model's enums carry
+The few rules both this module and the local-config loader (`mesh.localconfig`) enforce live once, in
+`mesh.model`: `ip_from_bytes`, `cidr`, `check_service_key`, `app_tunnel_port`. The model's enums carry
 the proto numbers, so an enum converts with `Enum(number)` and nothing else.
 """
 
@@ -29,18 +29,7 @@ from typing import Any, TypeVar
 
 from google.protobuf import empty_pb2, wrappers_pb2
 
-from policy.model import (
-    Action,
-    Authorization,
-    Match,
-    Scope,
-    ServiceAccountMatch,
-    StringMatch,
-    StringMatchKind,
-)
-from xds.gen.istio.security import authorization_pb2
-from xds.gen.istio.workload import workload_pb2
-from xds.model import (
+from mesh.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     CidrVip,
@@ -68,6 +57,17 @@ from xds.model import (
     cidr_from_bytes,
     ip_from_bytes,
 )
+from policy.model import (
+    Action,
+    Authorization,
+    Match,
+    Scope,
+    ServiceAccountMatch,
+    StringMatch,
+    StringMatchKind,
+)
+from xds.gen.istio.security import authorization_pb2
+from xds.gen.istio.workload import workload_pb2
 
 ADDRESS_TYPE_URL = "type.googleapis.com/istio.workload.Address"
 AUTHORIZATION_TYPE_URL = "type.googleapis.com/istio.security.Authorization"

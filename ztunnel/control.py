@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from hbone import build as hbone_build
 from hbone.identity import Identity
 from hbone.tls import TlsPolicy
-from xds.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
+from mesh.localconfig import LocalConfig, LocalConfigError, load_local_config, parse_local_config
 from ztunnel import __version__
 from ztunnel.admin.explain import explain_route
 from ztunnel.admin.server import (
@@ -77,7 +77,7 @@ def control_imports(config: Config) -> list[str]:
     in-pod mode's manager. `ztunnel proxy` loads them before it forks its workers."""
     names = []
     if config.local_xds_path or config.local_xds:
-        names += ["yaml", "xds.localyaml", "xds.yamlstream"]
+        names += ["yaml", "mesh.localyaml", "mesh.yamlstream"]
     if config.xds_address or not config.fake_ca:
         names.append("xds.channel")
     if config.xds_address:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from controlplane.kube.manifests import Obj, Refusal, refuse
-from xds.localconfig import describe_value
-from xds.model import IPAddress, IPNetwork, Locality
+from mesh.localconfig import describe_value
+from mesh.model import IPAddress, IPNetwork, Locality
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from controlplane.kube.cluster import Cluster, integer, ip, items, mapping, text
 from controlplane.kube.manifests import Obj
 from controlplane.kube.services import ServiceInfo
-from xds.model import NetworkMode, Workload, WorkloadStatus
+from mesh.model import NetworkMode, Workload, WorkloadStatus
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 

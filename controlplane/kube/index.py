@@ -36,10 +36,10 @@ from controlplane.kube.workloads import (
     service_index,
     workload_entry_workload,
 )
+from mesh.localconfig import LocalConfig
+from mesh.model import Service, Visibility, Workload
 from policy.model import Authorization
 from xds.convert import address_to_wire, authorization_to_wire
-from xds.localconfig import LocalConfig
-from xds.model import Service, Visibility, Workload
 
 T = TypeVar("T")
 

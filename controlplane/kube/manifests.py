@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from xds.localconfig import describe_value
+from mesh.localconfig import describe_value
 
 # (API group, kind) of every object the index reads. The core group is "".
 READ_KINDS = {

@@ -36,7 +36,7 @@ from controlplane.kube.cluster import (
 )
 from controlplane.kube.manifests import Obj, refuse
 from controlplane.kube.waypoints import Waypoint
-from xds.model import (
+from mesh.model import (
     CidrVip,
     HealthPolicy,
     IPFamilies,

@@ -15,7 +15,7 @@ from pathlib import Path
 from controlplane.kube.cluster import Options
 from controlplane.kube.index import Index, build
 from controlplane.kube.manifests import ManifestError, Objects, manifest_files, objects_of, read_file
-from xds.localconfig import LocalConfig, LocalConfigError
+from mesh.localconfig import LocalConfig, LocalConfigError
 
 log = logging.getLogger("controlplane.kube")
 

@@ -50,7 +50,7 @@ from controlplane.kube.cluster import (
     string_map,
 )
 from controlplane.kube.manifests import Obj, Refused
-from xds.model import (
+from mesh.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     GatewayAddress,

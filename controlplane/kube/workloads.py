@@ -47,7 +47,7 @@ from controlplane.kube.endpointslices import pod_slice_services
 from controlplane.kube.manifests import Obj, refuse
 from controlplane.kube.services import ServiceInfo
 from controlplane.kube.waypoints import Waypoint, Waypoints
-from xds.model import (
+from mesh.model import (
     ApplicationTunnel,
     IPAddress,
     Locality,

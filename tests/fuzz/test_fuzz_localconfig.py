@@ -19,22 +19,22 @@ from hypothesis import strategies as st
 
 from controlplane.snapshot import Snapshot
 from controlplane.source import ConfigSource
+from mesh.localconfig import (
+    LocalConfig,
+    LocalConfigError,
+    parse_local_config,
+)
+from mesh.model import ConversionError, Service, Workload
+from mesh.render import (
+    policy_to_dict,
+    service_to_dict,
+    workload_to_dict,
+)
 from tests.conftest import LogLines
 from tests.fuzz.test_fuzz_xds import authorizations, services, workloads
 from tests.waiting import eventually_async
 from xds import convert
 from xds.gen.istio.workload import workload_pb2
-from xds.localconfig import (
-    LocalConfig,
-    LocalConfigError,
-    parse_local_config,
-)
-from xds.model import ConversionError, Service, Workload
-from xds.render import (
-    policy_to_dict,
-    service_to_dict,
-    workload_to_dict,
-)
 
 KEYS = [
     "workloads", "services", "policies", "uid", "name", "namespace", "workloadIps", "protocol", "services",

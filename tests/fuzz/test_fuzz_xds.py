@@ -19,13 +19,13 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mesh.model import ConversionError, GatewayAddress, NamespacedHostname, Service, Workload
 from xds import convert
 from xds.channel import node_from
 from xds.client import XdsClient
 from xds.gen.envoy.service.discovery.v3 import discovery_pb2
 from xds.gen.istio.security import authorization_pb2
 from xds.gen.istio.workload import workload_pb2
-from xds.model import ConversionError, GatewayAddress, NamespacedHostname, Service, Workload
 from ztunnel.state.store import ProxyState
 
 TEXT = st.text(st.characters(codec="utf-8"), max_size=6)

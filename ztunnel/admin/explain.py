@@ -19,10 +19,10 @@ from typing import Any
 
 from hbone.address import format_addr
 from hbone.identity import Identity
+from mesh.model import IPAddress, Service, Workload
 from policy import Authorization, Connection
 from policy.model import Action
 from policy.rbac import rule_matches
-from xds.model import IPAddress, Service, Workload
 from ztunnel.admin.server import GET, HttpEndpoint, Request, Response
 from ztunnel.config.settings import HBONE_PORT, Config, illegal_ports
 from ztunnel.decisions.admission import AdmissionRules, Admit, InboundRequest, admit, parse_authority

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hbone.identity import Identity, uri_of
+from mesh.model import AppTunnelProtocol, IPAddress, Service, Workload
 from policy import Authorization, Connection, Deny, authorize
-from xds.model import AppTunnelProtocol, IPAddress, Service, Workload
 from ztunnel.decisions.rejection import RejectionKind, http_status
 from ztunnel.decisions.route import RECURSIVE_CALL, State, hostname_target, is_self_call, is_waypoint_for
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol as TypingProtocol
 
 from hbone.address import format_addr
-from xds.model import (
+from mesh.model import (
     Endpoint,
     GatewayAddress,
     IPAddress,

@@ -14,7 +14,7 @@ import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 
-from xds.model import Workload
+from mesh.model import Workload
 from ztunnel.dns.resolver import Authoritative, ResolverSettings, resolve
 from ztunnel.state.store import ProxyState
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from xds.model import IPAddress, IPFamilies, Service, Workload
+from mesh.model import IPAddress, IPFamilies, Service, Workload
 from ztunnel.state.store import ProxyState, visible_to
 
 # The record types answered here (RFC 1035's A, RFC 3596's AAAA).

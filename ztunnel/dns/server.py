@@ -33,7 +33,7 @@ import dns.opcode
 import dns.rcode
 import dns.rdatatype
 
-from xds.model import Workload
+from mesh.model import Workload
 from ztunnel.dns.forwarder import Forwarder, UpstreamError
 from ztunnel.dns.replies import MIN_UDP_PAYLOAD, answer, question_name, response_for
 from ztunnel.dns.resolver import ResolverSettings

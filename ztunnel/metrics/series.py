@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Container, Iterable
 
-from xds.model import Workload
+from mesh.model import Workload
 from ztunnel.metrics.traffic import WorkloadKey
 
 # How often the series are checked, at most (a shorter grace period checks more often).

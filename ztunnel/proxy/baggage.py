@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xds.model import Workload
+from mesh.model import Workload
 
 
 @dataclass(frozen=True, slots=True)

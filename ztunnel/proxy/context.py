@@ -17,7 +17,7 @@ from typing import Any
 from hbone.relay import Inbox
 from hbone.settings import H2Settings
 from hbone.tls import TlsCredentials
-from xds.model import Workload
+from mesh.model import Workload
 from ztunnel.config.settings import Config, WorkloadInfo
 from ztunnel.decisions.admission import (
     AdmissionRules,

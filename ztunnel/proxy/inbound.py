@@ -16,7 +16,7 @@ from hbone.address import format_addr, parse_ip
 from hbone.h2conn import H2Session
 from hbone.identity import Identity, uri_of
 from hbone.server import ConnectRequest, HboneServer
-from xds.model import Workload
+from mesh.model import Workload
 from ztunnel.decisions.admission import InboundRequest, Reject, forwarded_host
 from ztunnel.decisions.rejection import RejectionKind, http_status
 from ztunnel.logs.lines import Bare

@@ -22,7 +22,7 @@ from hbone.address import canonical_addr
 from hbone.identity import Identity
 from hbone.relay import Inbox
 from hbone.settings import H2Settings
-from xds.model import Workload
+from mesh.model import Workload
 from ztunnel import dns
 from ztunnel.config.settings import Config, WorkloadInfo, illegal_ports
 from ztunnel.decisions.admission import AdmissionRules

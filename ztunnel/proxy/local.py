@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 
 from hbone.identity import Identity
-from xds.model import Workload
+from mesh.model import Workload
 from ztunnel.config.settings import Config, WorkloadInfo
 from ztunnel.state.store import ProxyState
 

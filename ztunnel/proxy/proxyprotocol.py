@@ -17,7 +17,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from xds.model import IPAddress
+from mesh.model import IPAddress
 
 SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
 VERSION_2 = 0x20

@@ -19,7 +19,7 @@ import socket
 
 from hbone.address import canonical_addr, canonical_host, format_addr
 from hbone.relay import Inbox, RelayResult
-from xds.model import IPAddress, Workload
+from mesh.model import IPAddress, Workload
 from ztunnel.decisions.rejection import socks5_reply
 from ztunnel.dns.resolver import RDTYPE_A, RDTYPE_AAAA, Authoritative, ResolverSettings, resolve
 from ztunnel.proxy.connections import carry

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Protocol
 
 from hbone.relay import RelayCounts
-from xds.model import Service, Workload
+from mesh.model import Service, Workload
 from ztunnel.decisions.admission import Admit, Reject
 from ztunnel.logs.lines import ACCESS, Bare, FieldRun, Item, Spans, access_items, access_log
 from ztunnel.metrics.families import Metrics

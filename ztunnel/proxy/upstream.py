@@ -41,7 +41,7 @@ from hbone.pool import Pool, PooledConnection, PoolKey
 from hbone.relay import Inbox
 from hbone.stream import HboneStream
 from hbone.tls import TlsCredentials
-from xds.model import IPAddress, Workload
+from mesh.model import IPAddress, Workload
 from ztunnel.decisions.rejection import RejectionKind, kind_of_status
 from ztunnel.decisions.route import NoRoute, Protocol, Route, pick_resolved, route
 from ztunnel.metrics.traffic import UNKNOWN

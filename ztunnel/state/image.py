@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from typing import Any
 
-from xds.model import Endpoint, IPAddress, NamespacedHostname, NetworkAddress, Service, Workload
+from mesh.model import Endpoint, IPAddress, NamespacedHostname, NetworkAddress, Service, Workload
 from ztunnel.state.names import NameIndex
 from ztunnel.state.records import (
     layout,

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from xds.model import (
+from mesh.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     CidrVip,

@@ -19,8 +19,12 @@ from typing import Any
 
 from hbone.identity import Identity
 from hbone.tls import WorkloadCertificate
-from policy.model import Authorization
-from xds.model import Service, Workload
+from ztunnel.state.replication import Clear as Clear
+from ztunnel.state.replication import RemovePolicy as RemovePolicy
+from ztunnel.state.replication import StateChanges as StateChanges
+from ztunnel.state.replication import StateImageReady as StateImageReady
+from ztunnel.state.replication import StateOp as StateOp
+from ztunnel.state.replication import UpsertPolicy as UpsertPolicy
 
 # -- a worker's start ---------------------------------------------------------------------------
 
@@ -35,70 +39,7 @@ class Spawn:
     layout: int = 0
 
 
-# -- the store, as changes ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Clear:
-    """Empty the store (a whole snapshot, or the local file applied again, starts with it)."""
-
-
-@dataclass(frozen=True)
-class UpsertWorkload:
-    workload: Workload
-
-
-@dataclass(frozen=True)
-class RemoveWorkload:
-    name: str
-
-
-@dataclass(frozen=True)
-class UpsertService:
-    service: Service
-
-
-@dataclass(frozen=True)
-class RemoveService:
-    key: str
-
-
-@dataclass(frozen=True)
-class UpsertPolicy:
-    policy: Authorization
-
-
-@dataclass(frozen=True)
-class RemovePolicy:
-    key: str
-
-
-StateOp = (
-    Clear | UpsertWorkload | RemoveWorkload | UpsertService | RemoveService | UpsertPolicy | RemovePolicy
-)
-
-
-@dataclass(frozen=True)
-class StateChanges:
-    """Supervisor -> worker: one committed change of the store (a whole snapshot starts with Clear)."""
-
-    ops: tuple[StateOp, ...]
-
-
-@dataclass(frozen=True)
-class StateImageReady:
-    """Supervisor -> worker, with a sealed memfd: the workloads and services from now on, as an image
-    (`ztunnel.state.image`) of `size` bytes the worker maps read-only: a base image, or, with `base`
-    (the generation of the base image it applies over), a delta of what changed since that base (it
-    replaces the previous delta). `generation` numbers the images."""
-
-    size: int
-    generation: int
-    base: int | None = None
-
-    @property
-    def delta(self) -> bool:
-        return self.base is not None
+# -- the store: its messages are its replication's (`ztunnel.state.replication`) ----------------
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from ztunnel.lifecycle import StartupError
 from ztunnel.logs import lines as logs
 from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.state.image import LAYOUT
+from ztunnel.state.replication import Replication, StateImageReady
+from ztunnel.state.store import ProxyState, demand_arrived
 from ztunnel.workers import fleet
 from ztunnel.workers.channel import PEER_GONE, RECV_RETRY, Channel, FdsLost, MessageLost, close_fds, encode
 from ztunnel.workers.counters import SummedMetrics, TrafficSums
@@ -63,7 +65,6 @@ from ztunnel.workers.messages import (
     Synced,
     ToWorker,
 )
-from ztunnel.workers.replication import ReplicatedState, demand_arrived, hold_fds, release_fds
 from ztunnel.workers.spawning import Spawner, exit_code
 from ztunnel.workers.worker import collect_profile
 
@@ -84,6 +85,19 @@ NEWER_CERT_WAIT = 5.0
 REAP_TIMEOUT = 2.0
 
 Clock = Callable[[], float]
+
+
+def hold_fds(message: ToWorker, fds: Sequence[int]) -> list[int]:
+    """The fds to queue with `message` for a worker. An image's memfd is let go by the state once a
+    newer image is made, maybe before the message is written: the queue holds a dup of it."""
+    return [os.dup(fd) for fd in fds] if isinstance(message, StateImageReady) else list(fds)
+
+
+def release_fds(message: ToWorker, fds: Sequence[int]) -> None:
+    """`message` was written (or will never be): let go of what `hold_fds` took."""
+    if isinstance(message, StateImageReady):
+        for fd in fds:
+            os.close(fd)
 
 
 @dataclass
@@ -140,7 +154,8 @@ class Supervisor:
         self.slots = [WorkerSlot(i) for i in range(self.fleet.count)]
         self.sums = TrafficSums()
         on_demand = config.xds_on_demand and bool(config.xds_address)
-        self.state = ReplicatedState(self.tell_all, self._demand if on_demand else None)
+        self.state = ProxyState(self._demand if on_demand else None)
+        self.replication = Replication(self.state, self.tell_all)  # every change, to the workers
         self.readiness = Readiness()
         self.pods = WorkerPods(self) if config.proxy_mode == "shared" else None
         self.control = ControlRuntime(
@@ -430,7 +445,7 @@ class Supervisor:
     def _on_image_wanted(self, slot: WorkerSlot, message: StateImageWanted) -> None:
         """A worker could not take an image: it is sent the current ones again, once per generation
         (a worker that fails again waits for the next image: no loop of resends)."""
-        generation = self.state.generation
+        generation = self.replication.generation
         if slot.images_resent == generation:
             log.error(
                 "data-plane worker %d (pid %s) cannot take state image %d either: it serves from image %d "
@@ -449,7 +464,7 @@ class Supervisor:
             message.refused,
             message.reason,
         )
-        for image, fds in self.state.images():
+        for image, fds in self.replication.images():
             slot.send(image, fds)
 
     # -- life cycle ---------------------------------------------------------------------------------
@@ -490,7 +505,7 @@ class Supervisor:
                 log.info("shutting down: draining for up to %ss", self.config.connection_termination_deadline)
             await self._stop_workers()
             await self.control.drain()
-            self.state.close()
+            self.replication.close()
         return self.control.exit_code
 
     async def _drop_stale_series(self) -> None:
@@ -533,8 +548,8 @@ class Supervisor:
         # What a new worker is told first: to start, the whole store, the pods, and whether to
         # accept yet.
         slot.send(Spawn(slot.index, LAYOUT))
-        for message, fds in self.state.snapshot():
-            slot.send(message, fds)
+        for state_message, fds in self.replication.snapshot():
+            slot.send(state_message, fds)
         slot.send(SetLogFilter(logs.current_filter()))
         for message, netns in self.pods.running() if self.pods is not None else ():
             slot.send(message, [netns.fd])

@@ -32,7 +32,9 @@ from ztunnel.metrics.series import sweep_stale_series
 from ztunnel.proxy.instance import ProxyInputs, ProxyInstance, build_proxy
 from ztunnel.sockets import SocketFactory, socket_options
 from ztunnel.state.image import LAYOUT
-from ztunnel.state.shared import SharedState
+from ztunnel.state.memfd import map_image
+from ztunnel.state.replication import apply_changes
+from ztunnel.state.shared import install, worker_state
 from ztunnel.workers.channel import PEER_GONE, RECV_RETRY, Channel, FdsLost, MessageLost, close_fds
 from ztunnel.workers.counters import traffic_snapshot
 from ztunnel.workers.loop_metrics import EventLoopMetrics
@@ -61,7 +63,6 @@ from ztunnel.workers.messages import (
     Stop,
     Synced,
 )
-from ztunnel.workers.replication import apply_changes, map_image
 
 if TYPE_CHECKING:
     from ztunnel.admin import profiling
@@ -172,7 +173,8 @@ class WorkerRuntime:
         self.channel = channel
         self.demands = ParentDemands(channel)
         on_demand = config.xds_on_demand and bool(config.xds_address)  # asked of the supervisor's xDS
-        self.state = SharedState(self.demands.demand if on_demand else None)
+        # The parent's images, read through `view`; the rules and the policies, `state`'s.
+        self.state, self.view = worker_state(self.demands.demand if on_demand else None)
         # Only the traffic counters are reported to the parent: no /proc reads for process_* here.
         self.metrics = Metrics(config.istio_version, process_metrics=False)
         self.loop_metrics = EventLoopMetrics(index)
@@ -324,14 +326,14 @@ class WorkerRuntime:
             return
         finally:
             close_fds(fds)
-        if not self.state.install(image, message.generation, message.base):
-            why = f"a delta over base {message.base}, this worker holds base {self.state.base_generation}"
+        if not install(self.state, self.view, image, message.generation, message.base):
+            why = f"a delta over base {message.base}, this worker holds base {self.view.base_generation}"
             log.error("state image %d refused: %s", message.generation, why)
             await self._want_images(message.generation, why)
 
     async def _want_images(self, refused: int, reason: str) -> None:
         with contextlib.suppress(OSError):
-            await self.channel.send(StateImageWanted(refused, self.state.base_generation, reason))
+            await self.channel.send(StateImageWanted(refused, self.view.base_generation, reason))
 
     async def _on_certificate(self, message: CertificateReply) -> None:
         self.ca.answer(message)

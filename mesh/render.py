@@ -9,14 +9,7 @@ from collections.abc import Iterable, Mapping
 from ipaddress import IPv4Address
 from typing import Any, TypeVar
 
-from policy.model import (
-    Authorization,
-    Match,
-    ServiceAccountMatch,
-    StringMatch,
-    StringMatchKind,
-)
-from xds.localconfig import (
+from mesh.localconfig import (
     ACTIONS,
     APP_TUNNEL_PROTOCOLS,
     HEALTH_POLICIES,
@@ -29,13 +22,20 @@ from xds.localconfig import (
     STATUSES,
     VISIBILITIES,
 )
-from xds.model import (
+from mesh.model import (
     Endpoint,
     GatewayAddress,
     IPAddress,
     IPFamilies,
     Service,
     Workload,
+)
+from policy.model import (
+    Authorization,
+    Match,
+    ServiceAccountMatch,
+    StringMatch,
+    StringMatchKind,
 )
 
 E = TypeVar("E")

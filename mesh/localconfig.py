@@ -2,7 +2,7 @@
 
 `parse_local_config` reads the reference's format exactly (camelCase keys, string matches as the YAML
 tags `!Exact`, `!Prefix`, `!Suffix`, `!Presence`, plus our map form `{Exact: x}`) into the values of
-`xds.model` and `policy.model`. Every error names the file, the key path and the reason. The YAML
+`mesh.model` and `policy.model`. Every error names the file, the key path and the reason. The YAML
 itself is read by `localyaml.py` (loaded with PyYAML only when a document is parsed: a process that
 only holds the model, a data-plane worker, never loads either); `render.py` writes model values back
 in this format.
@@ -18,17 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
-from policy.model import (
-    Action,
-    Authorization,
-    IPNetwork,
-    Match,
-    Scope,
-    ServiceAccountMatch,
-    StringMatch,
-    StringMatchKind,
-)
-from xds.model import (
+from mesh.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
     CidrVip,
@@ -54,7 +44,17 @@ from xds.model import (
     app_tunnel_port,
     check_service_key,
 )
-from xds.yamlvalues import Tagged, WrittenFloat, WrittenInt, plain
+from mesh.yamlvalues import Tagged, WrittenFloat, WrittenInt, plain
+from policy.model import (
+    Action,
+    Authorization,
+    IPNetwork,
+    Match,
+    Scope,
+    ServiceAccountMatch,
+    StringMatch,
+    StringMatchKind,
+)
 
 V = TypeVar("V")
 E = TypeVar("E")
@@ -123,7 +123,7 @@ def parse_local_config(text: str, source: str = "<inline>", *, raw: bool = True)
     by entry (`yamlstream`), each converted as it is read: several times faster and smaller."""
     import yaml
 
-    from xds import localyaml, yamlstream
+    from mesh import localyaml, yamlstream
 
     if not raw:
         try:
@@ -562,7 +562,7 @@ def _policy(value: object, path: str) -> Authorization:
 
 
 def _streamed(text: str) -> LocalConfig:
-    from xds import yamlstream
+    from mesh import yamlstream
 
     readers: dict[str, Callable[[object, str], Any]] = {
         "workloads": _workload,

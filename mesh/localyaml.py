@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import yaml
 
-from xds.yamlvalues import Tagged, WrittenFloat, WrittenInt
+from mesh.yamlvalues import Tagged, WrittenFloat, WrittenInt
 
 __all__ = ["Tagged", "WrittenFloat", "WrittenInt", "check_shape", "load"]
 

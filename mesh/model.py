@@ -1,6 +1,6 @@
 """The in-memory model of what a control plane sends: workloads and services.
 
-These are immutable values. `xds.localconfig` builds them from the reference's YAML format and the
+These are immutable values. `mesh.localconfig` builds them from the reference's YAML format and the
 xDS client from `istio.workload.Address` messages; `ztunnel.state.store` indexes them. Field names follow
 the proto's (snake_case); enums are Python enums whose values are the proto numbers.
 """

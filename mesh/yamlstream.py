@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from xds import localyaml
-from xds.yamlvalues import Tagged, WrittenInt
+from mesh import localyaml
+from mesh.yamlvalues import Tagged, WrittenInt
 
 __all__ = ["Unsupported", "available", "items"]
 
