@@ -1,10 +1,9 @@
-"""TLS driven over memory buffers, on a transport HBONE does not own the TLS of.
+"""TLS driven over memory buffers: the record protection of every HBONE connection.
 
-Two places need it: double HBONE (the inner TLS runs inside an outer CONNECT stream) and, when CRLs
-are enforced on a Python without a public verified chain (before 3.13), every HBONE connection,
-whose TLS then runs on pyOpenSSL. The event loop's TLS cannot do either: uvloop's `start_tls`
-accepts only its own transports, asyncio's TLS protocol is not public API, and neither runs on
-pyOpenSSL.
+The engines (`TlsEngine`) run under an HBONE connection's own socket (`hbone.engine.TlsSocket`)
+and, for double HBONE, inside an outer CONNECT stream (`TlsTransport`): the event loop's TLS does
+neither (uvloop's `start_tls` accepts only its own transports, asyncio's TLS protocol is not public
+API, and neither runs on pyOpenSSL, which CRLs need before Python 3.13).
 
 `TlsTransport` is the lower transport's protocol on one side (ciphertext in) and the transport of an
 application protocol (an `H2Session`) on the other (plaintext in, ciphertext out to the lower
@@ -19,9 +18,8 @@ engine ran.
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from hbone.tls import STDLIB_VERIFIED_CHAIN, TLS_PEER, TlsPeer, uri_sans
 
@@ -65,7 +63,7 @@ class TlsEngine(Protocol):
     def do_handshake(self) -> bool:
         """Advance the handshake with what was fed; True once it is complete."""
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         """Ciphertext received from the peer."""
 
     def feed_eof(self) -> None:
@@ -74,6 +72,13 @@ class TlsEngine(Protocol):
     def read(self, n: int) -> bytes | None:
         """Up to `n` bytes of plaintext; None when more ciphertext is needed, b"" at the peer's
         close_notify."""
+
+    def read_into(self, buffer: memoryview) -> int:
+        """Plaintext into `buffer`: how many bytes; -1 when more ciphertext is needed, 0 at the
+        peer's close_notify."""
+
+    def has_input(self) -> bool:
+        """Whether a read may give plaintext without more ciphertext (False: it certainly would not)."""
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Plaintext to send (all of it is encrypted into the outgoing buffer)."""
@@ -108,7 +113,7 @@ class StdlibTls:
             return False
         return True
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         self._incoming.write(data)
 
     def feed_eof(self) -> None:
@@ -121,6 +126,17 @@ class StdlibTls:
             return None
         except ssl.SSLZeroReturnError:
             return b""
+
+    def read_into(self, buffer: memoryview) -> int:
+        try:
+            return cast(int, self._ssl.read(len(buffer), buffer))  # typeshed says bytes; a count
+        except ssl.SSLWantReadError:
+            return -1
+        except ssl.SSLZeroReturnError:
+            return 0
+
+    def has_input(self) -> bool:
+        return self._incoming.pending > 0 or self._ssl.pending() > 0
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self._ssl.write(data)
@@ -171,7 +187,7 @@ class OpenSslTls:
             raise _ssl_error(e) from None
         return True
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         self._conn.bio_write(data)
 
     def feed_eof(self) -> None:
@@ -187,6 +203,20 @@ class OpenSslTls:
             return b""
         except SSL.Error as e:
             raise _ssl_error(e) from None
+
+    def read_into(self, buffer: memoryview) -> int:
+        SSL = self._SSL
+        try:
+            return self._conn.recv_into(buffer)
+        except SSL.WantReadError:
+            return -1
+        except SSL.ZeroReturnError:
+            return 0
+        except SSL.Error as e:
+            raise _ssl_error(e) from None
+
+    def has_input(self) -> bool:
+        return True  # what its incoming buffer holds is not public: a read tells
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         SSL = self._SSL
@@ -438,31 +468,3 @@ class TlsTransport(asyncio.Protocol, asyncio.Transport):
 
     def get_write_buffer_size(self) -> int:
         return self._lower.get_write_buffer_size() if self._lower is not None else 0
-
-
-async def start_tls_on_socket(
-    sock: socket.socket, engine: TlsEngine, app: TlsApp, timeout: float, *, chain: bool = False
-) -> TlsTransport:
-    """Take over a connected TCP socket and run TLS on it (a client sends its hello at once, a
-    server waits for one); return the transport once the handshake is done, `app` connected to it.
-
-    Raises `ssl.SSLError`, `OSError` or `TimeoutError`; the socket is closed on failure."""
-    loop = asyncio.get_running_loop()
-    tls = TlsTransport(engine, app, chain=chain)
-    try:
-        await loop.connect_accepted_socket(lambda: tls, sock)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        await asyncio.wait_for(asyncio.shield(tls.handshake), max(timeout, 0.001))
-    except TimeoutError:
-        tls.handshake.cancel()
-        tls.abort()
-        raise TimeoutError("the TLS handshake did not finish within the handshake timeout") from None
-    except BaseException:
-        if tls.handshake.done() and not tls.handshake.cancelled():
-            tls.handshake.exception()  # retrieved: a failure is raised here, not logged as lost
-        tls.abort()
-        raise
-    return tls
