@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hbone.tls import STDLIB_VERIFIED_CHAIN, TLS_PEER, TlsPeer, uri_sans
 
@@ -129,7 +129,9 @@ class StdlibTls:
 
     def read_into(self, buffer: memoryview) -> int:
         try:
-            return cast(int, self._ssl.read(len(buffer), buffer))  # typeshed says bytes; a count
+            # With a buffer `read` returns a count (typeshed says bytes: so called untyped, unchecked).
+            read: Any = self._ssl.read
+            return int(read(len(buffer), buffer))
         except ssl.SSLWantReadError:
             return -1
         except ssl.SSLZeroReturnError:
@@ -168,10 +170,8 @@ class OpenSslTls:
     chain is public API (`get_verified_chain`), which the `ssl` module has only from Python 3.13."""
 
     def __init__(self, context: SSL.Context, *, server_side: bool) -> None:
-        from OpenSSL import SSL
-
-        self._SSL = SSL
-        self._conn = SSL.Connection(context, None)
+        self._SSL: Any = _pyopenssl()
+        self._conn: SSL.Connection = self._SSL.Connection(context, None)
         if server_side:
             self._conn.set_accept_state()
         else:
@@ -221,9 +221,11 @@ class OpenSslTls:
     def write(self, data: bytes | bytearray | memoryview) -> None:
         SSL = self._SSL
         view = memoryview(data)
+        total = len(view)
         try:
-            while view:  # pyOpenSSL enables partial writes
-                view = view[self._conn.send(view) :]
+            sent = self._conn.send(view)
+            while sent < total:  # pyOpenSSL enables partial writes
+                sent += self._conn.send(view[sent:])
         except SSL.Error as e:
             raise _ssl_error(e) from None
 
@@ -268,9 +270,17 @@ class OpenSslTls:
         return None
 
 
+def _pyopenssl() -> Any:
+    """pyOpenSSL's `SSL` module, imported on first use (a function-level `from OpenSSL import SSL`
+    would bind the module's global of that name, which the compiled build leaves None)."""
+    import importlib
+
+    return importlib.import_module("OpenSSL.SSL")
+
+
 def _ssl_error(err: Exception) -> ssl.SSLError:
     """pyOpenSSL's error as the `ssl` module words it: `[SSL: REASON_CODE] reason`."""
-    from OpenSSL import SSL
+    SSL = _pyopenssl()
 
     if isinstance(err, SSL.SysCallError):
         # (-1, 'Unexpected EOF'): the peer closed without a close_notify
