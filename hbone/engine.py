@@ -10,8 +10,8 @@ touching the rest. To the application protocol above (an `H2Session`) it is an `
   the protocol's buffer (`get_buffer`/`buffer_updated`) when it is a `BufferedProtocol`. A read that
   cannot give plaintext is not tried: the engine says whether it holds any input.
 * sending: each `write` is encrypted and sent at once; only what the socket does not take is queued
-  (by reference), and the writer callback sends it. The pieces of one `writelines` are joined (a copy
-  costs far less than the records it saves), so a frame header and its payload make one TLS record.
+  (by reference), and the writer callback sends it. In one `writelines` small pieces are joined and a
+  large one's head fills their record: a frame header never takes a TLS record of its own.
   Over the write-buffer high-water mark the protocol is paused; below the low-water mark it resumes.
 * the end: a peer's close_notify or its TCP EOF is `eof_received`, then the transport closes (what
   it queued, close_notify included, is sent first); a socket or TLS error is `connection_lost(exc)`.
@@ -33,6 +33,7 @@ from hbone.tlsio import TlsApp, TlsEngine
 
 _RECV_SIZE = 256 * 1024  # ciphertext read from the socket per call
 _DEFAULT_HIGH = 64 * 1024
+_RECORD = 16384  # the most plaintext a TLS record carries
 
 
 class _RecvBuffer:
@@ -371,12 +372,35 @@ class TlsSocket(asyncio.Transport):
         self._send_outgoing()
 
     def writelines(self, list_of_data: Any) -> None:
-        """One write of the pieces joined: a frame header and its payload share a record, and every
-        record but the last is full (a 16 KiB DATA frame and its header written apart take three)."""
+        """Small pieces (frame headers, small frames) are joined, and a large piece's head fills
+        their record, so a frame header never takes a record of its own; a large piece's rest is
+        encrypted from where it is, not copied."""
         if self._closing or not self._connected:
             return
+        engine = self._engine
+        pending: bytearray | None = None
         try:
-            self._engine.write(b"".join(list_of_data))
+            for data in list_of_data:
+                size = len(data)
+                if size < _RECORD:
+                    if pending is None:
+                        pending = bytearray(data)
+                    else:
+                        pending += data
+                    if len(pending) >= _RECORD:
+                        engine.write(pending)
+                        pending = None
+                elif pending is not None:
+                    view = memoryview(data)
+                    take = _RECORD - len(pending)
+                    pending += view[:take]
+                    engine.write(pending)
+                    pending = None
+                    engine.write(view[take:])
+                else:
+                    engine.write(data)
+            if pending is not None:
+                engine.write(pending)
         except (ssl.SSLError, OSError) as e:
             self._lost(e)
             return
