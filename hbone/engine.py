@@ -241,26 +241,39 @@ class TlsSocket(asyncio.Transport):
         final = self._eof_seen
         data: bytes | None = None
         while self._reading and self._connected and not self._closing:
+            got = 0
             try:
                 if buffered:
+                    # A read gives at most one record: the buffer is filled with as many as there
+                    # are before the protocol sees it, so a batch of records is one batch above.
                     buf = app.get_buffer(-1)  # type: ignore[attr-defined]
+                    size = len(buf)
                     n = engine.read_into(buf)
+                    while n > 0:
+                        got += n
+                        if got >= size or not (final or engine.has_input()):
+                            break
+                        n = engine.read_into(buf[got:])
                 else:
                     data = engine.read(_RECV_SIZE)
                     n = -1 if data is None else len(data)
+                    got = max(n, 0)
             except ssl.SSLEOFError:
                 n = 0  # the peer closed without close_notify: an end as any other
             except (ssl.SSLError, OSError) as e:
                 self._lost(e)
                 return
-            if n > 0:
+            if got:
                 if buffered:
-                    app.buffer_updated(n)  # type: ignore[attr-defined]
+                    app.buffer_updated(got)  # type: ignore[attr-defined]
                 elif data is not None:
                     app.data_received(data)
-                if final or engine.has_input():
-                    continue
-                break
+                if n > 0:  # more may follow
+                    if final or engine.has_input():
+                        continue
+                    break
+                if self._closing or not self._connected:
+                    return
             if n < 0 and not final:
                 break
             # The peer's close_notify, or its EOF (no more ciphertext will come).
