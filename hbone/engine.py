@@ -3,12 +3,14 @@
 `TlsSocket` owns the connection's non-blocking socket (on the loop's reader and writer callbacks)
 and a `TlsEngine` over memory buffers (`hbone.tlsio`: the `ssl` module's, or pyOpenSSL's when CRLs
 are enforced before Python 3.13), the record protection: a faster one can take its place without
-touching the rest. To the application protocol above (an `H2Session`) it is an `asyncio.Transport`.
+touching the rest. To the `H2Session` above it is an `asyncio.Transport`; both are typed as the
+classes they are, so that the compiled build calls them natively.
 
 * receiving: ciphertext is read with `recv_into` into one buffer of the thread (no allocation per
   read; the engine copies it into its own buffer at once), and the plaintext decrypted straight into
-  the protocol's buffer (`get_buffer`/`buffer_updated`) when it is a `BufferedProtocol`. A read that
-  cannot give plaintext is not tried: the engine says whether it holds any input.
+  the session's buffer (`get_buffer`/`buffer_updated`), as many records as fit before the session
+  sees them. A read that cannot give plaintext is not tried: the engine says whether it holds any
+  input.
 * sending: each `write` is encrypted and sent at once; only what the socket does not take is queued
   (by reference), and the writer callback sends it. In one `writelines` small pieces are joined and a
   large one's head fills their record: a frame header never takes a TLS record of its own.
@@ -28,8 +30,9 @@ import ssl
 from collections import deque
 from typing import Any
 
+from hbone.h2conn import H2Session
 from hbone.tls import TLS_PEER, TlsPeer
-from hbone.tlsio import TlsApp, TlsEngine
+from hbone.tlsio import TlsEngine
 
 _RECV_SIZE = 256 * 1024  # ciphertext read from the socket per call
 _DEFAULT_HIGH = 64 * 1024
@@ -58,7 +61,6 @@ class TlsSocket(asyncio.Transport):
 
     __slots__ = (
         "_app",
-        "_buffered",
         "_chain",
         "_closing",
         "_connected",
@@ -84,14 +86,15 @@ class TlsSocket(asyncio.Transport):
         "handshake",
     )
 
-    def __init__(self, sock: socket.socket, engine: TlsEngine, app: TlsApp, *, chain: bool = False) -> None:
+    def __init__(
+        self, sock: socket.socket, engine: TlsEngine, app: H2Session, *, chain: bool = False
+    ) -> None:
         # No `super().__init__()`: it only stores an `extra` mapping, which `get_extra_info` never reads.
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self._fd = sock.fileno()
         self._engine = engine
         self._app = app
-        self._buffered = isinstance(app, asyncio.BufferedProtocol)
         self._chain = chain
         self._peer: TlsPeer | None = None
         try:
@@ -237,37 +240,27 @@ class TlsSocket(asyncio.Transport):
     def _read_plaintext(self) -> None:
         engine = self._engine
         app = self._app
-        buffered = self._buffered
         final = self._eof_seen
-        data: bytes | None = None
         while self._reading and self._connected and not self._closing:
             got = 0
             try:
-                if buffered:
-                    # A read gives at most one record: the buffer is filled with as many as there
-                    # are before the protocol sees it, so a batch of records is one batch above.
-                    buf = app.get_buffer(-1)  # type: ignore[attr-defined]
-                    size = len(buf)
-                    n = engine.read_into(buf)
-                    while n > 0:
-                        got += n
-                        if got >= size or not (final or engine.has_input()):
-                            break
-                        n = engine.read_into(buf[got:])
-                else:
-                    data = engine.read(_RECV_SIZE)
-                    n = -1 if data is None else len(data)
-                    got = max(n, 0)
+                # A read gives at most one record: the buffer is filled with as many as there are
+                # before the session sees it, so a batch of records is one batch above.
+                buf = app.get_buffer(-1)
+                size = len(buf)
+                n = engine.read_into(buf)
+                while n > 0:
+                    got += n
+                    if got >= size or not (final or engine.has_input()):
+                        break
+                    n = engine.read_into(buf[got:])
             except ssl.SSLEOFError:
                 n = 0  # the peer closed without close_notify: an end as any other
             except (ssl.SSLError, OSError) as e:
                 self._lost(e)
                 return
             if got:
-                if buffered:
-                    app.buffer_updated(got)  # type: ignore[attr-defined]
-                elif data is not None:
-                    app.data_received(data)
+                app.buffer_updated(got)
                 if n > 0:  # more may follow
                     if final or engine.has_input():
                         continue
@@ -485,7 +478,7 @@ class TlsSocket(asyncio.Transport):
 
 
 async def start_tls(
-    sock: socket.socket, engine: TlsEngine, app: TlsApp, timeout: float, *, chain: bool = False
+    sock: socket.socket, engine: TlsEngine, app: H2Session, timeout: float, *, chain: bool = False
 ) -> TlsSocket:
     """Take over a connected TCP socket and run TLS on it (a client sends its hello at once, a
     server waits for one); return the transport once the handshake is done, `app` connected to it.

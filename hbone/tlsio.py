@@ -56,47 +56,59 @@ class TlsApp(Protocol):
     def resume_writing(self) -> None: ...
 
 
-class TlsEngine(Protocol):
+class TlsEngine:
     """One TLS session over memory buffers: ciphertext is fed in and taken out, plaintext read and
-    written. Every method raises `ssl.SSLError` on a TLS failure."""
+    written. Every method raises `ssl.SSLError` on a TLS failure. A base class rather than a protocol:
+    compiled, the connection's engine calls it through its native methods."""
 
     def do_handshake(self) -> bool:
         """Advance the handshake with what was fed; True once it is complete."""
+        raise NotImplementedError
 
     def feed(self, data: bytes | memoryview) -> None:
         """Ciphertext received from the peer."""
+        raise NotImplementedError
 
     def feed_eof(self) -> None:
         """The peer sent no more ciphertext."""
+        raise NotImplementedError
 
     def read(self, n: int) -> bytes | None:
         """Up to `n` bytes of plaintext; None when more ciphertext is needed, b"" at the peer's
         close_notify."""
+        raise NotImplementedError
 
     def read_into(self, buffer: memoryview) -> int:
         """Plaintext into `buffer`: how many bytes; -1 when more ciphertext is needed, 0 at the
         peer's close_notify."""
+        raise NotImplementedError
 
     def has_input(self) -> bool:
         """Whether a read may give plaintext without more ciphertext (False: it certainly would not)."""
+        raise NotImplementedError
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Plaintext to send (all of it is encrypted into the outgoing buffer)."""
+        raise NotImplementedError
 
     def outgoing(self) -> bytes:
         """The ciphertext to send to the peer (empties the outgoing buffer)."""
+        raise NotImplementedError
 
     def close_notify(self) -> None:
         """Queue our close_notify (the peer's is not waited for)."""
+        raise NotImplementedError
 
     def peer(self, chain: bool) -> TlsPeer:
         """The peer, after the handshake; its verified chain only when `chain`."""
+        raise NotImplementedError
 
     def extra(self, name: str) -> Any:
         """`ssl_object`, `peercert` or `cipher` as the event loop's TLS transports give them, or None."""
+        raise NotImplementedError
 
 
-class StdlibTls:
+class StdlibTls(TlsEngine):
     """The `ssl` module's memory-BIO TLS (`SSLContext.wrap_bio`), with no server name."""
 
     def __init__(self, context: ssl.SSLContext, *, server_side: bool) -> None:
@@ -165,7 +177,7 @@ class StdlibTls:
         return None
 
 
-class OpenSslTls:
+class OpenSslTls(TlsEngine):
     """pyOpenSSL's TLS in memory-BIO mode (a `Connection` with no socket). Its peer's verified
     chain is public API (`get_verified_chain`), which the `ssl` module has only from Python 3.13."""
 
