@@ -33,6 +33,8 @@ HOT_PATH = (
     "hbone.stream",
     "hbone.relay",
     "hbone.h2conn",
+    "hbone.tlsio",
+    "hbone.engine",
 )
 MANIFEST = Path(__file__).with_name("_compiled.json")
 _ROOT = Path(__file__).parent.parent

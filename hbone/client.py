@@ -13,6 +13,7 @@ import socket
 import ssl
 from collections.abc import Sequence
 
+from hbone.engine import start_tls
 from hbone.errors import (
     CertificateRevoked,
     ConnectionClosed,
@@ -26,7 +27,7 @@ from hbone.identity import Identity
 from hbone.settings import POOL_MAX_STREAMS, H2Settings
 from hbone.stream import HboneStream
 from hbone.tls import REVOKED, TLS_PEER, TlsCredentials
-from hbone.tlsio import OpenSslTls, start_tls_on_socket
+from hbone.tlsio import OpenSslTls, StdlibTls, TlsEngine
 
 
 class HboneConnection:
@@ -55,43 +56,17 @@ class HboneConnection:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + handshake_timeout
         session = H2Session(client_side=True, settings=settings)
-        taken = False
-
-        def factory() -> H2Session:
-            nonlocal taken
-            taken = True  # from here on the loop owns (and closes) the socket
-            return session
-
+        engine: TlsEngine
         if tls.openssl is not None:  # CRLs before Python 3.13: TLS on pyOpenSSL
-            try:
-                transport: asyncio.Transport = await start_tls_on_socket(
-                    sock,
-                    OpenSslTls(tls.openssl.client, server_side=False),
-                    session,
-                    handshake_timeout,
-                    chain=True,
-                )
-            except (ssl.SSLError, OSError, TimeoutError) as e:
-                raise TlsHandshakeError(f"tls handshake error: {e}") from e
-            return await settle(session, transport, tls, expected, deadline, handshake_timeout, max_streams)
+            engine = OpenSslTls(tls.openssl.client, server_side=False)
+        else:
+            engine = StdlibTls(tls.client, server_side=False)  # no SNI, no host name check
         try:
-            # server_hostname "" means: no SNI and no host name check.
-            transport, _ = await loop.create_connection(
-                factory,
-                sock=sock,
-                ssl=tls.client,
-                server_hostname="",
-                ssl_handshake_timeout=handshake_timeout,
+            transport = await start_tls(
+                sock, engine, session, handshake_timeout, chain=tls.policy.revocation is not None
             )
-        except BaseException as e:
-            if not taken:
-                try:
-                    sock.close()
-                except OSError:
-                    pass
-            if isinstance(e, (ssl.SSLError, OSError, TimeoutError)):
-                raise TlsHandshakeError(f"tls handshake error: {e}") from e
-            raise
+        except (ssl.SSLError, OSError, TimeoutError) as e:
+            raise TlsHandshakeError(f"tls handshake error: {e}") from e
         return await settle(session, transport, tls, expected, deadline, handshake_timeout, max_streams)
 
     async def connect(

@@ -3,7 +3,9 @@
 Both ends are asyncio transports: a TCP socket's, or an `HboneStream` (which behaves like one). Bytes
 are written through as they arrive; an EOF on one side becomes a half-close on the other; flow control
 is the transports' own: when one side's write buffer passes its high-water mark, the other side stops
-reading until it drains. The copy is done when both directions have ended or either side is lost.
+reading until it drains (a socket relayed with an HBONE stream at 1 MiB, `APP_HIGH_WATER`, so that
+a received batch of DATA does not pause the stream every time). The copy is done when both
+directions have ended or either side is lost.
 
 `Inbox` is the protocol of a connection that is accepted but not yet relayed: it holds what arrives
 (so a handshake such as SOCKS5 can read from it) until `start_relay` takes the transport over. What
@@ -21,8 +23,13 @@ from typing import cast
 
 from mypy_extensions import mypyc_attr
 
+from hbone.stream import HboneStream
+
 # Accepted-but-not-yet-relayed connections hold at most this much before reading is paused.
 INBOX_LIMIT = 256 * 1024
+# Write-buffer high-water mark of a socket relayed with an HBONE stream: a received batch of DATA
+# (up to 256 KiB) written to it must not pause the stream each time (the default mark is 64 KiB).
+APP_HIGH_WATER = 1024 * 1024
 
 
 # Subclassed by the proxy's accept protocol (an interpreted class, when this module is compiled).
@@ -226,6 +233,9 @@ def start_relay(
     r.a, r.b = end_a, end_b
     a.set_protocol(end_a)
     b.set_protocol(end_b)
+    for side, other in ((a, b), (b, a)):
+        if isinstance(other, HboneStream) and not isinstance(side, HboneStream):
+            side.set_write_buffer_limits(high=APP_HIGH_WATER)
     for end, inbox in ((end_a, a_inbox), (end_b, b_inbox)):
         if inbox is None:
             continue

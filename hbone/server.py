@@ -19,16 +19,16 @@ import functools
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from typing import cast
 
 from hbone.address import Address, canonical_addr
+from hbone.engine import start_tls
 from hbone.errors import CertificateRevoked, ConnectionClosed, HboneError, TlsHandshakeError
 from hbone.h2conn import H2Session, Headers
 from hbone.identity import Identity
 from hbone.settings import H2Settings
 from hbone.stream import HboneStream
 from hbone.tls import REVOKED, TLS_PEER, TlsCredentials
-from hbone.tlsio import OpenSslTls, start_tls_on_socket
+from hbone.tlsio import OpenSslTls, StdlibTls, TlsEngine
 
 log = logging.getLogger("hbone")
 
@@ -279,17 +279,13 @@ class HboneServer:
             return
         try:
             remaining = max(deadline - loop.time(), 0.001)
+            engine: TlsEngine
             if creds.openssl is not None:  # CRLs before Python 3.13: TLS on pyOpenSSL
                 engine = OpenSslTls(creds.openssl.server, server_side=True)
-                tls: asyncio.Transport = await start_tls_on_socket(
-                    sock, engine, session, remaining, chain=True
-                )
             else:
-                # On failure or cancellation the loop closes the transport, and with it the socket.
-                transport, _ = await loop.connect_accepted_socket(
-                    lambda: session, sock, ssl=creds.server, ssl_handshake_timeout=remaining
-                )
-                tls = cast(asyncio.Transport, transport)
+                engine = StdlibTls(creds.server, server_side=True)
+            # On failure or cancellation the socket is closed.
+            tls = await start_tls(sock, engine, session, remaining, chain=creds.policy.revocation is not None)
         except asyncio.CancelledError:
             raise
         except Exception as e:

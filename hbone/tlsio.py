@@ -1,10 +1,9 @@
-"""TLS driven over memory buffers, on a transport HBONE does not own the TLS of.
+"""TLS driven over memory buffers: the record protection of every HBONE connection.
 
-Two places need it: double HBONE (the inner TLS runs inside an outer CONNECT stream) and, when CRLs
-are enforced on a Python without a public verified chain (before 3.13), every HBONE connection,
-whose TLS then runs on pyOpenSSL. The event loop's TLS cannot do either: uvloop's `start_tls`
-accepts only its own transports, asyncio's TLS protocol is not public API, and neither runs on
-pyOpenSSL.
+The engines (`TlsEngine`) run under an HBONE connection's own socket (`hbone.engine.TlsSocket`)
+and, for double HBONE, inside an outer CONNECT stream (`TlsTransport`): the event loop's TLS does
+neither (uvloop's `start_tls` accepts only its own transports, asyncio's TLS protocol is not public
+API, and neither runs on pyOpenSSL, which CRLs need before Python 3.13).
 
 `TlsTransport` is the lower transport's protocol on one side (ciphertext in) and the transport of an
 application protocol (an `H2Session`) on the other (plaintext in, ciphertext out to the lower
@@ -19,7 +18,6 @@ engine ran.
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,40 +56,59 @@ class TlsApp(Protocol):
     def resume_writing(self) -> None: ...
 
 
-class TlsEngine(Protocol):
+class TlsEngine:
     """One TLS session over memory buffers: ciphertext is fed in and taken out, plaintext read and
-    written. Every method raises `ssl.SSLError` on a TLS failure."""
+    written. Every method raises `ssl.SSLError` on a TLS failure. A base class rather than a protocol:
+    compiled, the connection's engine calls it through its native methods."""
 
     def do_handshake(self) -> bool:
         """Advance the handshake with what was fed; True once it is complete."""
+        raise NotImplementedError
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         """Ciphertext received from the peer."""
+        raise NotImplementedError
 
     def feed_eof(self) -> None:
         """The peer sent no more ciphertext."""
+        raise NotImplementedError
 
     def read(self, n: int) -> bytes | None:
         """Up to `n` bytes of plaintext; None when more ciphertext is needed, b"" at the peer's
         close_notify."""
+        raise NotImplementedError
+
+    def read_into(self, buffer: memoryview) -> int:
+        """Plaintext into `buffer`: how many bytes; -1 when more ciphertext is needed, 0 at the
+        peer's close_notify."""
+        raise NotImplementedError
+
+    def has_input(self) -> bool:
+        """Whether a read may give plaintext without more ciphertext (False: it certainly would not)."""
+        raise NotImplementedError
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Plaintext to send (all of it is encrypted into the outgoing buffer)."""
+        raise NotImplementedError
 
     def outgoing(self) -> bytes:
         """The ciphertext to send to the peer (empties the outgoing buffer)."""
+        raise NotImplementedError
 
     def close_notify(self) -> None:
         """Queue our close_notify (the peer's is not waited for)."""
+        raise NotImplementedError
 
     def peer(self, chain: bool) -> TlsPeer:
         """The peer, after the handshake; its verified chain only when `chain`."""
+        raise NotImplementedError
 
     def extra(self, name: str) -> Any:
         """`ssl_object`, `peercert` or `cipher` as the event loop's TLS transports give them, or None."""
+        raise NotImplementedError
 
 
-class StdlibTls:
+class StdlibTls(TlsEngine):
     """The `ssl` module's memory-BIO TLS (`SSLContext.wrap_bio`), with no server name."""
 
     def __init__(self, context: ssl.SSLContext, *, server_side: bool) -> None:
@@ -108,7 +125,7 @@ class StdlibTls:
             return False
         return True
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         self._incoming.write(data)
 
     def feed_eof(self) -> None:
@@ -121,6 +138,19 @@ class StdlibTls:
             return None
         except ssl.SSLZeroReturnError:
             return b""
+
+    def read_into(self, buffer: memoryview) -> int:
+        try:
+            # With a buffer `read` returns a count (typeshed says bytes: so called untyped, unchecked).
+            read: Any = self._ssl.read
+            return int(read(len(buffer), buffer))
+        except ssl.SSLWantReadError:
+            return -1
+        except ssl.SSLZeroReturnError:
+            return 0
+
+    def has_input(self) -> bool:
+        return self._incoming.pending > 0 or self._ssl.pending() > 0
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self._ssl.write(data)
@@ -147,15 +177,13 @@ class StdlibTls:
         return None
 
 
-class OpenSslTls:
+class OpenSslTls(TlsEngine):
     """pyOpenSSL's TLS in memory-BIO mode (a `Connection` with no socket). Its peer's verified
     chain is public API (`get_verified_chain`), which the `ssl` module has only from Python 3.13."""
 
     def __init__(self, context: SSL.Context, *, server_side: bool) -> None:
-        from OpenSSL import SSL
-
-        self._SSL = SSL
-        self._conn = SSL.Connection(context, None)
+        self._SSL: Any = _pyopenssl()
+        self._conn: SSL.Connection = self._SSL.Connection(context, None)
         if server_side:
             self._conn.set_accept_state()
         else:
@@ -171,7 +199,7 @@ class OpenSslTls:
             raise _ssl_error(e) from None
         return True
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         self._conn.bio_write(data)
 
     def feed_eof(self) -> None:
@@ -188,12 +216,28 @@ class OpenSslTls:
         except SSL.Error as e:
             raise _ssl_error(e) from None
 
+    def read_into(self, buffer: memoryview) -> int:
+        SSL = self._SSL
+        try:
+            return self._conn.recv_into(buffer)
+        except SSL.WantReadError:
+            return -1
+        except SSL.ZeroReturnError:
+            return 0
+        except SSL.Error as e:
+            raise _ssl_error(e) from None
+
+    def has_input(self) -> bool:
+        return True  # what its incoming buffer holds is not public: a read tells
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         SSL = self._SSL
         view = memoryview(data)
+        total = len(view)
         try:
-            while view:  # pyOpenSSL enables partial writes
-                view = view[self._conn.send(view) :]
+            sent = self._conn.send(view)
+            while sent < total:  # pyOpenSSL enables partial writes
+                sent += self._conn.send(view[sent:])
         except SSL.Error as e:
             raise _ssl_error(e) from None
 
@@ -238,9 +282,17 @@ class OpenSslTls:
         return None
 
 
+def _pyopenssl() -> Any:
+    """pyOpenSSL's `SSL` module, imported on first use (a function-level `from OpenSSL import SSL`
+    would bind the module's global of that name, which the compiled build leaves None)."""
+    import importlib
+
+    return importlib.import_module("OpenSSL.SSL")
+
+
 def _ssl_error(err: Exception) -> ssl.SSLError:
     """pyOpenSSL's error as the `ssl` module words it: `[SSL: REASON_CODE] reason`."""
-    from OpenSSL import SSL
+    SSL = _pyopenssl()
 
     if isinstance(err, SSL.SysCallError):
         # (-1, 'Unexpected EOF'): the peer closed without a close_notify
@@ -438,31 +490,3 @@ class TlsTransport(asyncio.Protocol, asyncio.Transport):
 
     def get_write_buffer_size(self) -> int:
         return self._lower.get_write_buffer_size() if self._lower is not None else 0
-
-
-async def start_tls_on_socket(
-    sock: socket.socket, engine: TlsEngine, app: TlsApp, timeout: float, *, chain: bool = False
-) -> TlsTransport:
-    """Take over a connected TCP socket and run TLS on it (a client sends its hello at once, a
-    server waits for one); return the transport once the handshake is done, `app` connected to it.
-
-    Raises `ssl.SSLError`, `OSError` or `TimeoutError`; the socket is closed on failure."""
-    loop = asyncio.get_running_loop()
-    tls = TlsTransport(engine, app, chain=chain)
-    try:
-        await loop.connect_accepted_socket(lambda: tls, sock)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        await asyncio.wait_for(asyncio.shield(tls.handshake), max(timeout, 0.001))
-    except TimeoutError:
-        tls.handshake.cancel()
-        tls.abort()
-        raise TimeoutError("the TLS handshake did not finish within the handshake timeout") from None
-    except BaseException:
-        if tls.handshake.done() and not tls.handshake.cancelled():
-            tls.handshake.exception()  # retrieved: a failure is raised here, not logged as lost
-        tls.abort()
-        raise
-    return tls
